@@ -1,0 +1,26 @@
+"""KV-cache strategies: one file each, registered by name (see ``base.py`` for the contract)."""
+
+from kvlab.cache import full, nocache  # noqa: F401  (registers the strategies)
+from kvlab.cache.base import (
+    CacheOptions,
+    CacheSpec,
+    KVCache,
+    MemoryReport,
+    StepInfo,
+    build_cache,
+    register,
+    registered,
+    sdpa,
+)
+
+__all__ = [
+    "CacheOptions",
+    "CacheSpec",
+    "KVCache",
+    "MemoryReport",
+    "StepInfo",
+    "build_cache",
+    "register",
+    "registered",
+    "sdpa",
+]

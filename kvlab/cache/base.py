@@ -1,0 +1,179 @@
+"""The KV-cache contract every strategy implements, and the strategy registry.
+
+A strategy owns what is kept of past keys/values and the attention over it. The model calls
+``begin`` once per forward step, ``attend`` once per layer, then ``end``; the engine calls
+``allocate``, ``free`` and ``memory``. Nothing else is assumed, so quantized, windowed, paged
+or pooled caches plug in without special cases (vLLM, arXiv 2309.06180, splits the same way).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.models.rope import RotaryTables
+
+_REGISTRY: dict[str, type[KVCache]] = {}
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a strategy needs to know about the model it serves."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass
+class StepInfo:
+    """One forward step: ``positions`` (B, T) absolute token positions; ``num_new[b]`` of the
+    T tokens of row b are real, the rest right padding; ``rope`` rotates at those positions."""
+
+    positions: torch.Tensor
+    num_new: list[int]
+    rope: RotaryTables
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes a strategy holds, counted from its tensors (data, scales, metadata, reserve)."""
+
+    held_bytes: int
+    used_bytes: int
+    tokens: int
+    details: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Held but not (yet) holding a stored token."""
+        return self.held_bytes - self.used_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.used_bytes // self.tokens if self.tokens else 0
+
+
+@dataclass
+class CacheOptions:
+    """Options of a strategy; subclasses add fields and check them in ``__post_init__``."""
+
+
+class KVCache(ABC):
+    """Base of every strategy. Subclasses set ``name`` via :func:`register` and may set:
+
+    - ``stores_past = False``: keeps nothing, so the engine re-feeds the whole sequence;
+    - ``Options``: a :class:`CacheOptions` dataclass of the strategy's knobs.
+    """
+
+    name: ClassVar[str]
+    stores_past: ClassVar[bool] = True
+    Options: ClassVar[type[CacheOptions]] = CacheOptions
+
+    def __init__(self, spec: CacheSpec, options: CacheOptions | None = None):
+        self.spec = spec
+        self.options = options if options is not None else self.Options()
+        self.lengths: list[int] = []  # tokens stored per row
+        self.step: StepInfo | None = None
+
+    # ---- lifecycle, called by the engine -------------------------------------------------
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
+        """Prepare for ``batch_size`` new sequences of at most ``max_tokens`` tokens each."""
+        self.lengths = [0] * batch_size
+
+    def free(self, rows: Sequence[int]) -> None:
+        """Drop finished rows; the remaining rows keep their order and are renumbered."""
+        drop = set(rows)
+        self.lengths = [n for b, n in enumerate(self.lengths) if b not in drop]
+
+    # ---- one forward step, called by the model -------------------------------------------
+    def begin(self, step: StepInfo) -> None:
+        """Called once before the layers of a forward step."""
+        self.step = step
+
+    @abstractmethod
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_raw: torch.Tensor
+    ) -> torch.Tensor:
+        """Store this step's k/v for ``layer`` and attend ``q`` over what is kept.
+
+        q (B, H, T, D) and k (B, H_kv, T, D) are rotated; ``k_raw`` is k before RoPE, for
+        strategies that re-position keys. Returns the attention output (B, H, T, D).
+        """
+
+    def end(self) -> None:
+        """Called once after the layers: the step's real tokens now count as stored."""
+        assert self.step is not None
+        self.lengths = [n + k for n, k in zip(self.lengths, self.step.num_new, strict=True)]
+        self.step = None
+
+    # ---- accounting ----------------------------------------------------------------------
+    @abstractmethod
+    def tensors(self) -> Iterable[torch.Tensor]:
+        """Every tensor the strategy holds (data, scales, metadata, reserve)."""
+
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Of the held bytes, those that hold stored tokens."""
+
+    def memory(self) -> MemoryReport:
+        held = sum(t.numel() * t.element_size() for t in self.tensors())
+        return MemoryReport(held, self.used_bytes(), sum(self.lengths))
+
+
+def register(name: str):
+    """Class decorator: register a strategy under ``name`` (its file and yaml name)."""
+
+    def wrap(cls: type[KVCache]) -> type[KVCache]:
+        if name in _REGISTRY:
+            raise ValueError(f"cache strategy {name!r} is registered twice")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def registered() -> dict[str, type[KVCache]]:
+    """Name → class of every registered strategy."""
+    return dict(_REGISTRY)
+
+
+def build_cache(name: str, spec: CacheSpec, options: dict[str, Any] | None = None) -> KVCache:
+    """Instantiate strategy ``name`` with its options checked by its ``Options`` dataclass."""
+    if name not in _REGISTRY:
+        raise ValueError(f"cache={name!r} is not a registered strategy; known: {sorted(_REGISTRY)}")
+    cls = _REGISTRY[name]
+    return cls(spec, cls.Options(**(options or {})))
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention of q (B, H, T, D) over k, v (B, H_kv, L, D).
+
+    ``mask`` is boolean, True = attend, broadcastable to (B, 1, T, L). Grouped-query heads
+    are folded into the query axis when there is one query per row and no causal mask, so
+    decode reads each KV head once without copies; otherwise SDPA's own GQA path is used.
+    """
+    batch, heads, steps, dim = q.shape
+    group = heads // k.shape[1]
+    if group > 1 and steps == 1 and not causal:
+        q_grouped = q.reshape(batch, k.shape[1], group, dim)  # (B, H_kv, G, D)
+        out = F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=mask)
+        return out.reshape(batch, heads, 1, dim)  # (B, H, 1, D)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=group > 1
+    )

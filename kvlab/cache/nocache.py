@@ -1,0 +1,32 @@
+"""``nocache``: keep nothing and recompute the whole sequence at every step.
+
+The baseline that shows what a KV cache buys (each decode step costs a full prefill).
+The engine sees ``stores_past = False`` and feeds the whole sequence each step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from kvlab.cache.base import KVCache, register, sdpa
+
+
+@register("nocache")
+class NoCache(KVCache):
+    """Causal attention over the current step's tokens only; holds no tensors."""
+
+    stores_past = False
+
+    def attend(self, layer, q, k, v, k_raw):
+        return sdpa(q, k, v, causal=True)  # right padding never precedes a real token
+
+    def end(self) -> None:
+        self.step = None  # nothing is stored, so lengths stay 0
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        return []
+
+    def used_bytes(self) -> int:
+        return 0

@@ -1,0 +1,13 @@
+"""Prefill/decode loop, sampling and timing; no strategy logic lives here."""
+
+from kvlab.engine.generate import Engine, Generation, GenerationConfig, GenerationStats
+from kvlab.engine.sampling import SamplingConfig, sample
+
+__all__ = [
+    "Engine",
+    "Generation",
+    "GenerationConfig",
+    "GenerationStats",
+    "SamplingConfig",
+    "sample",
+]

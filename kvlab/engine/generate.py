@@ -1,0 +1,163 @@
+"""The inference engine: prefill (one pass or chunks), then token-by-token decode over any
+cache strategy, for a batch of prompts of different lengths, streamed and timed per phase.
+
+The loop is gpt-fast's (a model call per token, no framework in between); the engine knows
+the cache only through its contract, never its type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.cache.base import KVCache, MemoryReport
+from kvlab.engine.sampling import SamplingConfig, sample
+from kvlab.engine.timing import now
+from kvlab.models.llama import Decoder
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """What to generate: up to ``max_new_tokens`` per prompt, stopping at EOS if asked."""
+
+    max_new_tokens: int = 64
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_on_eos: bool = True
+    prefill_chunk: int = 0  # 0: the whole prompt in one pass
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 0 (0 = one pass)")
+
+
+@dataclass
+class GenerationStats:
+    """Timings (seconds) and KV memory of one generation, filled in while it runs."""
+
+    prompt_tokens: int = 0
+    ttft_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)  # one entry per decode step
+    step_rows: list[int] = field(default_factory=list)  # sequences decoded in that step
+    kv_peak: MemoryReport = field(default_factory=lambda: MemoryReport(0, 0, 0))
+
+    def note_memory(self, report: MemoryReport) -> None:
+        if report.held_bytes >= self.kv_peak.held_bytes:
+            self.kv_peak = report
+
+
+class Generation:
+    """A running generation: iterate to get ``{row: token}`` per step; ``tokens`` and
+    ``stats`` hold the results once it is exhausted."""
+
+    def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], cfg: GenerationConfig):
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        self.engine, self.cfg = engine, cfg
+        self.seqs = [list(p) for p in prompts]
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.active = list(range(len(prompts)))  # prompt index of each cache row
+        self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
+        self._gen = torch.Generator(device=engine.device).manual_seed(cfg.sampling.seed)
+
+    def __iter__(self) -> Iterator[dict[int, int]]:
+        engine, cache, device = self.engine, self.engine.cache, self.engine.device
+        chunk = self.cfg.prefill_chunk or max(map(len, self.seqs))
+        capacity = -(-max(map(len, self.seqs)) // chunk) * chunk + self.cfg.max_new_tokens
+        cache.allocate(len(self.seqs), capacity)
+        start = now(device)
+        emitted = self._emit(engine.prefill(self.seqs, chunk))
+        self.stats.ttft_s = now(device) - start
+        yield emitted
+        while self.active:
+            start = now(device)
+            rows = len(self.active)
+            emitted = self._emit(engine.decode_step([self.seqs[i] for i in self.active]))
+            self.stats.step_s.append(now(device) - start)
+            self.stats.step_rows.append(rows)
+            yield emitted
+        self.stats.note_memory(cache.memory())
+
+    def _emit(self, logits: torch.Tensor) -> dict[int, int]:
+        """Sample a token per active row, record it, and free rows that are done."""
+        chosen = sample(logits, self.cfg.sampling, self._gen).tolist()
+        emitted, done_rows = {}, []
+        for row, (index, token) in enumerate(zip(self.active, chosen, strict=True)):
+            self.seqs[index].append(token)
+            self.tokens[index].append(token)
+            emitted[index] = token
+            if self._finished(index, token):
+                done_rows.append(row)
+        if done_rows:
+            self.stats.note_memory(self.engine.cache.memory())
+            self.engine.cache.free(done_rows)
+            self.active = [i for r, i in enumerate(self.active) if r not in set(done_rows)]
+        return emitted
+
+    def _finished(self, index: int, token: int) -> bool:
+        eos = self.cfg.stop_on_eos and token in self.engine.eos_ids
+        return eos or len(self.tokens[index]) >= self.cfg.max_new_tokens
+
+
+class Engine:
+    """Runs a :class:`Decoder` with one cache strategy instance."""
+
+    def __init__(self, model: Decoder, cache: KVCache, eos_ids: Sequence[int] = ()):
+        self.model, self.cache = model, cache
+        self.device = model.embed_tokens.weight.device
+        self.eos_ids = frozenset(eos_ids or model.config.eos_token_ids)
+
+    def stream(self, prompts: Sequence[Sequence[int]], cfg: GenerationConfig) -> Generation:
+        """A generation to iterate over, step by step (tokens as they come)."""
+        return Generation(self, prompts, cfg)
+
+    def generate(self, prompts: Sequence[Sequence[int]], cfg: GenerationConfig) -> Generation:
+        """Run a generation to the end; read ``.tokens`` and ``.stats``."""
+        run = self.stream(prompts, cfg)
+        for _ in run:
+            pass
+        return run
+
+    @torch.inference_mode()
+    def prefill(self, seqs: Sequence[Sequence[int]], chunk: int) -> torch.Tensor:
+        """Feed the prompts (in chunks of ``chunk`` tokens); logits (B, V) at each last token."""
+        if not self.cache.stores_past:
+            return self._forward_whole(seqs)
+        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+        ids = self._padded(seqs)  # (B, T)
+        last = torch.empty(len(seqs), self.model.config.vocab_size, device=self.device)
+        for begin in range(0, ids.shape[1], chunk):
+            piece = ids[:, begin : begin + chunk]  # (B, C)
+            num_new = (lengths - begin).clamp(0, piece.shape[1])  # (B,)
+            positions = begin + torch.arange(piece.shape[1], device=self.device)
+            index = (num_new - 1).clamp(min=0)
+            logits = self.model(piece, positions.expand_as(piece), self.cache, num_new.tolist(), index)
+            ends_here = (lengths > begin) & (lengths <= begin + piece.shape[1])
+            last[ends_here] = logits[ends_here]
+        return last
+
+    @torch.inference_mode()
+    def decode_step(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One token per sequence; logits (B, V) for the next one."""
+        if not self.cache.stores_past:
+            return self._forward_whole(seqs)
+        ids = torch.tensor([[s[-1]] for s in seqs], device=self.device)  # (B, 1)
+        positions = torch.tensor([[len(s) - 1] for s in seqs], device=self.device)  # (B, 1)
+        return self.model(ids, positions, self.cache, None, torch.zeros_like(positions[:, 0]))
+
+    def _forward_whole(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Recompute every token of every sequence (the no-cache baseline)."""
+        ids = self._padded(seqs)  # (B, T)
+        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        index = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
+        self.cache.allocate(len(seqs), ids.shape[1])
+        return self.model(ids, positions, self.cache, [len(s) for s in seqs], index)
+
+    def _padded(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Right-padded ids (B, T_max); the padding id is never attended by a real token."""
+        width = max(map(len, seqs))
+        rows = [list(s) + [0] * (width - len(s)) for s in seqs]
+        return torch.tensor(rows, device=self.device)

@@ -1,0 +1,130 @@
+"""A compact decoder for the Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM).
+
+Pre-norm transformer with RMSNorm, RoPE, grouped-query attention and a SwiGLU MLP
+(Touvron et al., arXiv 2302.13971 / 2307.09288). q/k/v and gate/up are fused into one
+matmul each. Attention owns no cache: every layer hands q, k, v to the cache strategy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlab.cache.base import CacheSpec, KVCache, StepInfo
+from kvlab.models.config import DecoderConfig
+from kvlab.models.rope import RotaryTables, inverse_frequencies
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Zhang & Sennrich, arXiv 1910.07467), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+
+class Attention(nn.Module):
+    """GQA projections + RoPE; the attention itself is the cache strategy's job."""
+
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: RotaryTables, cache: KVCache) -> torch.Tensor:
+        batch, steps, _ = x.shape
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
+        qk, v = self.qkv_proj(x).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
+        qk = qk.view(batch, steps, heads + kv_heads, dim)  # (B, T, H + H_kv, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([heads, kv_heads], dim=2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)  # (B, T, H + H_kv, D)
+        q, k = rope.rotate(qk).transpose(1, 2).split([heads, kv_heads], dim=1)  # (B, H|H_kv, T, D)
+        k_raw = qk[:, :, heads:].transpose(1, 2)  # (B, H_kv, T, D), before RoPE
+        v = v.view(batch, steps, kv_heads, dim).transpose(1, 2)  # (B, H_kv, T, D)
+        out = cache.attend(self.layer, q, k, v, k_raw)  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, steps, heads * dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward (Shazeer, arXiv 2002.05202) with gate and up fused."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.inner = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inner, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inner, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: RotaryTables, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The whole model: ``forward(ids, positions, cache, ...)`` → logits."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
+
+    def cache_spec(self) -> CacheSpec:
+        """Shapes, dtype and device a cache strategy needs to serve this model."""
+        c, weight = self.config, self.embed_tokens.weight
+        return CacheSpec(
+            c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, weight.dtype, weight.device
+        )
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        num_new: list[int] | None = None,
+        logit_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """ids, positions (B, T); ``num_new[b]`` real tokens in row b (default: all T).
+
+        Returns logits (B, T, V), or (B, V) at ``logit_index[b]`` of each row when given,
+        so prefill does not pay for the vocabulary projection of every prompt token.
+        """
+        batch, steps = ids.shape
+        x = self.embed_tokens(ids)  # (B, T, hidden)
+        rope = RotaryTables(self.inv_freq, positions, x.dtype)
+        cache.begin(StepInfo(positions, num_new or [steps] * batch, rope))
+        for layer in self.layers:
+            x = layer(x, rope, cache)
+        cache.end()
+        if logit_index is not None:
+            x = x[torch.arange(batch, device=x.device), logit_index]  # (B, hidden)
+        return self.lm_head(self.norm(x)).float()

