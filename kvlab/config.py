@@ -1,0 +1,108 @@
+"""Structured configs of a run, registered in Hydra's ConfigStore. Each dataclass checks
+itself in ``__post_init__`` and names the field, the bad value and what is allowed, so a bad
+sweep point fails before any model is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
+
+
+@dataclass
+class ModelConfig:
+    """``source``: a registered name, a checkpoint directory, a .gguf file or a hub id."""
+
+    source: str = "smollm2-135m"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: CUDA when present
+
+    def __post_init__(self) -> None:
+        _require(bool(self.source), "model.source", self.source, "a non-empty model name or path")
+        _require(self.dtype in DTYPES, "model.dtype", self.dtype, ", ".join(DTYPES))
+        _require(self.device in DEVICES, "model.device", self.device, ", ".join(DEVICES))
+
+
+@dataclass
+class CacheConfig:
+    """``name`` of a registered strategy; every other key is an option of that strategy."""
+
+    name: str = "full"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from kvlab.cache import registered
+
+        known = registered()
+        _require(self.name in known, "cache.name", self.name, ", ".join(sorted(known)))
+        known[self.name].Options(**self.options)  # the strategy checks its own options
+
+
+@dataclass
+class WorkloadConfig:
+    """Synthetic prompts of exactly ``prompt_len`` tokens of real text (or ``prompt_file``)."""
+
+    prompt_len: int = 512
+    new_tokens: int = 64
+    batch_size: int = 1
+    prompt_file: str | None = None
+    prefill_chunk: int = 0  # 0: whole prompt in one pass
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_on_eos: bool = False  # benchmarks decode exactly new_tokens by default
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_len", "new_tokens", "batch_size"):
+            value = getattr(self, name)
+            _require(value >= 1, f"workload.{name}", value, "an integer >= 1")
+        _require(self.prefill_chunk >= 0, "workload.prefill_chunk", self.prefill_chunk,
+                 "0 (one pass) or a chunk size >= 1")
+        _require(self.temperature >= 0, "workload.temperature", self.temperature, ">= 0")
+        _require(self.top_k >= 0, "workload.top_k", self.top_k, ">= 0 (0 = off)")
+        _require(0 < self.top_p <= 1, "workload.top_p", self.top_p, "0 < top_p <= 1")
+
+
+@dataclass
+class RunConfig:
+    """One point of a study: model × cache × workload, written to ``result.json``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    threads: int = 0  # 0: torch's default
+    resume: bool = True  # skip a point whose result.json says ok for the same config
+
+    def __post_init__(self) -> None:
+        _require(self.threads >= 0, "threads", self.threads, "0 (default) or a count >= 1")
+
+
+def check_context(cfg: RunConfig) -> None:
+    """Fail early when prompt + new tokens exceed the model's context (no weights loaded)."""
+    from kvlab.models.loading import max_context
+
+    limit = max_context(cfg.model.source)
+    wanted = cfg.workload.prompt_len + cfg.workload.new_tokens
+    if cfg.workload.prompt_file is None and wanted > limit:
+        raise ValueError(
+            f"workload.prompt_len={cfg.workload.prompt_len} + workload.new_tokens="
+            f"{cfg.workload.new_tokens} = {wanted} exceeds the context of "
+            f"model={cfg.model.source!r}; allowed: a total <= {limit}"
+        )
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore; conf/config.yaml extends ``run_schema``."""
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)

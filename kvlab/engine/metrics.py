@@ -1,0 +1,83 @@
+"""The numbers a generation reports, named as in DESIGN.md: TTFT, ITL percentiles, prefill
+and decode throughput, KV and weight bytes (counted from tensors) and peak memory."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvlab.engine.generate import GenerationStats
+from kvlab.engine.timing import percentile
+
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+_STATUS = Path("/proc/self/status")
+
+
+def generation_metrics(stats: GenerationStats) -> dict[str, float | int]:
+    """Latency, throughput and KV memory of one finished generation."""
+    itl_ms = [s * 1e3 for s in stats.step_s] or [0.0]
+    decoded = sum(stats.step_rows)
+    kv = stats.kv_peak
+    return {
+        "ttft_ms": stats.ttft_s * 1e3,
+        "itl_ms_p50": percentile(itl_ms, 50),
+        "itl_ms_p90": percentile(itl_ms, 90),
+        "itl_ms_mean": statistics.fmean(itl_ms),
+        "prefill_tok_s": stats.prompt_tokens / stats.ttft_s if stats.ttft_s else 0.0,
+        "decode_tok_s": decoded / sum(stats.step_s) if stats.step_s else 0.0,
+        "prompt_tokens": stats.prompt_tokens,
+        "decode_steps": len(stats.step_s),
+        "kv_bytes": kv.held_bytes,
+        "kv_bytes_used": kv.used_bytes,
+        "kv_bytes_reserved": kv.reserved_bytes,
+        "kv_tokens": kv.tokens,
+        "kv_bytes_per_token": kv.bytes_per_token,
+    }
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer the model holds, shared storage counted once."""
+    seen, total = set(), 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        key = (tensor.device, tensor.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+class PeakMemory:
+    """Peak memory over a ``with`` block: CUDA allocator peak on GPU; on CPU the resident-set
+    high-water mark, reset on entry through /proc/self/clear_refs where Linux allows."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.metrics: dict[str, int] = {}
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif _CLEAR_REFS.exists():
+            try:
+                _CLEAR_REFS.write_text("5")  # 5: reset the peak RSS (VmHWM) of this process
+            except OSError:
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            self.metrics = {"peak_cuda_bytes": torch.cuda.max_memory_allocated(self.device)}
+        else:
+            self.metrics = {"peak_rss_bytes": _peak_rss_bytes()}
+
+
+def _peak_rss_bytes() -> int:
+    if _STATUS.exists():
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -1,0 +1,88 @@
+"""One kvlab run: load the model, build the cache, run the workload with warm-up, measure,
+and return the metrics; :func:`run_point` wraps it so a failure is recorded, not raised."""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlab.cache import build_cache
+from kvlab.config import RunConfig, check_context
+from kvlab.engine import Engine, GenerationConfig, SamplingConfig
+from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
+from kvlab.models import load_model
+from kvlab.tracking import config_dict, environment, read_record, write_record
+from kvlab.workload import build_prompts
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device='cuda' but CUDA is not available; allowed here: cpu, auto")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def generation_config(cfg: RunConfig, new_tokens: int | None = None) -> GenerationConfig:
+    w = cfg.workload
+    sampling = SamplingConfig(w.temperature, w.top_k, w.top_p, w.seed)
+    return GenerationConfig(new_tokens or w.new_tokens, sampling, w.stop_on_eos, w.prefill_chunk)
+
+
+def measure(cfg: RunConfig) -> dict[str, Any]:
+    """Run the workload of ``cfg`` once after a warm-up; the metrics of that run."""
+    check_context(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.model.device)
+    model, tokenizer = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype, device), device)
+    cache = build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
+    engine = Engine(model, cache, _eos_ids(tokenizer, model))
+    prompts = build_prompts(tokenizer, cfg.workload.prompt_len, cfg.workload.batch_size,
+                            cfg.workload.prompt_file)
+    if cfg.workload.warmup:
+        engine.generate(prompts, generation_config(cfg, new_tokens=2))
+    with PeakMemory(device) as peak:
+        run = engine.generate(prompts, generation_config(cfg))
+    metrics = generation_metrics(run.stats) | peak.metrics
+    metrics["weight_bytes"] = weight_bytes(model)
+    metrics["new_tokens"] = sum(len(t) for t in run.tokens)
+    metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
+    return metrics
+
+
+def _eos_ids(tokenizer: Any, model: Any) -> list[int]:
+    ids = set(model.config.eos_token_ids)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def run_point(cfg: RunConfig, out_dir: Path) -> dict[str, Any]:
+    """Measure one point and write ``out_dir/result.json``; errors become ``status: failed``.
+    With ``cfg.resume`` a point already recorded ok for the same config is not run again."""
+    config = config_dict(cfg)
+    previous = read_record(out_dir)
+    if cfg.resume and previous and previous.get("status") == "ok" and previous["config"] == config:
+        return previous | {"skipped": True}
+    record: dict[str, Any] = {"config": config, "environment": environment()}
+    start = time.time()
+    try:
+        record |= {"status": "ok", "metrics": measure(cfg)}
+    except Exception as exc:  # a sweep must go on: the failure is recorded with its traceback
+        record |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
+                   "traceback": traceback.format_exc()}
+    record["duration_s"] = time.time() - start
+    write_record(out_dir, record)
+    return record
+

@@ -1,0 +1,157 @@
+"""Result records: one ``result.json`` per run (config, environment, metrics, status), the
+table of a sweep directory, and the Hydra callback that prints it when a sweep ends."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Iterable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.experimental.callback import Callback
+
+RESULT_FILE = "result.json"
+TABLE_COLUMNS = (
+    "model.source", "cache.name", "workload.prompt_len", "workload.new_tokens", "workload.batch_size",
+    "status", "ttft_ms", "itl_ms_p50", "itl_ms_p90", "decode_tok_s", "kv_bytes",
+    "kv_bytes_per_token", "weight_bytes",
+)
+
+
+def config_dict(cfg: Any) -> dict[str, Any]:
+    """A run config as plain JSON-able data."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on: versions, device, threads, CPU model, kvlab commit."""
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "kvlab": _version("kvlab"),
+        "kvlab_commit": _git_commit(),
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "hostname": platform.node(),
+    }
+    return env
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    root = Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def write_record(out_dir: Path, record: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULT_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str))
+    tmp.replace(path)  # never a half-written result
+    return path
+
+
+def read_record(out_dir: Path) -> dict[str, Any] | None:
+    path = out_dir / RESULT_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def flatten(record: dict[str, Any]) -> dict[str, Any]:
+    """One flat row: dotted config keys, status, error and metrics."""
+    row: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(f"{prefix}.{key}" if prefix else key, value)
+        else:
+            row[prefix] = node
+
+    walk("", record.get("config", {}))
+    row["status"] = record.get("status")
+    row["error"] = record.get("error")
+    row.update(record.get("metrics", {}))
+    return row
+
+
+def load_results(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """Every result under ``sweep_dir`` as flat rows, in directory order."""
+    paths = sorted(Path(sweep_dir).rglob(RESULT_FILE))
+    return [flatten(json.loads(p.read_text())) | {"path": str(p.parent)} for p in paths]
+
+
+def format_table(rows: Iterable[dict[str, Any]], columns: Iterable[str] = TABLE_COLUMNS) -> str:
+    """A fixed-width text table of ``columns`` (short names in the header)."""
+    columns = list(columns)
+    header = [_short_name(c) for c in columns]
+    body = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in body)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in body]
+    return "\n".join(lines)
+
+
+def _short_name(column: str) -> str:
+    """``cache.name`` → ``cache``, ``model.source`` → ``model``, ``workload.x`` → ``x``."""
+    group, _, leaf = column.rpartition(".")
+    return group if leaf in ("name", "source") else leaf
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+def summary_line(record: dict[str, Any]) -> str:
+    """One line per run: the point and its headline numbers (or its error)."""
+    row = flatten(record)
+    point = (f"model={row.get('model.source')} cache={row.get('cache.name')} "
+             f"prompt_len={row.get('workload.prompt_len')} new_tokens={row.get('workload.new_tokens')}")
+    if row["status"] != "ok":
+        return f"[kvlab] {point} FAILED: {row['error']}"
+    skipped = " (already done, skipped)" if record.get("skipped") else ""
+    return (f"[kvlab] {point} ttft_ms={row['ttft_ms']:.1f} itl_ms_p50={row['itl_ms_p50']:.2f} "
+            f"decode_tok_s={row['decode_tok_s']:.1f} kv_bytes={row['kv_bytes']}{skipped}")
+
+
+class SweepTableCallback(Callback):
+    """Prints the comparison table of a ``-m`` sweep once all its points have run."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = load_results(sweep_dir)
+        if rows:
+            print(f"\nkvlab sweep: {len(rows)} points in {sweep_dir}\n{format_table(rows)}")

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random checkpoints of every supported family (built and saved by
+Hugging Face transformers) and the embedded default model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+FAMILIES = ("llama", "llama3_scaled", "llama2_linear", "mistral", "qwen2", "qwen3", "smollm")
+
+
+def tiny_hf_model(family: str):
+    """A small random HF model of ``family`` (fp32, eval mode)."""
+    import transformers as tf
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5)
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if family == "llama3_scaled":
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}
+    if family == "llama2_linear":
+        rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+    builders = {
+        "llama": lambda: tf.LlamaConfig(**common, rope_parameters=rope),
+        "llama3_scaled": lambda: tf.LlamaConfig(**common, rope_parameters=rope),
+        "llama2_linear": lambda: tf.LlamaConfig(**common, rope_parameters=rope,
+                                                attention_bias=True, mlp_bias=True),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=4096, rope_parameters=rope),
+        "qwen2": lambda: tf.Qwen2Config(**common, rope_parameters=rope),
+        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, rope_parameters=rope),
+        "smollm": lambda: tf.LlamaConfig(**common, tie_word_embeddings=True, rope_parameters=rope),
+    }
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(builders[family](), dtype=torch.float32)
+    with torch.no_grad():  # random, non-trivial norms and biases so every weight matters
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """family → a saved safetensors checkpoint directory."""
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for family in FAMILIES:
+        tiny_hf_model(family).save_pretrained(root / family)
+        out[family] = root / family
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_checkpoints):
+    """A kvlab model on the tiny random Llama checkpoint."""
+    from kvlab import load_model
+
+    model, _ = load_model(str(tiny_checkpoints["llama"]))
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model (fp32, CPU) and its tokenizer."""
+    from kvlab import load_model
+
+    return load_model("smollm2-135m")
