@@ -1,0 +1,63 @@
+"""End to end: the ``kvlab`` command writes complete result records, single and swept; a
+failing point is recorded and the sweep goes on; a finished point is not run twice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvlab.tracking import load_results
+
+METRICS = ("ttft_ms", "itl_ms_p50", "itl_ms_p90", "itl_ms_mean", "decode_tok_s", "prefill_tok_s",
+           "kv_bytes", "kv_bytes_per_token", "weight_bytes", "peak_rss_bytes")
+TINY = ["workload.prompt_len=16", "workload.new_tokens=4"]
+
+
+def kvlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "kvlab.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_single_run_writes_a_complete_record(tmp_path):
+    out = tmp_path / "run"
+    done = kvlab("cache=full", *TINY, f"hydra.run.dir={out}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((out / "result.json").read_text())
+    assert record["status"] == "ok"
+    assert set(METRICS) <= set(record["metrics"])
+    assert record["metrics"]["prompt_tokens"] == 16 and record["metrics"]["new_tokens"] == 4
+    env = record["environment"]
+    assert {"torch", "transformers", "threads", "cpu", "python"} <= set(env)
+    assert "[kvlab] model=smollm2-135m cache=full" in done.stdout
+
+
+@pytest.mark.slow
+def test_sweep_records_failures_goes_on_and_resumes(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "cache=full,nocache", "workload.prompt_len=16,8190", "workload.new_tokens=4",
+            f"hydra.sweep.dir={sweep}"]
+    first = kvlab(*args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    rows = load_results(sweep)
+    assert len(rows) == 4
+    failed = [r for r in rows if r["status"] == "failed"]
+    assert {r["workload.prompt_len"] for r in failed} == {8190}
+    assert all("exceeds the context" in r["error"] for r in failed)
+    assert all(r["status"] == "ok" for r in rows if r["workload.prompt_len"] == 16)
+    assert "kvlab sweep: 4 points" in first.stdout
+
+    second = kvlab(*args, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.count("already done, skipped") == 2  # only the failed points re-ran
+
+
+@pytest.mark.slow
+def test_invalid_single_run_exits_nonzero_with_the_field(tmp_path):
+    done = kvlab("workload.prompt_len=-4", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
+    assert done.returncode != 0
+    assert "workload.prompt_len=-4" in done.stderr + done.stdout
