@@ -10,7 +10,8 @@ pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 if "$PY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if (2, 5) <= v < (3, 0) else 1)' 2>/dev/null; then
   echo "setup: keeping installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
-elif pip_install --no-index torch==2.13.0 2>/dev/null; then
+elif "$PY" -m pip download -q --no-deps --no-index -d "$(mktemp -d)" torch==2.13.0 >/dev/null 2>&1; then
+  pip_install torch==2.13.0   # the local CPU wheel (find-links); its dependencies from the index
   echo "setup: installed torch 2.13.0 from the local wheel"
 else
   pip_install "torch>=2.5,<3"

@@ -7,6 +7,7 @@ the cache only through its contract, never its type.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -62,6 +63,13 @@ class Generation:
         self.active = list(range(len(prompts)))  # prompt index of each cache row
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
         self._gen = torch.Generator(device=engine.device).manual_seed(cfg.sampling.seed)
+        window = engine.model.config.sliding_window
+        if window and max(map(len, self.seqs)) + cfg.max_new_tokens > window:
+            warnings.warn(
+                f"the model was trained with a {window}-token sliding window, which kvlab's "
+                "decoder does not apply: beyond it, attention covers the whole context",
+                stacklevel=2,
+            )
 
     def __iter__(self) -> Iterator[dict[int, int]]:
         engine, cache, device = self.engine, self.engine.cache, self.engine.device
