@@ -43,7 +43,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer the model holds, shared storage counted once."""
     seen, total = set(), 0
     for tensor in [*model.parameters(), *model.buffers()]:
-        key = (tensor.device, tensor.data_ptr())
+        key = id(tensor) if tensor.is_mkldnn else (tensor.device, tensor.data_ptr())
         if key not in seen:
             seen.add(key)
             total += tensor.numel() * tensor.element_size()

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from kvlab.models.config import DecoderConfig
+from kvlab.models.cpu_kernels import prepack_linears
 from kvlab.models.llama import Decoder
 from kvlab.models.rope import inverse_frequencies
 
@@ -113,9 +114,16 @@ def read_hf_config(source: str) -> dict[str, Any]:
 
 
 def load_model(
-    source: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    source: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    cpu_prepack: bool = True,
 ) -> tuple[Decoder, Any]:
-    """Model and tokenizer (None when the checkpoint ships none) for ``source``."""
+    """Model and tokenizer (None when the checkpoint ships none) for ``source``.
+
+    ``cpu_prepack``: bf16 linear layers on the CPU get oneDNN-prepacked weights (same
+    outputs, faster decode; see :mod:`kvlab.models.cpu_kernels`).
+    """
     checkpoint = resolve_checkpoint(source)
     if isinstance(checkpoint, str):
         from huggingface_hub import snapshot_download
@@ -128,7 +136,10 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = inverse_frequencies(cfg)  # built on meta above: it holds no data yet
-    return model.to(device).eval().requires_grad_(False), _load_tokenizer(checkpoint)
+    model = model.to(device).eval().requires_grad_(False)
+    if cpu_prepack:
+        prepack_linears(model)
+    return model, _load_tokenizer(checkpoint)
 
 
 def _load_tokenizer(checkpoint: Path) -> Any:
