@@ -9,9 +9,25 @@ import torch
 from kvlab.cache import build_cache, registered
 from kvlab.engine import Engine, GenerationConfig
 
+# Every registered strategy on the tiny model (head_dim 16): its lossy setting, and a
+# setting in which it keeps everything exactly (a quantizer whose full-precision residual
+# covers the whole sequence). A new strategy must add itself to both.
+LOSSY = {
+    "full": {}, "nocache": {},
+    "int8": dict(group_size=4, residual=4), "int4": dict(group_size=4, residual=4),
+    "int2": dict(group_size=4, residual=4),
+}
+EXACT = {
+    "full": {}, "nocache": {},
+    "int8": dict(group_size=4, residual=256), "int4": dict(group_size=4, residual=256),
+    "int2": dict(group_size=4, residual=256),
+}
 STRATEGIES = sorted(registered())
-EXACT = {"full", "nocache"}  # identical logits to recomputing attention from scratch
 TOLERANCE = 1e-4
+
+
+def test_every_strategy_has_contract_cases():
+    assert set(LOSSY) == set(STRATEGIES) == set(EXACT)
 
 
 def prompts(vocab: int, lengths=(11, 5, 17)) -> list[list[int]]:
@@ -19,9 +35,9 @@ def prompts(vocab: int, lengths=(11, 5, 17)) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def step_logits(model, name: str, prompt: list[int], steps: int, chunk: int = 0):
+def step_logits(model, name, prompt, steps, chunk=0, options=None):
     """Greedy-continue ``prompt`` and return the logits of every step (prefill included)."""
-    engine = Engine(model, build_cache(name, model.cache_spec()))
+    engine = Engine(model, build_cache(name, model.cache_spec(), options))
     run = engine.stream([prompt], GenerationConfig(steps, stop_on_eos=False, prefill_chunk=chunk))
     seen = []
     original_emit = run._emit
@@ -44,10 +60,10 @@ def from_scratch(model, tokens: list[int]) -> torch.Tensor:
         return model(ids, torch.arange(len(tokens))[None], cache)[:, -1]
 
 
-@pytest.mark.parametrize("name", sorted(EXACT & set(STRATEGIES)))
-def test_exact_strategy_equals_recomputation(name, tiny_llama):
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_exact_setting_equals_recomputation(name, tiny_llama):
     prompt = prompts(tiny_llama.config.vocab_size)[0]
-    logits, generated = step_logits(tiny_llama, name, prompt, steps=12)
+    logits, generated = step_logits(tiny_llama, name, prompt, steps=12, options=EXACT[name])
     for i in range(len(generated)):
         reference = from_scratch(tiny_llama, prompt + generated[:i])
         assert (logits[i] - reference[0]).abs().max() <= TOLERANCE
@@ -55,19 +71,23 @@ def test_exact_strategy_equals_recomputation(name, tiny_llama):
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_chunked_prefill_equals_one_pass(name, tiny_llama):
+    """Exact settings: prefill in one pass, in chunks, or token by token gives one answer.
+    (A lossy cache attends exactly within a chunk and lossily to earlier chunks, as KIVI.)"""
     prompt = prompts(tiny_llama.config.vocab_size)[2]
-    one_pass, tokens = step_logits(tiny_llama, name, prompt, steps=6)
+    opts = EXACT[name]
+    one_pass, tokens = step_logits(tiny_llama, name, prompt, steps=6, options=opts)
     for chunk in (1, 4):
-        chunked, chunked_tokens = step_logits(tiny_llama, name, prompt, steps=6, chunk=chunk)
+        chunked, chunked_tokens = step_logits(tiny_llama, name, prompt, 6, chunk, opts)
         assert chunked_tokens == tokens
         assert (chunked - one_pass).abs().max() <= TOLERANCE
 
 
+@pytest.mark.parametrize("setting", [LOSSY, EXACT], ids=["lossy", "exact"])
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_batch_of_different_lengths_equals_separate_runs(name, tiny_llama):
+def test_batch_of_different_lengths_equals_separate_runs(name, setting, tiny_llama):
     batch = prompts(tiny_llama.config.vocab_size)
     cfg = GenerationConfig(8, stop_on_eos=False)
-    engine = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec()))
+    engine = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec(), setting[name]))
     together = engine.generate(batch, cfg).tokens
     alone = [engine.generate([p], cfg).tokens[0] for p in batch]
     assert together == alone
@@ -75,7 +95,7 @@ def test_batch_of_different_lengths_equals_separate_runs(name, tiny_llama):
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_memory_report_counts_held_tensors(name, tiny_llama):
-    cache = build_cache(name, tiny_llama.cache_spec())
+    cache = build_cache(name, tiny_llama.cache_spec(), LOSSY[name])
     engine = Engine(tiny_llama, cache)
     run = engine.stream(prompts(tiny_llama.config.vocab_size), GenerationConfig(4, stop_on_eos=False))
     iterator = iter(run)
