@@ -56,11 +56,12 @@ class TokenGroupStore:
         for store, value in ((self.codes, codes), (self.scale, scale), (self.zero, zero)):
             store[layer, row, :, start : start + n] = value
 
-    def read(self, layer: int, count: int) -> torch.Tensor:
-        """Dequantized first ``count`` tokens of every row: (B, H, count, D)."""
-        x = dequantize(self.codes[layer, :, :, :count], self.scale[layer, :, :, :count],
-                       self.zero[layer, :, :, :count], self.bits)  # (B, H, n, D/G, G)
-        return x.flatten(-2)  # (B, H, n, D)
+    def read(self, layer: int, count: int, out: torch.Tensor) -> None:
+        """Dequantize the first ``count`` tokens of every row into out (B, H, count, D)."""
+        batch, heads, _, dim = out.shape
+        target = out.view(batch, heads, count, dim // self.group, self.group)
+        dequantize(self.codes[layer, :, :, :count], self.scale[layer, :, :, :count],
+                   self.zero[layer, :, :, :count], self.bits, out=target)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.scale, self.zero]
@@ -70,28 +71,30 @@ class TokenGroupStore:
 
 
 class ChannelGroupStore(TokenGroupStore):
-    """Quantized groups of G tokens, per channel: codes (L, B, H, S/G, D, G*b/8)."""
+    """Groups of G tokens sharing a scale per channel, stored token-major and packed along
+    channels: codes (L, B, H, S/G, G, D*b/8), scale and zero (L, B, H, S/G, 1, D)."""
 
     def __init__(self, layers, batch, heads, slots, dim, group, bits, dtype, device):
         self.group, self.bits, self.dim = group, bits, dim
-        shape = (layers, batch, heads, slots // group, dim)
-        self.codes = torch.zeros(*shape, group * bits // 8, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(*shape, 1, dtype=dtype, device=device)
-        self.zero = torch.zeros(*shape, 1, dtype=dtype, device=device)
+        shape = (layers, batch, heads, slots // group)
+        self.codes = torch.zeros(*shape, group, dim * bits // 8, dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(*shape, 1, dim, dtype=dtype, device=device)
+        self.zero = torch.zeros(*shape, 1, dim, dtype=dtype, device=device)
 
     def write(self, layer: int, row: int, start: int, x: torch.Tensor) -> None:
         heads, n, dim = x.shape  # n and start are multiples of the group size
-        grouped = x.reshape(heads, n // self.group, self.group, dim).transpose(-1, -2)
-        codes, scale, zero = quantize(grouped, self.bits)  # over the G tokens of a channel
+        grouped = x.reshape(heads, n // self.group, self.group, dim)  # (H, n/G, G, D)
+        codes, scale, zero = quantize(grouped, self.bits, group_dim=-2)  # over G tokens
         g0, g1 = start // self.group, (start + n) // self.group
         for store, value in ((self.codes, codes), (self.scale, scale), (self.zero, zero)):
             store[layer, row, :, g0:g1] = value
 
-    def read(self, layer: int, count: int) -> torch.Tensor:
+    def read(self, layer: int, count: int, out: torch.Tensor) -> None:
+        batch, heads, _, dim = out.shape
         groups = count // self.group
-        x = dequantize(self.codes[layer, :, :, :groups], self.scale[layer, :, :, :groups],
-                       self.zero[layer, :, :, :groups], self.bits)  # (B, H, n/G, D, G)
-        return x.transpose(-1, -2).flatten(2, 3)  # (B, H, n, D)
+        target = out.view(batch, heads, groups, self.group, dim)  # (B, H, n/G, G, D)
+        dequantize(self.codes[layer, :, :, :groups], self.scale[layer, :, :, :groups],
+                   self.zero[layer, :, :, :groups], self.bits, out=target)
 
 
 class QuantizedCache(KVCache):
@@ -116,6 +119,10 @@ class QuantizedCache(KVCache):
         tail_shape = (s.num_layers, 2, batch_size, s.num_kv_heads, o.residual + o.group_size,
                       s.head_dim)
         self.tail = torch.zeros(tail_shape, dtype=s.dtype, device=s.device)
+        # one layer's dequantized keys and values, reused by every layer: attention reads
+        # [dequantized | tail | new] from here without concatenating
+        work_shape = (2, batch_size, s.num_kv_heads, slots + tail_shape[4], s.head_dim)
+        self.workspace = torch.zeros(work_shape, dtype=s.dtype, device=s.device)
         self.quantized, self.tail_len = [0] * batch_size, [0] * batch_size
 
     def free(self, rows: Sequence[int]) -> None:
@@ -125,6 +132,7 @@ class QuantizedCache(KVCache):
         for store in (self.keys, self.values):
             store.codes, store.scale, store.zero = (t.index_select(1, index) for t in store.tensors())
         self.tail = self.tail.index_select(2, index)
+        self.workspace = self.workspace.index_select(1, index)
         self.quantized = [self.quantized[b] for b in keep]
         self.tail_len = [self.tail_len[b] for b in keep]
 
@@ -136,10 +144,11 @@ class QuantizedCache(KVCache):
         self._mask = self._step_mask(step.positions.shape[1])
 
     def _step_mask(self, steps: int) -> torch.Tensor | None:
-        """(B, 1, T, L) over [dequantized | tail | new]; None when nothing needs masking."""
+        """(B, 1, T, L) over [dequantized | tail | new]; None when nothing needs masking
+        (one query per row at equal lengths, or a first prefill: plain causal attention)."""
         nq, nt = max(self.quantized), max(self.tail_len)
         uniform = len(set(self.quantized)) == 1 and len(set(self.tail_len)) == 1
-        if uniform and steps == 1:
+        if uniform and (steps == 1 or nq + nt == 0):
             return None
         device = self.spec.device
         slots_q, slots_t = torch.arange(nq, device=device), torch.arange(nt, device=device)
@@ -153,13 +162,17 @@ class QuantizedCache(KVCache):
         return mask[:, None]
 
     def attend(self, layer, q, k, v, k_raw):
-        nq, nt = max(self.quantized), max(self.tail_len)
-        keys = [self.keys.read(layer, nq)] if nq else []
-        values = [self.values.read(layer, nq)] if nq else []
-        keys += [self.tail[layer, 0, :, :, :nt], k]
-        values += [self.tail[layer, 1, :, :, :nt], v]
-        out = sdpa(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask=self._mask,
-                   causal=self._mask is None and q.shape[2] > 1)
+        nq, nt, steps = max(self.quantized), max(self.tail_len), q.shape[2]
+        if nq + nt == 0:  # nothing kept yet: the step attends to itself only
+            out = sdpa(q, k, v, mask=self._mask, causal=self._mask is None and steps > 1)
+        else:
+            work = self.workspace[:, :, :, : nq + nt + steps]  # (2, B, H_kv, L, D)
+            if nq:
+                self.keys.read(layer, nq, work[0, :, :, :nq])
+                self.values.read(layer, nq, work[1, :, :, :nq])
+            work[:, :, :, nq : nq + nt] = self.tail[layer, :, :, :, :nt]
+            work[0, :, :, nq + nt :], work[1, :, :, nq + nt :] = k, v
+            out = sdpa(q, work[0], work[1], mask=self._mask)
         self._keep(layer, k, v)
         return out
 
@@ -187,7 +200,7 @@ class QuantizedCache(KVCache):
     def tensors(self) -> Iterable[torch.Tensor]:
         if not self.quantized:
             return []
-        return [*self.keys.tensors(), *self.values.tensors(), self.tail]
+        return [*self.keys.tensors(), *self.values.tensors(), self.tail, self.workspace]
 
     def used_bytes(self) -> int:
         if not self.quantized:
