@@ -16,11 +16,13 @@ LOSSY = {
     "full": {}, "nocache": {},
     "int8": dict(group_size=4, residual=4), "int4": dict(group_size=4, residual=4),
     "int2": dict(group_size=4, residual=4),
+    "sliding": dict(sinks=2, window=6),
 }
 EXACT = {
     "full": {}, "nocache": {},
     "int8": dict(group_size=4, residual=256), "int4": dict(group_size=4, residual=256),
     "int2": dict(group_size=4, residual=256),
+    "sliding": dict(sinks=2, window=256),
 }
 STRATEGIES = sorted(registered())
 TOLERANCE = 1e-4

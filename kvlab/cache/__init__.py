@@ -1,6 +1,6 @@
 """KV-cache strategies: one file each, registered by name (see ``base.py`` for the contract)."""
 
-from kvlab.cache import full, nocache, quantized  # noqa: F401  (registers the strategies)
+from kvlab.cache import full, nocache, quantized, sliding  # noqa: F401  (registers the strategies)
 from kvlab.cache.base import (
     CacheOptions,
     CacheSpec,

@@ -1,0 +1,127 @@
+"""``sliding``: attention sinks + a sliding window (StreamingLLM, Xiao et al., arXiv 2309.17453).
+
+Keeps the first ``sinks`` tokens and the ``window`` most recent ones in a ring of slots, so
+memory is bounded whatever the length. A query attends to the sinks and to the ``window``
+most recent tokens including itself, whether the prompt comes in one pass, in chunks or
+token by token (a band mask on multi-token steps), so ``window`` >= length is exactly ``full``.
+Keys keep their original positions (StreamingLLM's re-positioning inside the cache is not
+implemented yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.cache.base import CacheOptions, KVCache, StepInfo, register, sdpa
+
+
+@dataclass
+class SlidingOptions(CacheOptions):
+    sinks: int = 4
+    window: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0:
+            raise ValueError(f"cache.options.sinks={self.sinks} must be >= 0")
+        if self.window < 1:
+            raise ValueError(f"cache.options.window={self.window} must be >= 1")
+
+
+@register("sliding")
+class SlidingWindowCache(KVCache):
+    """Sinks + ring buffer; ``slot_pos`` records which position each slot holds (-1: empty)."""
+
+    Options = SlidingOptions
+
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
+        super().allocate(batch_size, max_tokens)
+        s, o = self.spec, self.options
+        self.slots = min(o.sinks + o.window, max_tokens)
+        shape = (s.num_layers, 2, batch_size, s.num_kv_heads, self.slots, s.head_dim)
+        self.kv = torch.zeros(shape, dtype=s.dtype, device=s.device)
+        self.slot_pos = torch.full((batch_size, self.slots), -1, dtype=torch.long, device=s.device)
+
+    def free(self, rows: Sequence[int]) -> None:
+        keep = [b for b in range(len(self.lengths)) if b not in set(rows)]
+        super().free(rows)
+        index = torch.tensor(keep, dtype=torch.long, device=self.kv.device)
+        self.kv, self.slot_pos = self.kv.index_select(2, index), self.slot_pos.index_select(0, index)
+
+    def _slot(self, position: int) -> int:
+        sinks = self.options.sinks
+        return position if position < sinks else sinks + (position - sinks) % self.options.window
+
+    def _survivors(self, start: int, count: int) -> tuple[list[int], list[int]]:
+        """(indices within the step, slots) of the new tokens still kept after the step."""
+        sinks, window = self.options.sinks, self.options.window
+        first_kept = max(start + count - window, start)  # older non-sink tokens get evicted
+        picks = [i for i in range(count) if start + i < sinks or start + i >= first_kept]
+        return picks, [self._slot(start + i) for i in picks]
+
+    def begin(self, step: StepInfo) -> None:
+        super().begin(step)
+        steps = step.positions.shape[1]
+        self._writes = [self._survivors(n0, n) for n0, n in zip(self.lengths, step.num_new, strict=True)]
+        self._write_first = steps == 1  # decode: store, then attend over the slots alone
+        filled = [min(n, self.slots) for n in self.lengths]
+        if self._write_first:
+            filled = [min(n + k, self.slots) for n, k in zip(self.lengths, step.num_new, strict=True)]
+        self._read = max(filled)
+        self._mask = self._decode_mask(filled) if self._write_first else self._band_mask(steps)
+
+    def _decode_mask(self, filled: list[int]) -> torch.Tensor | None:
+        if len(set(filled)) == 1:
+            return None
+        slots = torch.arange(self._read, device=self.spec.device)
+        return (slots[None] < torch.tensor(filled, device=self.spec.device)[:, None])[:, None, None]
+
+    def _band_mask(self, steps: int) -> torch.Tensor | None:
+        """(B, 1, T, read + T): sinks and the last ``window`` positions, causally."""
+        sinks, window = self.options.sinks, self.options.window
+        pos = self.step.positions  # (B, T)
+        if self._read == 0 and steps <= window:
+            return None  # a first prefill that the window never cuts: plain causal attention
+        oldest = pos[:, :, None] - window  # (B, T, 1): positions <= this are out of the window
+        held = self.slot_pos[:, None, : self._read]  # (B, 1, read)
+        past = (held >= 0) & ((held < sinks) | (held > oldest))  # (B, T, read)
+        new = pos[:, None, :]  # (B, 1, T)
+        causal = torch.ones(steps, steps, dtype=torch.bool, device=pos.device).tril()
+        current = causal & ((new < sinks) | (new > oldest))  # (B, T, T)
+        return torch.cat([past, current], dim=-1)[:, None]
+
+    def attend(self, layer, q, k, v, k_raw):
+        if self._write_first:
+            self._write(layer, k, v)
+            kept = self.kv[layer, :, :, :, : self._read]  # (2, B, H_kv, S, D)
+            return sdpa(q, kept[0], kept[1], mask=self._mask)
+        kept = self.kv[layer, :, :, :, : self._read]
+        keys, values = torch.cat([kept[0], k], dim=2), torch.cat([kept[1], v], dim=2)
+        out = sdpa(q, keys, values, mask=self._mask, causal=self._mask is None)
+        self._write(layer, k, v)
+        return out
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for row, (picks, slots) in enumerate(self._writes):
+            if picks:
+                self.kv[layer, 0, row, :, slots] = k[row, :, picks]
+                self.kv[layer, 1, row, :, slots] = v[row, :, picks]
+
+    def end(self) -> None:
+        for row, ((picks, slots), start) in enumerate(zip(self._writes, self.lengths, strict=True)):
+            if picks:
+                self.slot_pos[row, slots] = torch.tensor([start + i for i in picks],
+                                                         device=self.slot_pos.device)
+        super().end()
+
+    def tensors(self) -> Iterable[torch.Tensor]:
+        return [] if not self.lengths else [self.kv, self.slot_pos]
+
+    def used_bytes(self) -> int:
+        if not self.lengths:
+            return 0
+        per_slot = self.kv.numel() * self.kv.element_size() // (self.kv.shape[2] * self.slots)
+        filled = int((self.slot_pos >= 0).sum())
+        return per_slot * filled + self.slot_pos.numel() * self.slot_pos.element_size()

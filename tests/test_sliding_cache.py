@@ -1,0 +1,72 @@
+"""``sliding`` against a from-scratch reference: full recomputation of every step with the
+StreamingLLM mask (sinks + the last ``window`` tokens), however the prompt is fed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.cache import build_cache
+from kvlab.cache.base import KVCache
+from kvlab.engine import Engine, GenerationConfig
+from kvlab.engine.generate import Generation
+
+SINKS, WINDOW = 2, 5
+
+
+class BandRecompute(KVCache):
+    """Test reference: keeps nothing; the engine re-feeds the sequence and every query
+    attends to the sinks and to the WINDOW most recent positions (itself included)."""
+
+    name = "band_recompute"
+    stores_past = False
+
+    def attend(self, layer, q, k, v, k_raw):
+        pos = torch.arange(q.shape[2])
+        visible = (pos[None] <= pos[:, None]) & ((pos[None] < SINKS) | (pos[None] > pos[:, None] - WINDOW))
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(q.shape[1] // k.shape[1], 1),
+            v.repeat_interleave(q.shape[1] // v.shape[1], 1), attn_mask=visible)
+
+    def end(self):
+        self.step = None
+
+    def tensors(self):
+        return []
+
+    def used_bytes(self):
+        return 0
+
+
+def continuation(model, cache, prompt, chunk=0, steps=10) -> Generation:
+    return Engine(model, cache).generate([prompt], GenerationConfig(steps, stop_on_eos=False,
+                                                                    prefill_chunk=chunk))
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 3, 7])
+def test_sliding_equals_band_recomputation(chunk, tiny_llama):
+    prompt = list(range(3, 19))  # 16 tokens: the window cuts inside the prompt already
+    reference = continuation(tiny_llama, BandRecompute(tiny_llama.cache_spec()), prompt)
+    sliding = build_cache("sliding", tiny_llama.cache_spec(), dict(sinks=SINKS, window=WINDOW))
+    assert continuation(tiny_llama, sliding, prompt, chunk).tokens == reference.tokens
+
+
+def test_memory_is_bounded_by_sinks_plus_window(tiny_llama):
+    held = []
+    for steps in (4, 40):
+        cache = build_cache("sliding", tiny_llama.cache_spec(), dict(sinks=SINKS, window=WINDOW))
+        run = continuation(tiny_llama, cache, list(range(3, 19)), steps=steps)
+        held.append(run.stats.kv_peak.held_bytes)
+    assert held[0] == held[1]
+    spec = tiny_llama.cache_spec()
+    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+    assert run.stats.kv_peak.used_bytes == per_token * (SINKS + WINDOW) + (SINKS + WINDOW) * 8
+
+
+def test_sinks_are_kept(tiny_llama):
+    cache = build_cache("sliding", tiny_llama.cache_spec(), dict(sinks=SINKS, window=WINDOW))
+    cache.allocate(1, 64)
+    engine = Engine(tiny_llama, cache)
+    engine.prefill([list(range(3, 23))], chunk=20)
+    held = sorted(cache.slot_pos[0].tolist())
+    assert held == [0, 1, *range(20 - WINDOW, 20)]
