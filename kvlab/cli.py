@@ -1,7 +1,7 @@
 """The ``kvlab`` command: a Hydra app, one job per point of a study.
 
-    kvlab model=smollm2-135m cache=full workload.prompt_len=512 workload.new_tokens=64
-    kvlab -m cache=full,nocache workload.prompt_len=256,1024
+kvlab model=smollm2-135m cache=full workload.prompt_len=512 workload.new_tokens=64
+kvlab -m cache=full,nocache workload.prompt_len=256,1024
 """
 
 from __future__ import annotations

@@ -67,8 +67,12 @@ class WorkloadConfig:
         for name in ("prompt_len", "new_tokens", "batch_size"):
             value = getattr(self, name)
             _require(value >= 1, f"workload.{name}", value, "an integer >= 1")
-        _require(self.prefill_chunk >= 0, "workload.prefill_chunk", self.prefill_chunk,
-                 "0 (one pass) or a chunk size >= 1")
+        _require(
+            self.prefill_chunk >= 0,
+            "workload.prefill_chunk",
+            self.prefill_chunk,
+            "0 (one pass) or a chunk size >= 1",
+        )
         _require(self.temperature >= 0, "workload.temperature", self.temperature, ">= 0")
         _require(self.top_k >= 0, "workload.top_k", self.top_k, ">= 0 (0 = off)")
         _require(0 < self.top_p <= 1, "workload.top_p", self.top_p, "0 < top_p <= 1")

@@ -48,8 +48,9 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
     model, tokenizer = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype, device), device)
     cache = build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
     engine = Engine(model, cache, _eos_ids(tokenizer, model))
-    prompts = build_prompts(tokenizer, cfg.workload.prompt_len, cfg.workload.batch_size,
-                            cfg.workload.prompt_file)
+    prompts = build_prompts(
+        tokenizer, cfg.workload.prompt_len, cfg.workload.batch_size, cfg.workload.prompt_file
+    )
     if cfg.workload.warmup:
         engine.generate(prompts, generation_config(cfg, new_tokens=2))
     with PeakMemory(device) as peak:
@@ -80,9 +81,11 @@ def run_point(cfg: RunConfig, out_dir: Path) -> dict[str, Any]:
     try:
         record |= {"status": "ok", "metrics": measure(cfg)}
     except Exception as exc:  # a sweep must go on: the failure is recorded with its traceback
-        record |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}",
-                   "traceback": traceback.format_exc()}
+        record |= {
+            "status": "failed",
+            "error": f"{type(exc).__name__}: {exc}",
+            "traceback": traceback.format_exc(),
+        }
     record["duration_s"] = time.time() - start
     write_record(out_dir, record)
     return record
-

@@ -18,9 +18,19 @@ from hydra.experimental.callback import Callback
 
 RESULT_FILE = "result.json"
 TABLE_COLUMNS = (
-    "model.source", "cache.name", "workload.prompt_len", "workload.new_tokens", "workload.batch_size",
-    "status", "ttft_ms", "itl_ms_p50", "itl_ms_p90", "decode_tok_s", "kv_bytes",
-    "kv_bytes_per_token", "weight_bytes",
+    "model.source",
+    "cache.name",
+    "workload.prompt_len",
+    "workload.new_tokens",
+    "workload.batch_size",
+    "status",
+    "ttft_ms",
+    "itl_ms_p50",
+    "itl_ms_p90",
+    "decode_tok_s",
+    "kv_bytes",
+    "kv_bytes_per_token",
+    "weight_bytes",
 )
 
 
@@ -56,8 +66,9 @@ def _version(package: str) -> str | None:
 def _git_commit() -> str | None:
     root = Path(__file__).resolve().parents[1]
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"],
-                             capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
@@ -138,13 +149,17 @@ def _cell(value: Any) -> str:
 def summary_line(record: dict[str, Any]) -> str:
     """One line per run: the point and its headline numbers (or its error)."""
     row = flatten(record)
-    point = (f"model={row.get('model.source')} cache={row.get('cache.name')} "
-             f"prompt_len={row.get('workload.prompt_len')} new_tokens={row.get('workload.new_tokens')}")
+    point = (
+        f"model={row.get('model.source')} cache={row.get('cache.name')} "
+        f"prompt_len={row.get('workload.prompt_len')} new_tokens={row.get('workload.new_tokens')}"
+    )
     if row["status"] != "ok":
         return f"[kvlab] {point} FAILED: {row['error']}"
     skipped = " (already done, skipped)" if record.get("skipped") else ""
-    return (f"[kvlab] {point} ttft_ms={row['ttft_ms']:.1f} itl_ms_p50={row['itl_ms_p50']:.2f} "
-            f"decode_tok_s={row['decode_tok_s']:.1f} kv_bytes={row['kv_bytes']}{skipped}")
+    return (
+        f"[kvlab] {point} ttft_ms={row['ttft_ms']:.1f} itl_ms_p50={row['itl_ms_p50']:.2f} "
+        f"decode_tok_s={row['decode_tok_s']:.1f} kv_bytes={row['kv_bytes']}{skipped}"
+    )
 
 
 class SweepTableCallback(Callback):

@@ -43,12 +43,17 @@ def run_hf(model, prompt: list[int], new_tokens: int) -> tuple[float, list[float
     clock = TokenClock()
     ids = torch.tensor([prompt])
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0,
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        streamer=clock,
+        pad_token_id=0,
     )
     token_times = clock.times[1:]  # drop the prompt put
-    itl = [b - a for a, b in zip(token_times, token_times[1:])]
-    return token_times[0] - clock.start, itl, out[0, len(prompt):].tolist()
+    itl = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+    return token_times[0] - clock.start, itl, out[0, len(prompt) :].tolist()
 
 
 def run_kvlab(engine: Engine, prompt: list[int], new_tokens: int):
@@ -74,24 +79,35 @@ def main() -> None:
     with torch.inference_mode():
         run_kvlab(engine, prompt[:64], 4), run_hf(hf, prompt[:64], 4)  # warm-up
         for r in range(args.repeats):
-            for name, fn in (("kvlab", lambda: run_kvlab(engine, prompt, args.new_tokens)),
-                             ("hf", lambda: run_hf(hf, prompt, args.new_tokens))):
+            for name, fn in (
+                ("kvlab", lambda: run_kvlab(engine, prompt, args.new_tokens)),
+                ("hf", lambda: run_hf(hf, prompt, args.new_tokens)),
+            ):
                 ttft, itl, toks = fn()
                 results[name].append((ttft, itl, toks))
-                print(f"run {r} {name:5s} ttft_ms={ttft * 1e3:8.1f} "
-                      f"itl_ms_p50={percentile(itl, 50) * 1e3:6.2f} "
-                      f"itl_ms_mean={statistics.mean(itl) * 1e3:6.2f}", flush=True)
+                print(
+                    f"run {r} {name:5s} ttft_ms={ttft * 1e3:8.1f} "
+                    f"itl_ms_p50={percentile(itl, 50) * 1e3:6.2f} "
+                    f"itl_ms_mean={statistics.mean(itl) * 1e3:6.2f}",
+                    flush=True,
+                )
     summary = {}
     for name, runs in results.items():
-        summary[name] = (statistics.median(r[0] for r in runs),
-                         statistics.median(percentile(r[1], 50) for r in runs))
-    same = sum(a == b for a, b in zip(results["kvlab"][0][2], results["hf"][0][2]))
-    print(f"\nmodel={args.model} dtype={args.dtype} prompt_len={args.prompt_len} "
-          f"new_tokens={args.new_tokens} threads={torch.get_num_threads()} repeats={args.repeats}")
+        summary[name] = (
+            statistics.median(r[0] for r in runs),
+            statistics.median(percentile(r[1], 50) for r in runs),
+        )
+    same = sum(a == b for a, b in zip(results["kvlab"][0][2], results["hf"][0][2], strict=True))
+    print(
+        f"\nmodel={args.model} dtype={args.dtype} prompt_len={args.prompt_len} "
+        f"new_tokens={args.new_tokens} threads={torch.get_num_threads()} repeats={args.repeats}"
+    )
     for name, (ttft, itl) in summary.items():
         print(f"{name:5s} ttft_ms={ttft * 1e3:8.1f} itl_ms_p50={itl * 1e3:6.2f}")
-    print(f"ratio kvlab/hf: ttft={summary['kvlab'][0] / summary['hf'][0]:.3f} "
-          f"itl={summary['kvlab'][1] / summary['hf'][1]:.3f}")
+    print(
+        f"ratio kvlab/hf: ttft={summary['kvlab'][0] / summary['hf'][0]:.3f} "
+        f"itl={summary['kvlab'][1] / summary['hf'][1]:.3f}"
+    )
     print(f"greedy tokens identical: {same}/{args.new_tokens}")
 
 

@@ -15,21 +15,34 @@ def tiny_hf_model(family: str):
     """A small random HF model of ``family`` (fp32, eval mode)."""
     import transformers as tf
 
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-5)
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+    )
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if family == "llama3_scaled":
-        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
     if family == "llama2_linear":
         rope = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
     builders = {
         "llama": lambda: tf.LlamaConfig(**common, rope_parameters=rope),
         "llama3_scaled": lambda: tf.LlamaConfig(**common, rope_parameters=rope),
-        "llama2_linear": lambda: tf.LlamaConfig(**common, rope_parameters=rope,
-                                                attention_bias=True, mlp_bias=True),
+        "llama2_linear": lambda: tf.LlamaConfig(
+            **common, rope_parameters=rope, attention_bias=True, mlp_bias=True
+        ),
         "mistral": lambda: tf.MistralConfig(**common, sliding_window=4096, rope_parameters=rope),
         "qwen2": lambda: tf.Qwen2Config(**common, rope_parameters=rope),
         "qwen3": lambda: tf.Qwen3Config(**common, head_dim=32, rope_parameters=rope),

@@ -13,16 +13,24 @@ from kvlab.engine import Engine, GenerationConfig
 # setting in which it keeps everything exactly (a quantizer whose full-precision residual
 # covers the whole sequence). A new strategy must add itself to both.
 LOSSY = {
-    "full": {}, "nocache": {},
-    "int8": dict(group_size=4, residual=4), "int4": dict(group_size=4, residual=4),
+    "full": {},
+    "nocache": {},
+    "int8": dict(group_size=4, residual=4),
+    "int4": dict(group_size=4, residual=4),
     "int2": dict(group_size=4, residual=4),
     "sliding": dict(sinks=2, window=6),
+    "gqa_shared": dict(factor=2),
+    "paged": dict(block_size=4),
 }
 EXACT = {
-    "full": {}, "nocache": {},
-    "int8": dict(group_size=4, residual=256), "int4": dict(group_size=4, residual=256),
+    "full": {},
+    "nocache": {},
+    "int8": dict(group_size=4, residual=256),
+    "int4": dict(group_size=4, residual=256),
     "int2": dict(group_size=4, residual=256),
     "sliding": dict(sinks=2, window=256),
+    "gqa_shared": dict(factor=1),
+    "paged": dict(block_size=3),
 }
 STRATEGIES = sorted(registered())
 TOLERANCE = 1e-4
@@ -99,7 +107,9 @@ def test_batch_of_different_lengths_equals_separate_runs(name, setting, tiny_lla
 def test_memory_report_counts_held_tensors(name, tiny_llama):
     cache = build_cache(name, tiny_llama.cache_spec(), LOSSY[name])
     engine = Engine(tiny_llama, cache)
-    run = engine.stream(prompts(tiny_llama.config.vocab_size), GenerationConfig(4, stop_on_eos=False))
+    run = engine.stream(
+        prompts(tiny_llama.config.vocab_size), GenerationConfig(4, stop_on_eos=False)
+    )
     iterator = iter(run)
     next(iterator)  # after prefill: every sequence is still in the cache
     report = cache.memory()
@@ -120,7 +130,8 @@ def test_full_cache_frees_finished_rows(tiny_llama):
 def test_full_cache_bytes_per_token(tiny_llama):
     spec = tiny_llama.cache_spec()
     run = Engine(tiny_llama, build_cache("full", spec)).generate(
-        prompts(tiny_llama.config.vocab_size)[:1], GenerationConfig(5, stop_on_eos=False))
+        prompts(tiny_llama.config.vocab_size)[:1], GenerationConfig(5, stop_on_eos=False)
+    )
     per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4  # fp32 K and V
     assert run.stats.kv_peak.bytes_per_token == per_token
     assert run.stats.kv_peak.tokens == 11 + 5 - 1  # the last sampled token is never fed

@@ -12,8 +12,18 @@ import pytest
 
 from kvlab.tracking import load_results
 
-METRICS = ("ttft_ms", "itl_ms_p50", "itl_ms_p90", "itl_ms_mean", "decode_tok_s", "prefill_tok_s",
-           "kv_bytes", "kv_bytes_per_token", "weight_bytes", "peak_rss_bytes")
+METRICS = (
+    "ttft_ms",
+    "itl_ms_p50",
+    "itl_ms_p90",
+    "itl_ms_mean",
+    "decode_tok_s",
+    "prefill_tok_s",
+    "kv_bytes",
+    "kv_bytes_per_token",
+    "weight_bytes",
+    "peak_rss_bytes",
+)
 TINY = ["workload.prompt_len=16", "workload.new_tokens=4"]
 
 
@@ -39,8 +49,13 @@ def test_single_run_writes_a_complete_record(tmp_path):
 @pytest.mark.slow
 def test_sweep_records_failures_goes_on_and_resumes(tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["-m", "cache=full,nocache", "workload.prompt_len=16,8190", "workload.new_tokens=4",
-            f"hydra.sweep.dir={sweep}"]
+    args = [
+        "-m",
+        "cache=full,nocache",
+        "workload.prompt_len=16,8190",
+        "workload.new_tokens=4",
+        f"hydra.sweep.dir={sweep}",
+    ]
     first = kvlab(*args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     rows = load_results(sweep)

@@ -14,7 +14,8 @@ from kvlab.config import CacheConfig, ModelConfig, RunConfig, WorkloadConfig, ch
 
 GROUPS = sorted(
     (group.name, option.stem)
-    for group in Path(CONF_DIR).iterdir() if group.is_dir() and group.name != "hydra"
+    for group in Path(CONF_DIR).iterdir()
+    if group.is_dir() and group.name != "hydra"
     for option in group.glob("*.yaml")
 )
 
@@ -51,7 +52,9 @@ def test_prompt_longer_than_context_fails_before_loading():
 
 def test_composed_overrides_reach_the_run():
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config",
-                      overrides=["cache=nocache", "workload.prompt_len=256", "threads=1"])
+        cfg = compose(
+            config_name="config",
+            overrides=["cache=nocache", "workload.prompt_len=256", "threads=1"],
+        )
     run = OmegaConf.to_object(cfg)
     assert (run.cache.name, run.workload.prompt_len, run.threads) == ("nocache", 256, 1)

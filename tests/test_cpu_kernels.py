@@ -31,7 +31,9 @@ def test_prepacked_linear_equals_linear(bias):
 def test_prepacked_model_gives_identical_logits(tiny_checkpoints):
     plain, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16, cpu_prepack=False)
     packed, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16)
-    assert sum(isinstance(m, PrepackedLinear) for m in packed.modules()) == 4 * 2 + 1  # qkv, o, gate_up, down per layer + head
+    assert (
+        sum(isinstance(m, PrepackedLinear) for m in packed.modules()) == 4 * 2 + 1
+    )  # qkv, o, gate_up, down per layer + head
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(9).expand_as(ids)
     with torch.inference_mode():

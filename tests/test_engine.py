@@ -47,7 +47,9 @@ def test_top_p_keeps_the_nucleus():
 
 
 def test_stops_at_eos(tiny_llama):
-    greedy = engine(tiny_llama).generate([PROMPT], GenerationConfig(12, stop_on_eos=False)).tokens[0]
+    greedy = (
+        engine(tiny_llama).generate([PROMPT], GenerationConfig(12, stop_on_eos=False)).tokens[0]
+    )
     eos = greedy[3]
     stopped = Engine(tiny_llama, build_cache("full", tiny_llama.cache_spec()), eos_ids=[eos])
     tokens = stopped.generate([PROMPT], GenerationConfig(12)).tokens[0]
@@ -85,7 +87,11 @@ def test_generation_config_names_the_bad_field(kwargs, field):
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [(dict(temperature=-1.0), "temperature"), (dict(top_k=-2), "top_k"), (dict(top_p=0.0), "top_p")],
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_k=-2), "top_k"),
+        (dict(top_p=0.0), "top_p"),
+    ],
 )
 def test_sampling_config_names_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

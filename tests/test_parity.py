@@ -45,8 +45,9 @@ def test_default_model_matches_transformers(smollm2):
     from transformers import AutoModelForCausalLM
 
     model, tokenizer = smollm2
-    hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint("smollm2-135m"),
-                                              dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(
+        resolve_checkpoint("smollm2-135m"), dtype=torch.float32
+    ).eval()
     text = "The KV cache makes decoding fast, but it grows with every token of the context."
     ids = tokenizer(text, return_tensors="pt").input_ids
     with torch.inference_mode():

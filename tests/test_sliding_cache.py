@@ -23,10 +23,15 @@ class BandRecompute(KVCache):
 
     def attend(self, layer, q, k, v, k_raw):
         pos = torch.arange(q.shape[2])
-        visible = (pos[None] <= pos[:, None]) & ((pos[None] < SINKS) | (pos[None] > pos[:, None] - WINDOW))
+        visible = (pos[None] <= pos[:, None]) & (
+            (pos[None] < SINKS) | (pos[None] > pos[:, None] - WINDOW)
+        )
         return torch.nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(q.shape[1] // k.shape[1], 1),
-            v.repeat_interleave(q.shape[1] // v.shape[1], 1), attn_mask=visible)
+            q,
+            k.repeat_interleave(q.shape[1] // k.shape[1], 1),
+            v.repeat_interleave(q.shape[1] // v.shape[1], 1),
+            attn_mask=visible,
+        )
 
     def end(self):
         self.step = None
@@ -39,8 +44,9 @@ class BandRecompute(KVCache):
 
 
 def continuation(model, cache, prompt, chunk=0, steps=10) -> Generation:
-    return Engine(model, cache).generate([prompt], GenerationConfig(steps, stop_on_eos=False,
-                                                                    prefill_chunk=chunk))
+    return Engine(model, cache).generate(
+        [prompt], GenerationConfig(steps, stop_on_eos=False, prefill_chunk=chunk)
+    )
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 3, 7])

@@ -1,7 +1,8 @@
 """KV-cache strategies: one file each, registered by name (see ``base.py`` for the contract)."""
 
-from kvlab.cache import full, nocache, quantized, sliding  # noqa: F401  (registers the strategies)
+from kvlab.cache import full, gqa_shared, nocache, paged, quantized, sliding  # noqa: F401  (registers the strategies)
 from kvlab.cache.base import (
+    CacheFull,
     CacheOptions,
     CacheSpec,
     KVCache,
@@ -14,6 +15,7 @@ from kvlab.cache.base import (
 )
 
 __all__ = [
+    "CacheFull",
     "CacheOptions",
     "CacheSpec",
     "KVCache",

@@ -36,11 +36,17 @@ class CacheSpec:
 @dataclass
 class StepInfo:
     """One forward step: ``positions`` (B, T) absolute token positions; ``num_new[b]`` of the
-    T tokens of row b are real, the rest right padding; ``rope`` rotates at those positions."""
+    T tokens of row b are real, the rest right padding; ``rope`` rotates at those positions;
+    ``ids`` (B, T) are the tokens themselves (prefix sharing hashes them)."""
 
     positions: torch.Tensor
     num_new: list[int]
     rope: RotaryTables
+    ids: torch.Tensor | None = None
+
+
+class CacheFull(RuntimeError):
+    """A strategy has no room for a step; the engine may preempt a sequence and retry."""
 
 
 @dataclass(frozen=True)

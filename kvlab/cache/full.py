@@ -22,7 +22,9 @@ def step_mask(lengths: list[int], steps: int, device: torch.device) -> torch.Ten
         return None
     total = max(lengths) + steps
     slots = torch.arange(total, device=device)  # (L,)
-    last_visible = torch.tensor(lengths, device=device)[:, None] + torch.arange(steps, device=device)
+    last_visible = torch.tensor(lengths, device=device)[:, None] + torch.arange(
+        steps, device=device
+    )
     return (slots[None, None, :] <= last_visible[:, :, None])[:, None]  # (B, 1, T, L)
 
 

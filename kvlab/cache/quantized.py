@@ -60,8 +60,13 @@ class TokenGroupStore:
         """Dequantize the first ``count`` tokens of every row into out (B, H, count, D)."""
         batch, heads, _, dim = out.shape
         target = out.view(batch, heads, count, dim // self.group, self.group)
-        dequantize(self.codes[layer, :, :, :count], self.scale[layer, :, :, :count],
-                   self.zero[layer, :, :, :count], self.bits, out=target)
+        dequantize(
+            self.codes[layer, :, :, :count],
+            self.scale[layer, :, :, :count],
+            self.zero[layer, :, :, :count],
+            self.bits,
+            out=target,
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.scale, self.zero]
@@ -93,8 +98,13 @@ class ChannelGroupStore(TokenGroupStore):
         batch, heads, _, dim = out.shape
         groups = count // self.group
         target = out.view(batch, heads, groups, self.group, dim)  # (B, H, n/G, G, D)
-        dequantize(self.codes[layer, :, :, :groups], self.scale[layer, :, :, :groups],
-                   self.zero[layer, :, :, :groups], self.bits, out=target)
+        dequantize(
+            self.codes[layer, :, :, :groups],
+            self.scale[layer, :, :, :groups],
+            self.zero[layer, :, :, :groups],
+            self.bits,
+            out=target,
+        )
 
 
 class QuantizedCache(KVCache):
@@ -112,12 +122,27 @@ class QuantizedCache(KVCache):
         super().allocate(batch_size, max_tokens)
         s, o = self.spec, self.options
         slots = -(-max_tokens // o.group_size) * o.group_size
-        args = (s.num_layers, batch_size, s.num_kv_heads, slots, s.head_dim, o.group_size,
-                o.bits, s.dtype, s.device)
+        args = (
+            s.num_layers,
+            batch_size,
+            s.num_kv_heads,
+            slots,
+            s.head_dim,
+            o.group_size,
+            o.bits,
+            s.dtype,
+            s.device,
+        )
         key_store = ChannelGroupStore if o.key_axis == "channel" else TokenGroupStore
         self.keys, self.values = key_store(*args), TokenGroupStore(*args)
-        tail_shape = (s.num_layers, 2, batch_size, s.num_kv_heads, o.residual + o.group_size,
-                      s.head_dim)
+        tail_shape = (
+            s.num_layers,
+            2,
+            batch_size,
+            s.num_kv_heads,
+            o.residual + o.group_size,
+            s.head_dim,
+        )
         self.tail = torch.zeros(tail_shape, dtype=s.dtype, device=s.device)
         # one layer's dequantized keys and values, reused by every layer: attention reads
         # [dequantized | tail | new] from here without concatenating
@@ -130,7 +155,9 @@ class QuantizedCache(KVCache):
         super().free(rows)
         index = torch.tensor(keep, dtype=torch.long, device=self.tail.device)
         for store in (self.keys, self.values):
-            store.codes, store.scale, store.zero = (t.index_select(1, index) for t in store.tensors())
+            store.codes, store.scale, store.zero = (
+                t.index_select(1, index) for t in store.tensors()
+            )
         self.tail = self.tail.index_select(2, index)
         self.workspace = self.workspace.index_select(1, index)
         self.quantized = [self.quantized[b] for b in keep]
@@ -152,13 +179,18 @@ class QuantizedCache(KVCache):
             return None
         device = self.spec.device
         slots_q, slots_t = torch.arange(nq, device=device), torch.arange(nt, device=device)
-        past = torch.cat([slots_q[None] < torch.tensor(self.quantized, device=device)[:, None],
-                          slots_t[None] < torch.tensor(self.tail_len, device=device)[:, None]],
-                         dim=1)  # (B, nq + nt)
+        past = torch.cat(
+            [
+                slots_q[None] < torch.tensor(self.quantized, device=device)[:, None],
+                slots_t[None] < torch.tensor(self.tail_len, device=device)[:, None],
+            ],
+            dim=1,
+        )  # (B, nq + nt)
         causal = torch.ones(steps, steps, dtype=torch.bool, device=device).tril()  # (T, T)
         batch = len(self.lengths)
-        mask = torch.cat([past[:, None].expand(batch, steps, -1),
-                          causal.expand(batch, steps, steps)], dim=-1)  # (B, T, L)
+        mask = torch.cat(
+            [past[:, None].expand(batch, steps, -1), causal.expand(batch, steps, steps)], dim=-1
+        )  # (B, T, L)
         return mask[:, None]
 
     def attend(self, layer, q, k, v, k_raw):
@@ -182,7 +214,10 @@ class QuantizedCache(KVCache):
         for row, (n, to_quantize) in enumerate(zip(self.step.num_new, self._plan, strict=True)):
             tail, start = self.tail[layer, :, row], self.tail_len[row]  # (2, H, R+G, D)
             if not to_quantize:
-                tail[0, :, start : start + n], tail[1, :, start : start + n] = k[row, :, :n], v[row, :, :n]
+                tail[0, :, start : start + n], tail[1, :, start : start + n] = (
+                    k[row, :, :n],
+                    v[row, :, :n],
+                )
                 continue
             both = torch.cat([tail[:, :, :start], torch.stack([k[row], v[row]])[:, :, :n]], dim=2)
             self.keys.write(layer, row, self.quantized[row], both[0, :, :to_quantize])
@@ -211,8 +246,11 @@ class QuantizedCache(KVCache):
                 per_slot = t.numel() * t.element_size() // (t.shape[1] * t.shape[3])
                 slots = sum(n * t.shape[3] // self._slot_capacity() for n in self.quantized)
                 used += per_slot * slots
-        per_tail_slot = self.tail.numel() * self.tail.element_size() // (
-            self.tail.shape[2] * self.tail.shape[4])
+        per_tail_slot = (
+            self.tail.numel()
+            * self.tail.element_size()
+            // (self.tail.shape[2] * self.tail.shape[4])
+        )
         return used + per_tail_slot * sum(self.tail_len)
 
     def _slot_capacity(self) -> int:

@@ -48,7 +48,10 @@ class SlidingWindowCache(KVCache):
         keep = [b for b in range(len(self.lengths)) if b not in set(rows)]
         super().free(rows)
         index = torch.tensor(keep, dtype=torch.long, device=self.kv.device)
-        self.kv, self.slot_pos = self.kv.index_select(2, index), self.slot_pos.index_select(0, index)
+        self.kv, self.slot_pos = (
+            self.kv.index_select(2, index),
+            self.slot_pos.index_select(0, index),
+        )
 
     def _slot(self, position: int) -> int:
         sinks = self.options.sinks
@@ -64,11 +67,15 @@ class SlidingWindowCache(KVCache):
     def begin(self, step: StepInfo) -> None:
         super().begin(step)
         steps = step.positions.shape[1]
-        self._writes = [self._survivors(n0, n) for n0, n in zip(self.lengths, step.num_new, strict=True)]
+        self._writes = [
+            self._survivors(n0, n) for n0, n in zip(self.lengths, step.num_new, strict=True)
+        ]
         self._write_first = steps == 1  # decode: store, then attend over the slots alone
         filled = [min(n, self.slots) for n in self.lengths]
         if self._write_first:
-            filled = [min(n + k, self.slots) for n, k in zip(self.lengths, step.num_new, strict=True)]
+            filled = [
+                min(n + k, self.slots) for n, k in zip(self.lengths, step.num_new, strict=True)
+            ]
         self._read = max(filled)
         self._mask = self._decode_mask(filled) if self._write_first else self._band_mask(steps)
 
@@ -112,8 +119,9 @@ class SlidingWindowCache(KVCache):
     def end(self) -> None:
         for row, ((picks, slots), start) in enumerate(zip(self._writes, self.lengths, strict=True)):
             if picks:
-                self.slot_pos[row, slots] = torch.tensor([start + i for i in picks],
-                                                         device=self.slot_pos.device)
+                self.slot_pos[row, slots] = torch.tensor(
+                    [start + i for i in picks], device=self.slot_pos.device
+                )
         super().end()
 
     def tensors(self) -> Iterable[torch.Tensor]:

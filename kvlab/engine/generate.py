@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.cache.base import KVCache, MemoryReport
+from kvlab.cache.base import CacheFull, KVCache, MemoryReport
 from kvlab.engine.sampling import SamplingConfig, sample
 from kvlab.engine.timing import now
 from kvlab.models.llama import Decoder
@@ -44,6 +44,7 @@ class GenerationStats:
     step_s: list[float] = field(default_factory=list)  # one entry per decode step
     step_rows: list[int] = field(default_factory=list)  # sequences decoded in that step
     kv_peak: MemoryReport = field(default_factory=lambda: MemoryReport(0, 0, 0))
+    preemptions: int = 0  # sequences evicted by a full cache and recomputed later
 
     def note_memory(self, report: MemoryReport) -> None:
         if report.held_bytes >= self.kv_peak.held_bytes:
@@ -62,6 +63,7 @@ class Generation:
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.active = list(range(len(prompts)))  # prompt index of each cache row
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
+        self.tokens_emitted = False
         self._gen = torch.Generator(device=engine.device).manual_seed(cfg.sampling.seed)
         window = engine.model.config.sliding_window
         if window and max(map(len, self.seqs)) + cfg.max_new_tokens > window:
@@ -72,22 +74,62 @@ class Generation:
             )
 
     def __iter__(self) -> Iterator[dict[int, int]]:
-        engine, cache, device = self.engine, self.engine.cache, self.engine.device
-        chunk = self.cfg.prefill_chunk or max(map(len, self.seqs))
-        capacity = -(-max(map(len, self.seqs)) // chunk) * chunk + self.cfg.max_new_tokens
-        cache.allocate(len(self.seqs), capacity)
-        start = now(device)
-        emitted = self._emit(engine.prefill(self.seqs, chunk))
-        self.stats.ttft_s = now(device) - start
-        yield emitted
-        while self.active:
+        waiting = list(range(len(self.seqs)))
+        while waiting:  # more than one round only when the cache preempted sequences
+            self.active, waiting = waiting, []
+            yield self._prefill_round(waiting)
+            while self.active:
+                yield self._decode_step(waiting)
+        self.stats.note_memory(self.engine.cache.memory())
+
+    def _prefill_round(self, waiting: list[int]) -> dict[int, int]:
+        """Prefill the active sequences (prompt + what they generated before a preemption);
+        rows that do not fit wait for the next round."""
+        engine, device = self.engine, self.engine.device
+        while True:
+            seqs = [self.seqs[i] for i in self.active]
+            chunk = self.cfg.prefill_chunk or max(map(len, seqs))
+            engine.cache.allocate(
+                len(seqs), -(-max(map(len, seqs)) // chunk) * chunk + self.cfg.max_new_tokens
+            )
             start = now(device)
-            rows = len(self.active)
-            emitted = self._emit(engine.decode_step([self.seqs[i] for i in self.active]))
-            self.stats.step_s.append(now(device) - start)
+            try:
+                emitted = self._emit(engine.prefill(seqs, chunk))
+                break
+            except CacheFull as full:
+                self._preempt(waiting, full, free=False)
+        self._record(now(device) - start, len(seqs), first=not self.tokens_emitted)
+        self.tokens_emitted = True
+        return emitted
+
+    def _decode_step(self, waiting: list[int]) -> dict[int, int]:
+        engine, device = self.engine, self.engine.device
+        while True:
+            start, rows = now(device), len(self.active)
+            try:
+                emitted = self._emit(engine.decode_step([self.seqs[i] for i in self.active]))
+                break
+            except CacheFull as full:
+                self._preempt(waiting, full, free=True)
+        self._record(now(device) - start, rows, first=False)
+        return emitted
+
+    def _preempt(self, waiting: list[int], error: CacheFull, free: bool) -> None:
+        """Evict the most recently admitted sequence to recompute it later (vLLM's recompute
+        preemption); with a single sequence left, eviction cannot help: the error stands."""
+        if len(self.active) == 1:
+            raise error
+        if free:
+            self.engine.cache.free([len(self.active) - 1])
+        waiting.insert(0, self.active.pop())
+        self.stats.preemptions += 1
+
+    def _record(self, seconds: float, rows: int, first: bool) -> None:
+        if first:
+            self.stats.ttft_s = seconds
+        else:
+            self.stats.step_s.append(seconds)
             self.stats.step_rows.append(rows)
-            yield emitted
-        self.stats.note_memory(cache.memory())
 
     def _emit(self, logits: torch.Tensor) -> dict[int, int]:
         """Sample a token per active row, record it, and free rows that are done."""
@@ -142,7 +184,9 @@ class Engine:
             num_new = (lengths - begin).clamp(0, piece.shape[1])  # (B,)
             positions = begin + torch.arange(piece.shape[1], device=self.device)
             index = (num_new - 1).clamp(min=0)
-            logits = self.model(piece, positions.expand_as(piece), self.cache, num_new.tolist(), index)
+            logits = self.model(
+                piece, positions.expand_as(piece), self.cache, num_new.tolist(), index
+            )
             ends_here = (lengths > begin) & (lengths <= begin + piece.shape[1])
             last[ends_here] = logits[ends_here]
         return last

@@ -121,7 +121,7 @@ class Decoder(nn.Module):
         batch, steps = ids.shape
         x = self.embed_tokens(ids)  # (B, T, hidden)
         rope = RotaryTables(self.inv_freq, positions, x.dtype)
-        cache.begin(StepInfo(positions, num_new or [steps] * batch, rope))
+        cache.begin(StepInfo(positions, num_new or [steps] * batch, rope, ids))
         for layer in self.layers:
             x = layer(x, rope, cache)
         cache.end()

@@ -1,0 +1,91 @@
+"""``paged``: block accounting, prefix sharing, copy-on-write and pool exhaustion, with
+outputs equal to running each sequence alone on a ``full`` cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvlab.cache import CacheFull, build_cache
+from kvlab.engine import Engine, GenerationConfig
+
+CFG = GenerationConfig(6, stop_on_eos=False)
+PREFIX = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]  # 10 tokens: 2 full blocks of 4 + 2
+
+
+def alone(model, prompts):
+    engine = Engine(model, build_cache("full", model.cache_spec()))
+    return [engine.generate([p], CFG).tokens[0] for p in prompts]
+
+
+def paged(model, **options):
+    cache = build_cache("paged", model.cache_spec(), dict(block_size=4, **options))
+    return cache, Engine(model, cache)
+
+
+def test_common_prefix_shares_full_blocks(tiny_llama):
+    prompts = [PREFIX + [30, 31], PREFIX + [40], PREFIX[:9]]
+    cache, engine = paged(tiny_llama)
+    run = engine.stream(prompts, CFG)
+    first = next(iter(run))
+    report = cache.memory()
+    block_bytes = report.details["in_use_bytes"] // report.details["blocks_in_use"]
+    assert report.details["shared_saved_bytes"] == 4 * block_bytes  # rows 2, 3 reuse 2 blocks
+    assert [cache.tables[r][:2] for r in range(3)] == [cache.tables[0][:2]] * 3
+    for _ in run:
+        pass
+    assert all(first[i] == run.tokens[i][0] for i in range(3))
+    assert run.tokens == alone(tiny_llama, prompts)
+
+
+def test_identical_prompts_share_then_copy_on_write(tiny_llama):
+    prompts = [PREFIX, PREFIX]
+    cache, engine = paged(tiny_llama)
+    run = engine.stream(prompts, CFG)
+    iterator = iter(run)
+    next(iterator)  # after prefill: every block shared, the partial one too
+    assert cache.tables[0] == cache.tables[1]
+    next(iterator)  # the first decode writes into the shared partial block: copied first
+    assert cache.tables[0][:2] == cache.tables[1][:2]
+    assert cache.tables[0][2] != cache.tables[1][2]
+    for _ in iterator:
+        pass
+    assert run.tokens == alone(tiny_llama, prompts)
+
+
+def test_finished_sequences_return_their_blocks(tiny_llama):
+    cache, engine = paged(tiny_llama, prefix_sharing=False)
+    engine.generate([PREFIX, PREFIX[:3]], CFG)
+    assert cache.pool.in_use == [] and len(cache.pool.free) == cache.pool.num_blocks
+
+
+def test_prefix_is_reused_by_a_later_generation(tiny_llama):
+    cache, engine = paged(tiny_llama)
+    engine.generate([PREFIX + [50]], CFG)
+    run = engine.stream([PREFIX + [60]], CFG)
+    next(iter(run))
+    assert cache.tables[0][:2] == [0, 1]  # the first generation's blocks, found by hash
+
+
+def test_waste_is_below_one_block_per_sequence(tiny_llama):
+    prompts = [PREFIX[:n] for n in (3, 5, 9, 10)]
+    cache, engine = paged(tiny_llama, prefix_sharing=False)
+    run = engine.stream(prompts, GenerationConfig(2, stop_on_eos=False))
+    next(iter(run))
+    report = cache.memory()
+    slot_bytes = report.details["in_use_bytes"] // (report.details["blocks_in_use"] * 4)
+    assert report.details["waste_bytes"] == slot_bytes * sum(-n % 4 for n in (3, 5, 9, 10))
+
+
+def test_exhausted_pool_fails_clearly(tiny_llama):
+    _, engine = paged(tiny_llama, num_blocks=3, prefix_sharing=False)
+    with pytest.raises(CacheFull, match="all 3 blocks of 4 tokens are in use"):
+        engine.generate([PREFIX, PREFIX[:5]], CFG)
+
+
+def test_full_pool_preempts_and_recomputes(tiny_llama):
+    prompts = [PREFIX, PREFIX[::-1]]  # 10 tokens each: 3 blocks; 15 tokens at the end: 4
+    cache, engine = paged(tiny_llama, num_blocks=6, prefix_sharing=False)
+    run = engine.generate(prompts, CFG)
+    assert run.stats.preemptions == 1
+    assert run.tokens == alone(tiny_llama, prompts)
+    assert cache.pool.in_use == []
