@@ -34,6 +34,11 @@ EXACT = {
 }
 STRATEGIES = sorted(registered())
 TOLERANCE = 1e-4
+# Compositions by configuration: quantized storage under paged and sliding.
+COMPOSED = [
+    ("paged", dict(block_size=4, kv_bits=4, kv_group_size=8)),
+    ("sliding", dict(sinks=2, window=6, kv_bits=8, kv_group_size=16)),
+]
 
 
 def test_every_strategy_has_contract_cases():
@@ -103,9 +108,18 @@ def test_batch_of_different_lengths_equals_separate_runs(name, setting, tiny_lla
     assert together == alone
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_memory_report_counts_held_tensors(name, tiny_llama):
-    cache = build_cache(name, tiny_llama.cache_spec(), LOSSY[name])
+@pytest.mark.parametrize(("name", "options"), COMPOSED)
+def test_composed_storage_batches_like_separate_runs(name, options, tiny_llama):
+    batch = prompts(tiny_llama.config.vocab_size)
+    cfg = GenerationConfig(8, stop_on_eos=False)
+    engine = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec(), options))
+    together = engine.generate(batch, cfg).tokens
+    assert together == [engine.generate([p], cfg).tokens[0] for p in batch]
+
+
+@pytest.mark.parametrize(("name", "options"), [(n, LOSSY[n]) for n in STRATEGIES] + COMPOSED)
+def test_memory_report_counts_held_tensors(name, options, tiny_llama):
+    cache = build_cache(name, tiny_llama.cache_spec(), options)
     engine = Engine(tiny_llama, cache)
     run = engine.stream(
         prompts(tiny_llama.config.vocab_size), GenerationConfig(4, stop_on_eos=False)

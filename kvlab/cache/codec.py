@@ -8,6 +8,8 @@ last axis.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 BITS = (2, 4, 8)
@@ -63,3 +65,65 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., M, per_byte)
     return codes.flatten(-2)
+
+
+@dataclass
+class CodecOptions:
+    """Options of strategies whose storage can be quantized per token: ``kv_bits=0`` keeps
+    K/V exactly; 8/4/2 store codes with a scale and zero per ``kv_group_size`` channels."""
+
+    kv_bits: int = 0
+    kv_group_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.kv_bits not in (0, *BITS):
+            raise ValueError(f"cache.options.kv_bits={self.kv_bits} is invalid; allowed: 0, {BITS}")
+        if self.kv_group_size < 1:
+            raise ValueError(f"cache.options.kv_group_size={self.kv_group_size} must be >= 1")
+
+    def codec(self, head_dim: int, dtype: torch.dtype) -> TokenCodec:
+        if not self.kv_bits:
+            return TokenCodec(head_dim, dtype)
+        return QuantizedTokenCodec(head_dim, dtype, self.kv_bits, self.kv_group_size)
+
+
+class TokenCodec:
+    """How one key or value vector (..., D) is stored: here exactly, as one component."""
+
+    def __init__(self, head_dim: int, dtype: torch.dtype):
+        self.head_dim, self.dtype = head_dim, dtype
+
+    def layouts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(trailing shape, dtype) of each stored component."""
+        return [((self.head_dim,), self.dtype)]
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return [x]
+
+    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0]
+
+
+class QuantizedTokenCodec(TokenCodec):
+    """Per-token asymmetric quantization over groups of channels (HF QuantizedCache style)."""
+
+    def __init__(self, head_dim: int, dtype: torch.dtype, bits: int, group: int):
+        if head_dim % group:
+            raise ValueError(f"cache.options.kv_group_size={group} must divide head_dim={head_dim}")
+        super().__init__(head_dim, dtype)
+        self.bits, self.group = bits, group
+
+    def layouts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        groups = self.head_dim // self.group
+        return [
+            ((groups, self.group * self.bits // 8), torch.uint8),
+            ((groups, 1), self.dtype),
+            ((groups, 1), self.dtype),
+        ]
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        grouped = x.reshape(*x.shape[:-1], self.head_dim // self.group, self.group)
+        return list(quantize(grouped, self.bits))
+
+    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return dequantize(*parts, self.bits).flatten(-2)  # (..., D)

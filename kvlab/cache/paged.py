@@ -4,7 +4,9 @@ K/V live in a pool of fixed-size blocks; each sequence has a block table and tak
 as it grows, returning them when it finishes. Blocks are indexed by the hash chain of their
 tokens, so a prompt that starts like an earlier one reuses its blocks (prefix sharing), and
 a block shared by several sequences is copied before one of them writes into it. Attention
-gathers a sequence's blocks in order (no fused paged kernel in eager PyTorch); exact.
+gathers a sequence's blocks in order (no fused paged kernel in eager PyTorch); exact, or
+quantized per token with ``kv_bits`` (every token, the step's own included, is read back
+from what the cache stores).
 """
 
 from __future__ import annotations
@@ -24,16 +26,18 @@ from kvlab.cache.base import (
     sdpa,
 )
 from kvlab.cache.blocks import BlockPool
+from kvlab.cache.codec import CodecOptions
 from kvlab.cache.full import step_mask
 
 
 @dataclass
-class PagedOptions(CacheOptions):
+class PagedOptions(CodecOptions, CacheOptions):
     block_size: int = 16
     num_blocks: int = 0  # 0: enough for every sequence of the first batch at full length
     prefix_sharing: bool = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.block_size < 1:
             raise ValueError(f"cache.options.block_size={self.block_size} must be >= 1")
         if self.num_blocks < 0:
@@ -42,14 +46,15 @@ class PagedOptions(CacheOptions):
 
 @register("paged")
 class PagedCache(KVCache):
-    """Block pool (L, 2, N, block, H_kv, D) + per-row block tables."""
+    """Block pool (L, 2, N, block, H_kv, ...) per stored component + per-row block tables.
+    With ``kv_bits`` the components are codes, scales and zeros (per-token quantization)."""
 
     Options = PagedOptions
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
         self.pool: BlockPool | None = None
-        self.kv: torch.Tensor | None = None
+        self.kv: list[torch.Tensor] = []  # one pool per codec component
         self.tables: list[list[int]] = []
         self.tokens: list[list[int]] = []  # token ids per row, for the prefix hash chain
         self.max_tokens = 0
@@ -59,11 +64,15 @@ class PagedCache(KVCache):
             self._release_row(row)
         super().allocate(batch_size, max_tokens)
         o, s = self.options, self.spec
-        if self.kv is None:
+        if not self.kv:
             blocks = o.num_blocks or batch_size * -(-max_tokens // o.block_size) + batch_size
             self.pool = BlockPool(blocks, o.block_size)
-            shape = (s.num_layers, 2, blocks, o.block_size, s.num_kv_heads, s.head_dim)
-            self.kv = torch.zeros(shape, dtype=s.dtype, device=s.device)
+            self.codec = o.codec(s.head_dim, s.dtype)
+            shape = (s.num_layers, 2, blocks, o.block_size, s.num_kv_heads)
+            self.kv = [
+                torch.zeros(*shape, *trailing, dtype=dtype, device=s.device)
+                for trailing, dtype in self.codec.layouts()
+            ]
         self.tables = [[] for _ in range(batch_size)]
         self.tokens = [[] for _ in range(batch_size)]
         self.max_tokens = max_tokens
@@ -181,32 +190,34 @@ class PagedCache(KVCache):
     def _copy_on_write(self, block: int) -> int:
         """A private copy of a shared block, for the row about to write into it."""
         copy = self.pool.take()
-        self.kv[:, :, copy] = self.kv[:, :, block]
+        for component in self.kv:
+            component[:, :, copy] = component[:, :, block]
         self.pool.fill[copy] = self.pool.fill[block]
         self.pool.release(block)
         return copy
 
     # ---- the per-layer work -----------------------------------------------------------
     def attend(self, layer, q, k, v, k_raw):
-        pool = self.kv[layer]  # (2, N, block, H_kv, D)
-        pool[0, self._dst_blocks, self._dst_slots] = k[self._src_rows, :, self._src_steps]
-        pool[1, self._dst_blocks, self._dst_slots] = v[self._src_rows, :, self._src_steps]
+        rows, steps = self._src_rows, self._src_steps
+        encoded = zip(self.codec.encode(k), self.codec.encode(v), strict=True)
+        for component, (k_part, v_part) in zip(self.kv, encoded, strict=True):
+            pool = component[layer]  # (2, N, block, H_kv, ...)
+            pool[0, self._dst_blocks, self._dst_slots] = k_part[rows, :, steps]
+            pool[1, self._dst_blocks, self._dst_slots] = v_part[rows, :, steps]
         total = max(self.lengths) + q.shape[2]
-        batch, blocks = self.table.shape
-        gathered = pool[:, self.table].flatten(2, 3)[:, :, :total]  # (2, B, L, H_kv, D)
-        keys, values = gathered.transpose(2, 3)  # (B, H_kv, L, D) each
+        parts = [c[layer][:, self.table].flatten(2, 3)[:, :, :total] for c in self.kv]
+        keys, values = self.codec.decode(parts).transpose(2, 3)  # (B, H_kv, L, D) each
         return sdpa(q, keys, values, mask=self._mask, causal=self._causal)
 
     # ---- accounting ---------------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:
-        held = [] if self.kv is None else [self.kv]
-        return held + ([self.table] if hasattr(self, "table") else [])
+        return self.kv + ([self.table] if hasattr(self, "table") else [])
 
     def _block_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size() // self.pool.num_blocks
+        return sum(c.numel() * c.element_size() for c in self.kv) // self.pool.num_blocks
 
     def used_bytes(self) -> int:
-        if self.kv is None:
+        if not self.kv:
             return 0
         per_slot = self._block_bytes() // self.options.block_size
         table = self.table.numel() * self.table.element_size() if hasattr(self, "table") else 0
@@ -216,7 +227,7 @@ class PagedCache(KVCache):
         """Also: blocks in use, waste inside them, sharing, and what a contiguous cache
         preallocated to the maximum length would reserve for the same rows."""
         report = super().memory()
-        if self.kv is None:
+        if not self.kv:
             return report
         in_use, block_bytes = self.pool.in_use, self._block_bytes()
         per_slot = block_bytes // self.options.block_size

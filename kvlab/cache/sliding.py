@@ -5,7 +5,7 @@ memory is bounded whatever the length. A query attends to the sinks and to the `
 most recent tokens including itself, whether the prompt comes in one pass, in chunks or
 token by token (a band mask on multi-token steps), so ``window`` >= length is exactly ``full``.
 Keys keep their original positions (StreamingLLM's re-positioning inside the cache is not
-implemented yet).
+implemented yet). With ``kv_bits`` the slots hold per-token quantized K/V.
 """
 
 from __future__ import annotations
@@ -16,14 +16,16 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache.base import CacheOptions, KVCache, StepInfo, register, sdpa
+from kvlab.cache.codec import CodecOptions
 
 
 @dataclass
-class SlidingOptions(CacheOptions):
+class SlidingOptions(CodecOptions, CacheOptions):
     sinks: int = 4
     window: int = 1024
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.sinks < 0:
             raise ValueError(f"cache.options.sinks={self.sinks} must be >= 0")
         if self.window < 1:
@@ -40,18 +42,20 @@ class SlidingWindowCache(KVCache):
         super().allocate(batch_size, max_tokens)
         s, o = self.spec, self.options
         self.slots = min(o.sinks + o.window, max_tokens)
-        shape = (s.num_layers, 2, batch_size, s.num_kv_heads, self.slots, s.head_dim)
-        self.kv = torch.zeros(shape, dtype=s.dtype, device=s.device)
+        self.codec = o.codec(s.head_dim, s.dtype)
+        shape = (s.num_layers, 2, batch_size, s.num_kv_heads, self.slots)
+        self.kv = [
+            torch.zeros(*shape, *trailing, dtype=dtype, device=s.device)
+            for trailing, dtype in self.codec.layouts()
+        ]  # one per codec component
         self.slot_pos = torch.full((batch_size, self.slots), -1, dtype=torch.long, device=s.device)
 
     def free(self, rows: Sequence[int]) -> None:
         keep = [b for b in range(len(self.lengths)) if b not in set(rows)]
         super().free(rows)
-        index = torch.tensor(keep, dtype=torch.long, device=self.kv.device)
-        self.kv, self.slot_pos = (
-            self.kv.index_select(2, index),
-            self.slot_pos.index_select(0, index),
-        )
+        index = torch.tensor(keep, dtype=torch.long, device=self.slot_pos.device)
+        self.kv = [component.index_select(2, index) for component in self.kv]
+        self.slot_pos = self.slot_pos.index_select(0, index)
 
     def _slot(self, position: int) -> int:
         sinks = self.options.sinks
@@ -102,19 +106,31 @@ class SlidingWindowCache(KVCache):
     def attend(self, layer, q, k, v, k_raw):
         if self._write_first:
             self._write(layer, k, v)
-            kept = self.kv[layer, :, :, :, : self._read]  # (2, B, H_kv, S, D)
+            kept = self._kept(layer)  # (2, B, H_kv, S, D)
             return sdpa(q, kept[0], kept[1], mask=self._mask)
-        kept = self.kv[layer, :, :, :, : self._read]
-        keys, values = torch.cat([kept[0], k], dim=2), torch.cat([kept[1], v], dim=2)
+        kept = self._kept(layer)
+        k_new, v_new = self._as_stored(k), self._as_stored(v)  # as decode would read them
+        keys, values = torch.cat([kept[0], k_new], dim=2), torch.cat([kept[1], v_new], dim=2)
         out = sdpa(q, keys, values, mask=self._mask, causal=self._mask is None)
         self._write(layer, k, v)
         return out
 
+    def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """x after a round trip through storage (itself when storage is exact)."""
+        return self.codec.decode(self.codec.encode(x))
+
+    def _kept(self, layer: int) -> torch.Tensor:
+        """What the slots hold for ``layer``, decoded: (2, B, H_kv, S, D)."""
+        return self.codec.decode([c[layer, :, :, :, : self._read] for c in self.kv])
+
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        encoded = list(zip(self.codec.encode(k), self.codec.encode(v), strict=True))
         for row, (picks, slots) in enumerate(self._writes):
-            if picks:
-                self.kv[layer, 0, row, :, slots] = k[row, :, picks]
-                self.kv[layer, 1, row, :, slots] = v[row, :, picks]
+            if not picks:
+                continue
+            for component, (k_part, v_part) in zip(self.kv, encoded, strict=True):
+                component[layer, 0, row, :, slots] = k_part[row, :, picks]
+                component[layer, 1, row, :, slots] = v_part[row, :, picks]
 
     def end(self) -> None:
         for row, ((picks, slots), start) in enumerate(zip(self._writes, self.lengths, strict=True)):
@@ -125,11 +141,12 @@ class SlidingWindowCache(KVCache):
         super().end()
 
     def tensors(self) -> Iterable[torch.Tensor]:
-        return [] if not self.lengths else [self.kv, self.slot_pos]
+        return [] if not self.lengths else [*self.kv, self.slot_pos]
 
     def used_bytes(self) -> int:
         if not self.lengths:
             return 0
-        per_slot = self.kv.numel() * self.kv.element_size() // (self.kv.shape[2] * self.slots)
+        kv_bytes = sum(c.numel() * c.element_size() for c in self.kv)
+        per_slot = kv_bytes // (len(self.lengths) * self.slots)
         filled = int((self.slot_pos >= 0).sum())
         return per_slot * filled + self.slot_pos.numel() * self.slot_pos.element_size()
