@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 from transformers import AutoModelForCausalLM
-from transformers.generation.streamers import BaseStreamer
 
 import kvlab
+from kvlab.analysis.hf_baseline import timed_generate
 from kvlab.cache import build_cache
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.engine.timing import percentile
@@ -25,35 +24,9 @@ from kvlab.models import resolve_checkpoint
 from kvlab.workload import build_prompts
 
 
-class TokenClock(BaseStreamer):
-    """Records the time of each token HF generate emits (the first put is the prompt)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.start = time.perf_counter()
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
-
-
 def run_hf(model, prompt: list[int], new_tokens: int) -> tuple[float, list[float], list[int]]:
-    clock = TokenClock()
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        streamer=clock,
-        pad_token_id=0,
-    )
-    token_times = clock.times[1:]  # drop the prompt put
-    itl = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
-    return token_times[0] - clock.start, itl, out[0, len(prompt) :].tolist()
+    ttft, itl, tokens, _ = timed_generate(model, prompt, new_tokens)
+    return ttft, itl, tokens
 
 
 def run_kvlab(engine: Engine, prompt: list[int], new_tokens: int):

@@ -89,3 +89,10 @@ def test_full_pool_preempts_and_recomputes(tiny_llama):
     assert run.stats.preemptions == 1
     assert run.tokens == alone(tiny_llama, prompts)
     assert cache.pool.in_use == []
+
+
+def test_auto_sized_pool_grows_with_a_larger_batch(tiny_llama):
+    cache, engine = paged(tiny_llama)
+    engine.generate([PREFIX[:3]], CFG)  # a small first batch sizes the pool small
+    assert engine.generate([PREFIX, PREFIX[::-1]], CFG).tokens == alone(
+        tiny_llama, [PREFIX, PREFIX[::-1]])

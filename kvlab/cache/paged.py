@@ -33,7 +33,7 @@ from kvlab.cache.full import step_mask
 @dataclass
 class PagedOptions(CodecOptions, CacheOptions):
     block_size: int = 16
-    num_blocks: int = 0  # 0: enough for every sequence of the first batch at full length
+    num_blocks: int = 0  # 0: grow to fit each batch at full length (+1 block per row)
     prefix_sharing: bool = True
 
     def __post_init__(self) -> None:
@@ -63,19 +63,25 @@ class PagedCache(KVCache):
         for row in range(len(self.tables)):
             self._release_row(row)
         super().allocate(batch_size, max_tokens)
-        o, s = self.options, self.spec
-        if not self.kv:
-            blocks = o.num_blocks or batch_size * -(-max_tokens // o.block_size) + batch_size
-            self.pool = BlockPool(blocks, o.block_size)
-            self.codec = o.codec(s.head_dim, s.dtype)
-            shape = (s.num_layers, 2, blocks, o.block_size, s.num_kv_heads)
-            self.kv = [
-                torch.zeros(*shape, *trailing, dtype=dtype, device=s.device)
-                for trailing, dtype in self.codec.layouts()
-            ]
+        o = self.options
+        needed = batch_size * -(-max_tokens // o.block_size) + batch_size  # + copy-on-write
+        if not self.kv or (o.num_blocks == 0 and needed > self.pool.num_blocks):
+            self._make_pool(o.num_blocks or needed)
         self.tables = [[] for _ in range(batch_size)]
         self.tokens = [[] for _ in range(batch_size)]
         self.max_tokens = max_tokens
+
+    def _make_pool(self, blocks: int) -> None:
+        """A new pool of ``blocks`` blocks (auto-sized pools grow with the batch they serve;
+        the prefix index starts empty)."""
+        s, o = self.spec, self.options
+        self.pool = BlockPool(blocks, o.block_size)
+        self.codec = o.codec(s.head_dim, s.dtype)
+        shape = (s.num_layers, 2, blocks, o.block_size, s.num_kv_heads)
+        self.kv = [
+            torch.zeros(*shape, *trailing, dtype=dtype, device=s.device)
+            for trailing, dtype in self.codec.layouts()
+        ]
 
     def free(self, rows: Sequence[int]) -> None:
         for row in rows:

@@ -47,7 +47,12 @@ class GenerationStats:
     preemptions: int = 0  # sequences evicted by a full cache and recomputed later
 
     def note_memory(self, report: MemoryReport) -> None:
-        if report.held_bytes >= self.kv_peak.held_bytes:
+        """Keep the largest report: most bytes held, then most bytes holding tokens (a
+        preallocated pool holds the same bytes throughout)."""
+        if (report.held_bytes, report.used_bytes) >= (
+            self.kv_peak.held_bytes,
+            self.kv_peak.used_bytes,
+        ):
             self.kv_peak = report
 
 
@@ -80,7 +85,6 @@ class Generation:
             yield self._prefill_round(waiting)
             while self.active:
                 yield self._decode_step(waiting)
-        self.stats.note_memory(self.engine.cache.memory())
 
     def _prefill_round(self, waiting: list[int]) -> dict[int, int]:
         """Prefill the active sequences (prompt + what they generated before a preemption);

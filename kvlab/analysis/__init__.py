@@ -1,0 +1,1 @@
+"""Analysis helpers: reference measurements (Hugging Face baselines), memory, reports."""
