@@ -95,4 +95,5 @@ def test_auto_sized_pool_grows_with_a_larger_batch(tiny_llama):
     cache, engine = paged(tiny_llama)
     engine.generate([PREFIX[:3]], CFG)  # a small first batch sizes the pool small
     assert engine.generate([PREFIX, PREFIX[::-1]], CFG).tokens == alone(
-        tiny_llama, [PREFIX, PREFIX[::-1]])
+        tiny_llama, [PREFIX, PREFIX[::-1]]
+    )

@@ -76,3 +76,58 @@ def test_sinks_are_kept(tiny_llama):
     engine.prefill([list(range(3, 23))], chunk=20)
     held = sorted(cache.slot_pos[0].tolist())
     assert held == [0, 1, *range(20 - WINDOW, 20)]
+
+
+class CachePositionsRecompute(BandRecompute):
+    """Test reference for StreamingLLM's positions within the cache, query by query: the
+    visible keys (sinks, then the window in order) get positions 0, 1, ... from their raw,
+    un-rotated form, and the query takes the next position."""
+
+    def attend(self, layer, q, k, v, k_raw):
+        from kvlab.models.rope import RotaryTables
+
+        rope = self.step.rope
+        group = q.shape[1] // k.shape[1]
+        q_raw = RotaryTables(rope.inv_freq, -self.step.positions, q.dtype).rotate_heads_first(q)
+        outs = []
+        for i in range(q.shape[2]):
+            seen = [j for j in range(i + 1) if j < SINKS or j > i - WINDOW]
+            at = torch.arange(len(seen))[None]  # positions within the cache
+            keys = RotaryTables(rope.inv_freq, at, q.dtype).rotate_heads_first(k_raw[:, :, seen])
+            query = RotaryTables(rope.inv_freq, at[:, -1:], q.dtype).rotate_heads_first(
+                q_raw[:, :, i : i + 1]
+            )
+            outs.append(
+                torch.nn.functional.scaled_dot_product_attention(
+                    query,
+                    keys.repeat_interleave(group, 1),
+                    v[:, :, seen].repeat_interleave(group, 1),
+                )
+            )
+        return torch.cat(outs, dim=2)
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 4])
+def test_cache_positions_equal_streamingllm_reference(chunk, tiny_llama):
+    prompt = list(range(3, 19))
+    reference = continuation(tiny_llama, CachePositionsRecompute(tiny_llama.cache_spec()), prompt)
+    options = dict(sinks=SINKS, window=WINDOW, positions="cache")
+    sliding = build_cache("sliding", tiny_llama.cache_spec(), options)
+    assert continuation(tiny_llama, sliding, prompt, chunk).tokens == reference.tokens
+
+
+def one_pass_logits(model, cache, ids):
+    cache.allocate(1, ids.shape[1])
+    with torch.inference_mode():
+        return model(ids, torch.arange(ids.shape[1])[None], cache)
+
+
+def test_cache_positions_logits_match_and_differ_from_original(tiny_llama):
+    ids = torch.tensor([list(range(3, 19))])
+    spec = tiny_llama.cache_spec()
+    options = dict(sinks=SINKS, window=WINDOW, positions="cache")
+    cache_mode = one_pass_logits(tiny_llama, build_cache("sliding", spec, options), ids)
+    reference = one_pass_logits(tiny_llama, CachePositionsRecompute(spec), ids)
+    original = one_pass_logits(tiny_llama, BandRecompute(spec), ids)
+    assert (cache_mode - reference).abs().max() <= 1e-4
+    assert (original - reference).abs().max() > 1e-3  # the two schemes really differ

@@ -167,10 +167,12 @@ def sdpa(
     v: torch.Tensor,
     mask: torch.Tensor | None = None,
     causal: bool = False,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention of q (B, H, T, D) over k, v (B, H_kv, L, D).
 
-    ``mask`` is boolean, True = attend, broadcastable to (B, 1, T, L). Grouped-query heads
+    ``mask`` is boolean, True = attend, broadcastable to (B, 1, T, L); ``scale`` defaults to
+    1/sqrt(D) of q (v may be narrower than q and k). Grouped-query heads
     are folded into the query axis when there is one query per row and no causal mask, so
     decode reads each KV head once without copies; otherwise SDPA's own GQA path is used.
     """
@@ -178,8 +180,8 @@ def sdpa(
     group = heads // k.shape[1]
     if group > 1 and steps == 1 and not causal:
         q_grouped = q.reshape(batch, k.shape[1], group, dim)  # (B, H_kv, G, D)
-        out = F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=mask)
-        return out.reshape(batch, heads, 1, dim)  # (B, H, 1, D)
+        out = F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=mask, scale=scale)
+        return out.reshape(batch, heads, 1, v.shape[-1])  # (B, H, 1, D_v)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=group > 1
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=group > 1
     )

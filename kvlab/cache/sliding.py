@@ -4,8 +4,12 @@ Keeps the first ``sinks`` tokens and the ``window`` most recent ones in a ring o
 memory is bounded whatever the length. A query attends to the sinks and to the ``window``
 most recent tokens including itself, whether the prompt comes in one pass, in chunks or
 token by token (a band mask on multi-token steps), so ``window`` >= length is exactly ``full``.
-Keys keep their original positions (StreamingLLM's re-positioning inside the cache is not
-implemented yet). With ``kv_bits`` the slots hold per-token quantized K/V.
+``positions="cache"`` gives tokens their positions within the cache, as StreamingLLM does,
+so distances never exceed ``sinks + window`` and generation can run past the trained
+context. RoPE scores depend only on query-key distance and the window is contiguous up to
+the query, so only distances to the sinks change: queries get a second copy rotated to their
+cache position, used against sink keys only (both copies side by side along the head axis,
+one SDPA call). With ``kv_bits`` the slots hold per-token quantized K/V.
 """
 
 from __future__ import annotations
@@ -17,15 +21,23 @@ import torch
 
 from kvlab.cache.base import CacheOptions, KVCache, StepInfo, register, sdpa
 from kvlab.cache.codec import CodecOptions
+from kvlab.models.rope import RotaryTables
+
+POSITIONS = ("original", "cache")
 
 
 @dataclass
 class SlidingOptions(CodecOptions, CacheOptions):
     sinks: int = 4
     window: int = 1024
+    positions: str = "original"  # "cache": StreamingLLM's positions within the cache
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.positions not in POSITIONS:
+            raise ValueError(
+                f"cache.options.positions={self.positions!r} is invalid; allowed: {POSITIONS}"
+            )
         if self.sinks < 0:
             raise ValueError(f"cache.options.sinks={self.sinks} must be >= 0")
         if self.window < 1:
@@ -82,6 +94,20 @@ class SlidingWindowCache(KVCache):
             ]
         self._read = max(filled)
         self._mask = self._decode_mask(filled) if self._write_first else self._band_mask(steps)
+        self._cache_rope = self._cache_rotation(step)
+
+    def _cache_rotation(self, step: StepInfo):
+        """Rotation from each query's position to its position within the cache (the
+        number of tokens it sees, minus one); None when no query is past the window."""
+        if self.options.positions == "original":
+            return None
+        sinks, window = self.options.sinks, self.options.window
+        seen = step.positions + 1  # (B, T)
+        in_cache = seen.clamp(max=sinks) + (seen - sinks).clamp(min=0, max=window) - 1
+        if bool((in_cache == step.positions).all()):
+            return None
+        rope = step.rope
+        return RotaryTables(rope.inv_freq, in_cache - step.positions, rope.dtype)
 
     def _decode_mask(self, filled: list[int]) -> torch.Tensor | None:
         if len(set(filled)) == 1:
@@ -107,13 +133,38 @@ class SlidingWindowCache(KVCache):
         if self._write_first:
             self._write(layer, k, v)
             kept = self._kept(layer)  # (2, B, H_kv, S, D)
-            return sdpa(q, kept[0], kept[1], mask=self._mask)
+            return self._attention(q, kept[0], kept[1], self._sink_keys(kept.shape[3], 0))
         kept = self._kept(layer)
         k_new, v_new = self._as_stored(k), self._as_stored(v)  # as decode would read them
         keys, values = torch.cat([kept[0], k_new], dim=2), torch.cat([kept[1], v_new], dim=2)
-        out = sdpa(q, keys, values, mask=self._mask, causal=self._mask is None)
+        out = self._attention(q, keys, values, self._sink_keys(kept.shape[3], q.shape[2]))
         self._write(layer, k, v)
         return out
+
+    def _attention(self, q, keys, values, is_sink: torch.Tensor | None) -> torch.Tensor:
+        if is_sink is None:
+            return sdpa(
+                q, keys, values, mask=self._mask, causal=self._mask is None and q.shape[2] > 1
+            )
+        # [q at cache positions | q] . [k if sink else 0 | 0 if sink else k]
+        mask = self._mask if self._mask is not None else self._causal_mask(q, keys)
+        sink = is_sink[:, None, :, None]  # (B, 1, L, 1)
+        keys_pair = torch.cat([keys * sink, keys * ~sink], dim=-1)  # (B, H_kv, L, 2D)
+        q_pair = torch.cat([self._cache_rope.rotate_heads_first(q), q], dim=-1)  # (B, H, T, 2D)
+        return sdpa(q_pair, keys_pair, values, mask=mask, scale=q.shape[-1] ** -0.5)
+
+    def _causal_mask(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        steps, total = q.shape[2], keys.shape[2]
+        return torch.ones(steps, total, dtype=torch.bool, device=q.device).tril(total - steps)
+
+    def _sink_keys(self, kept: int, new: int) -> torch.Tensor | None:
+        """(B, kept + new): which keys are sinks; None when positions are original or no
+        query can be past the window (then cache and original positions coincide)."""
+        if self.options.positions == "original" or self._cache_rope is None:
+            return None
+        slots = torch.arange(kept, device=self.spec.device) < self.options.sinks  # (kept,)
+        new_is_sink = self.step.positions[:, :new] < self.options.sinks  # (B, new)
+        return torch.cat([slots.expand(new_is_sink.shape[0], -1), new_is_sink], dim=1)
 
     def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
         """x after a round trip through storage (itself when storage is exact)."""

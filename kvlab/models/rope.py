@@ -47,6 +47,7 @@ class RotaryTables:
     """
 
     def __init__(self, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+        self.inv_freq, self.dtype = inv_freq, dtype  # strategies re-rotate with these
         freqs = positions[..., None].float() * inv_freq  # (B, T, D/2)
         self.cos = torch.cat((freqs, freqs), dim=-1).cos().to(dtype)[:, :, None]  # (B, T, 1, D)
         sin = freqs.sin()
