@@ -164,3 +164,31 @@ def test_full_and_nocache_agree_over_128_greedy_steps(smollm2):
     none, none_tokens = step_logits(model, "nocache", prompt, steps=128)
     assert full_tokens == none_tokens
     assert (full - none).abs().max() <= 1e-3  # fp32 on a real model, 128 steps of context
+
+
+# The default model (head_dim 64): each strategy in a setting where it keeps everything.
+DEFAULT_MODEL_EXACT = {
+    "full": {},
+    "nocache": {},
+    "paged": {},
+    "gqa_shared": dict(factor=1),
+    "sliding": dict(window=1024),
+    "int8": dict(residual=1024),
+    "int4": dict(residual=1024),
+    "int2": dict(residual=1024),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_exact_settings_match_full_on_the_default_model(name, smollm2):
+    assert set(DEFAULT_MODEL_EXACT) == set(STRATEGIES)
+    model, tokenizer = smollm2
+    prompt = tokenizer(
+        "The tower is 324 metres tall, about the same height as an 81-storey "
+        "building, and the tallest structure in Paris."
+    )["input_ids"]
+    reference, tokens = step_logits(model, "full", prompt, steps=8)
+    logits, same_tokens = step_logits(model, name, prompt, 8, 5, DEFAULT_MODEL_EXACT[name])
+    assert same_tokens == tokens
+    assert (logits - reference).abs().max() <= 1e-4  # measured 2.6e-5 (chunks of 5 vs one pass)
