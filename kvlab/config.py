@@ -80,16 +80,21 @@ class WorkloadConfig:
 
 @dataclass
 class RunConfig:
-    """One point of a study: model × cache × workload, written to ``result.json``."""
+    """One point of a study: model × cache × workload (+ evals), written to ``result.json``."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    eval: dict[str, Any] = field(default_factory=dict)  # eval name -> its options
     threads: int = 0  # 0: torch's default
     resume: bool = True  # skip a point whose result.json says ok for the same config
 
     def __post_init__(self) -> None:
         _require(self.threads >= 0, "threads", self.threads, "0 (default) or a count >= 1")
+        from kvlab.eval import eval_options
+
+        for name, options in self.eval.items():
+            eval_options(name, options)  # each eval checks its own options
 
 
 def check_context(cfg: RunConfig) -> None:

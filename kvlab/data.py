@@ -18,6 +18,37 @@ def data_root() -> Path | None:
     return shared if shared.is_dir() else None
 
 
+def wikitext2_test_rows() -> list[str]:
+    """WikiText-2 raw test as the hub dataset's rows: each line with its newline, and
+    whitespace-only lines as empty rows (the builder's rule), read through ``datasets``."""
+    from datasets import load_dataset
+
+    root = data_root()
+    local = root / "wikitext2" / "wiki.test.raw" if root else None
+    if local is not None and local.exists():
+        rows = load_dataset(
+            "text", data_files={"test": str(local)}, keep_linebreaks=True, split="test"
+        )["text"]
+        return [row if row.strip() else "" for row in rows]
+    return load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
+
+
+def text_rows(source: str) -> list[str]:
+    """Rows of an evaluation text: ``wikitext2``, a local text file (one row per line), or
+    a hub dataset ``name[:config]`` whose ``text`` column is read (where the network allows)."""
+    if source == "wikitext2":
+        return wikitext2_test_rows()
+    from datasets import load_dataset
+
+    path = Path(source).expanduser()
+    if path.is_file():
+        return load_dataset(
+            "text", data_files={"test": str(path)}, keep_linebreaks=True, split="test"
+        )["text"]
+    name, _, config = source.partition(":")
+    return load_dataset(name, config or None, split="test")["text"]
+
+
 def wikitext2_test_text() -> str:
     """WikiText-2 raw test as one string (lines joined with newlines, as in the file)."""
     root = data_root()

@@ -14,6 +14,7 @@ from kvlab.cache import build_cache
 from kvlab.config import RunConfig, check_context
 from kvlab.engine import Engine, GenerationConfig, SamplingConfig
 from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
+from kvlab.eval import run_evals
 from kvlab.models import load_model
 from kvlab.tracking import config_dict, environment, read_record, write_record
 from kvlab.workload import build_prompts
@@ -59,7 +60,11 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
     metrics["weight_bytes"] = weight_bytes(model)
     metrics["new_tokens"] = sum(len(t) for t in run.tokens)
     metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
-    return metrics
+
+    def new_cache():
+        return build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
+
+    return metrics | run_evals(model, tokenizer, new_cache, cfg.eval)
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> list[int]:

@@ -135,7 +135,7 @@ def format_table(rows: Iterable[dict[str, Any]], columns: Iterable[str] = TABLE_
 def _short_name(column: str) -> str:
     """``cache.name`` → ``cache``, ``model.source`` → ``model``, ``workload.x`` → ``x``."""
     group, _, leaf = column.rpartition(".")
-    return group if leaf in ("name", "source") else leaf
+    return group if leaf in ("name", "source") else leaf.replace("wikitext2/", "wt2_")
 
 
 def _cell(value: Any) -> str:

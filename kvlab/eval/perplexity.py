@@ -1,0 +1,96 @@
+"""``ppl``: token-level perplexity with the cache in the loop, by the GPTQ protocol
+(Frantar et al., arXiv 2210.17323): rows joined with "\\n\\n", tokenized once, cut into
+non-overlapping windows of ``seqlen`` tokens (tail dropped), every next token scored.
+
+Each window is fed through a fresh cache in chunks of ``chunk`` tokens, so a lossy strategy
+predicts later chunks from what it kept of earlier ones; with one chunk per window a lossy
+cache has no effect (the output says so).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvlab.data import text_rows
+from kvlab.eval.base import register_eval
+
+
+@dataclass
+class PerplexityOptions:
+    dataset: str = "wikitext2"  # or a local text file, or a hub dataset name[:config]
+    seqlen: int = 2048
+    max_windows: int = 0  # 0: every full window
+    chunk: int = 0  # 0: the whole window in one pass
+
+    def __post_init__(self) -> None:
+        for field_name in ("seqlen", "max_windows", "chunk"):
+            value = getattr(self, field_name)
+            if value < (1 if field_name == "seqlen" else 0):
+                raise ValueError(
+                    f"eval.ppl.{field_name}={value} is invalid; allowed: "
+                    f"{'>= 1' if field_name == 'seqlen' else '>= 0'}"
+                )
+
+    @property
+    def label(self) -> str:
+        return Path(self.dataset).stem if Path(self.dataset).is_file() else self.dataset
+
+
+def windows(tokenizer, options: PerplexityOptions) -> torch.Tensor:
+    """(N, seqlen) token windows of the joined text."""
+    ids = tokenizer("\n\n".join(text_rows(options.dataset)), return_tensors="pt").input_ids[0]
+    count = ids.numel() // options.seqlen
+    if count == 0:
+        raise ValueError(
+            f"eval.ppl.dataset={options.dataset!r} has {ids.numel()} tokens, "
+            f"fewer than eval.ppl.seqlen={options.seqlen}"
+        )
+    if options.max_windows:
+        count = min(count, options.max_windows)
+    return ids[: count * options.seqlen].view(count, options.seqlen)
+
+
+@torch.inference_mode()
+def window_nll(model, window: torch.Tensor, cache, chunk: int) -> float:
+    """Summed NLL of tokens 1..T-1 of ``window`` (T,), fed through ``cache`` in chunks."""
+    device = model.embed_tokens.weight.device
+    ids = window.to(device)[None]  # (1, T)
+    cache.allocate(1, ids.shape[1])
+    total = 0.0
+    for start in range(0, ids.shape[1], chunk):
+        piece = ids[:, start : start + chunk]
+        positions = start + torch.arange(piece.shape[1], device=device)[None]
+        logits = model(piece, positions, cache)[0]  # (C, V)
+        targets = ids[0, start + 1 : start + 1 + piece.shape[1]]  # next tokens in the window
+        logprobs = logits[: targets.numel()].log_softmax(-1)
+        total -= logprobs.gather(-1, targets[:, None]).sum().item()
+    cache.free(list(range(len(cache.lengths))))
+    return total
+
+
+@register_eval("ppl", PerplexityOptions)
+def perplexity(model, tokenizer, new_cache, options: PerplexityOptions) -> dict:
+    cache = new_cache()
+    chunk = options.chunk or options.seqlen
+    if not cache.stores_past:
+        chunk = options.seqlen  # it keeps nothing between chunks: one pass per window
+    data = windows(tokenizer, options)
+    nll = sum(window_nll(model, w, new_cache(), chunk) for w in data)
+    predicted = data.shape[0] * (options.seqlen - 1)
+    prefix = f"{options.label}/"
+    metrics = {
+        prefix + "ppl": math.exp(nll / predicted),
+        prefix + "windows": data.shape[0],
+        prefix + "seqlen": options.seqlen,
+        prefix + "chunk": chunk,
+    }
+    if chunk >= options.seqlen:
+        metrics[prefix + "note"] = (
+            "one chunk per window: the cache strategy cannot change perplexity here; "
+            "set eval.ppl.chunk below seqlen to predict from the cached past"
+        )
+    return metrics
