@@ -40,8 +40,9 @@ def generation_config(cfg: RunConfig, new_tokens: int | None = None) -> Generati
     return GenerationConfig(new_tokens or w.new_tokens, sampling, w.stop_on_eos, w.prefill_chunk)
 
 
-def measure(cfg: RunConfig) -> dict[str, Any]:
-    """Run the workload of ``cfg`` once after a warm-up; the metrics of that run."""
+def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
+    """Run the workload of ``cfg`` once after a warm-up, then its evals (their files go to
+    ``out_dir``); the metrics of that run."""
     check_context(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -64,7 +65,7 @@ def measure(cfg: RunConfig) -> dict[str, Any]:
     def new_cache():
         return build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
 
-    return metrics | run_evals(model, tokenizer, new_cache, cfg.eval)
+    return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> list[int]:
@@ -84,7 +85,7 @@ def run_point(cfg: RunConfig, out_dir: Path) -> dict[str, Any]:
     record: dict[str, Any] = {"config": config, "environment": environment()}
     start = time.time()
     try:
-        record |= {"status": "ok", "metrics": measure(cfg)}
+        record |= {"status": "ok", "metrics": measure(cfg, out_dir)}
     except Exception as exc:  # a sweep must go on: the failure is recorded with its traceback
         record |= {
             "status": "failed",

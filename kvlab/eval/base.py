@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvlab.cache.base import KVCache
 from kvlab.models.llama import Decoder
 
 CacheFactory = Callable[[], KVCache]
-EvalFn = Callable[[Decoder, Any, CacheFactory, Any], dict[str, Any]]
+# fn(model, tokenizer, new_cache, options, out_dir) -> metrics; out_dir may be None
+EvalFn = Callable[[Decoder, Any, CacheFactory, Any, Path | None], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,7 @@ _EVALS: dict[str, EvalEntry] = {}
 
 
 def register_eval(name: str, options: type):
-    """Function decorator: register ``fn(model, tokenizer, new_cache, options)``."""
+    """Function decorator: register ``fn(model, tokenizer, new_cache, options, out_dir)``."""
 
     def wrap(fn: EvalFn) -> EvalFn:
         _EVALS[name] = EvalEntry(options, fn)
@@ -45,10 +47,16 @@ def eval_options(name: str, options: dict[str, Any] | None) -> Any:
 
 
 def run_evals(
-    model: Decoder, tokenizer: Any, new_cache: CacheFactory, evals: dict[str, dict[str, Any]]
+    model: Decoder,
+    tokenizer: Any,
+    new_cache: CacheFactory,
+    evals: dict[str, dict[str, Any]],
+    out_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """Run every configured eval; metrics merged (each eval prefixes its own names)."""
+    """Run every configured eval; metrics merged (each eval prefixes its own names);
+    files an eval writes (plots) go to ``out_dir`` when given."""
     metrics: dict[str, Any] = {}
     for name, options in evals.items():
-        metrics |= _EVALS[name].run(model, tokenizer, new_cache, eval_options(name, options))
+        entry = _EVALS[name]
+        metrics |= entry.run(model, tokenizer, new_cache, eval_options(name, options), out_dir)
     return metrics

@@ -73,7 +73,7 @@ def window_nll(model, window: torch.Tensor, cache, chunk: int) -> float:
 
 
 @register_eval("ppl", PerplexityOptions)
-def perplexity(model, tokenizer, new_cache, options: PerplexityOptions) -> dict:
+def perplexity(model, tokenizer, new_cache, options: PerplexityOptions, out_dir=None) -> dict:
     cache = new_cache()
     chunk = options.chunk or options.seqlen
     if not cache.stores_past:
