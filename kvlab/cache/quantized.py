@@ -43,36 +43,39 @@ class TokenGroupStore:
     def __init__(self, layers, batch, heads, slots, dim, group, bits, dtype, device):
         if dim % group:
             raise ValueError(f"cache.options.group_size={group} must divide head_dim={dim}")
-        self.group, self.bits, self.dim = group, bits, dim
-        shape = (layers, batch, heads, slots, dim // group)
-        self.codes = torch.zeros(*shape, group * bits // 8, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(*shape, 1, dtype=dtype, device=device)
-        self.zero = torch.zeros(*shape, 1, dtype=dtype, device=device)
+        self.group, self.bits = group, bits
+        lead = (layers, batch, heads, slots, dim // group)
+        self._allocate(lead, (group * bits // 8,), (1,), dtype, device)
+
+    def _allocate(self, lead, codes_tail, scale_tail, dtype, device) -> None:
+        self.codes = torch.zeros(*lead, *codes_tail, dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(*lead, *scale_tail, dtype=dtype, device=device)
+        self.zero = torch.zeros(*lead, *scale_tail, dtype=dtype, device=device)
+
+    def _put(self, layer: int, row: int, lo: int, hi: int, encoded: tuple) -> None:
+        """Store (codes, scale, zero) at slots lo..hi of ``row``."""
+        for store, value in zip(self.tensors(), encoded, strict=True):
+            store[layer, row, :, lo:hi] = value
+
+    def _dequantize_into(self, layer: int, slots: int, target: torch.Tensor) -> None:
+        """Dequantize the first ``slots`` slots of every row of ``layer`` into ``target``."""
+        codes, scale, zero = (t[layer, :, :, :slots] for t in self.tensors())
+        dequantize(codes, scale, zero, self.bits, out=target)
 
     def write(self, layer: int, row: int, start: int, x: torch.Tensor) -> None:
         """Quantize x (H, n, D) into token slots start..start+n of ``row``."""
         heads, n, _ = x.shape
-        codes, scale, zero = quantize(x.reshape(heads, n, -1, self.group), self.bits)
-        for store, value in ((self.codes, codes), (self.scale, scale), (self.zero, zero)):
-            store[layer, row, :, start : start + n] = value
+        encoded = quantize(x.reshape(heads, n, -1, self.group), self.bits)
+        self._put(layer, row, start, start + n, encoded)
 
     def read(self, layer: int, count: int, out: torch.Tensor) -> None:
         """Dequantize the first ``count`` tokens of every row into out (B, H, count, D)."""
         batch, heads, _, dim = out.shape
         target = out.view(batch, heads, count, dim // self.group, self.group)
-        dequantize(
-            self.codes[layer, :, :, :count],
-            self.scale[layer, :, :, :count],
-            self.zero[layer, :, :, :count],
-            self.bits,
-            out=target,
-        )
+        self._dequantize_into(layer, count, target)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.scale, self.zero]
-
-    def slots_per_token(self) -> int:
-        return 1
 
 
 class ChannelGroupStore(TokenGroupStore):
@@ -80,31 +83,21 @@ class ChannelGroupStore(TokenGroupStore):
     channels: codes (L, B, H, S/G, G, D*b/8), scale and zero (L, B, H, S/G, 1, D)."""
 
     def __init__(self, layers, batch, heads, slots, dim, group, bits, dtype, device):
-        self.group, self.bits, self.dim = group, bits, dim
-        shape = (layers, batch, heads, slots // group)
-        self.codes = torch.zeros(*shape, group, dim * bits // 8, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(*shape, 1, dim, dtype=dtype, device=device)
-        self.zero = torch.zeros(*shape, 1, dim, dtype=dtype, device=device)
+        self.group, self.bits = group, bits
+        lead = (layers, batch, heads, slots // group)
+        self._allocate(lead, (group, dim * bits // 8), (1, dim), dtype, device)
 
     def write(self, layer: int, row: int, start: int, x: torch.Tensor) -> None:
         heads, n, dim = x.shape  # n and start are multiples of the group size
         grouped = x.reshape(heads, n // self.group, self.group, dim)  # (H, n/G, G, D)
-        codes, scale, zero = quantize(grouped, self.bits, group_dim=-2)  # over G tokens
-        g0, g1 = start // self.group, (start + n) // self.group
-        for store, value in ((self.codes, codes), (self.scale, scale), (self.zero, zero)):
-            store[layer, row, :, g0:g1] = value
+        encoded = quantize(grouped, self.bits, group_dim=-2)  # over the G tokens
+        self._put(layer, row, start // self.group, (start + n) // self.group, encoded)
 
     def read(self, layer: int, count: int, out: torch.Tensor) -> None:
         batch, heads, _, dim = out.shape
         groups = count // self.group
         target = out.view(batch, heads, groups, self.group, dim)  # (B, H, n/G, G, D)
-        dequantize(
-            self.codes[layer, :, :, :groups],
-            self.scale[layer, :, :, :groups],
-            self.zero[layer, :, :, :groups],
-            self.bits,
-            out=target,
-        )
+        self._dequantize_into(layer, groups, target)
 
 
 class QuantizedCache(KVCache):
