@@ -68,7 +68,7 @@ class Generation:
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.active = list(range(len(prompts)))  # prompt index of each cache row
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
-        self.tokens_emitted = False
+        self._ttft_recorded = False
         self._gen = torch.Generator(device=engine.device).manual_seed(cfg.sampling.seed)
         window = engine.model.config.sliding_window
         if window and max(map(len, self.seqs)) + cfg.max_new_tokens > window:
@@ -102,8 +102,8 @@ class Generation:
                 break
             except CacheFull as full:
                 self._preempt(waiting, full, free=False)
-        self._record(now(device) - start, len(seqs), first=not self.tokens_emitted)
-        self.tokens_emitted = True
+        self._record(now(device) - start, len(seqs), first=not self._ttft_recorded)
+        self._ttft_recorded = True
         return emitted
 
     def _decode_step(self, waiting: list[int]) -> dict[int, int]:
