@@ -2,6 +2,7 @@
 greedy-token agreement with ``full``; Hugging Face's QuantizedCache (quanto) as a peer; and
 the paged cache's waste and prefix sharing on a batch of 16. Not a test: timings are noisy.
 
+    pip install -e '.[bench]'   # optimum-quanto, for the HF QuantizedCache peer
     python scripts/bench_kv_strategies.py --prompt-len 4096 --new-tokens 128
 """
 
@@ -67,7 +68,15 @@ def kvlab_rows(model, prompt, args) -> list[dict]:
 
 
 def hf_rows(prompt, args) -> list[dict]:
+    import importlib.util
+
     from transformers import AutoModelForCausalLM
+
+    if importlib.util.find_spec("optimum.quanto") is None:
+        raise SystemExit(
+            "the HF QuantizedCache peer needs optimum-quanto: "
+            "pip install -e '.[bench]', or pass --skip-hf"
+        )
 
     hf = AutoModelForCausalLM.from_pretrained(
         resolve_checkpoint("smollm2-135m"), dtype=torch.float32
