@@ -47,7 +47,8 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.model.device)
-    model, tokenizer = load_model(cfg.model.source, resolve_dtype(cfg.model.dtype, device), device)
+    dtype = resolve_dtype(cfg.model.dtype, device)
+    model, tokenizer = load_model(cfg.model.source, dtype, device)
     cache = build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
     engine = Engine(model, cache, _eos_ids(tokenizer, model))
     prompts = build_prompts(
@@ -59,6 +60,7 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
         run = engine.generate(prompts, generation_config(cfg))
     metrics = generation_metrics(run.stats) | peak.metrics
     metrics["weight_bytes"] = weight_bytes(model)
+    metrics["device"], metrics["dtype"] = str(device), str(dtype).removeprefix("torch.")
     metrics["new_tokens"] = sum(len(t) for t in run.tokens)
     metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
 

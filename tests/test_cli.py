@@ -41,6 +41,7 @@ def test_single_run_writes_a_complete_record(tmp_path):
     assert record["status"] == "ok"
     assert set(METRICS) <= set(record["metrics"])
     assert record["metrics"]["prompt_tokens"] == 16 and record["metrics"]["new_tokens"] == 4
+    assert (record["metrics"]["device"], record["metrics"]["dtype"]) == ("cpu", "float32")
     env = record["environment"]
     assert {"torch", "transformers", "threads", "cpu", "python"} <= set(env)
     assert "[kvlab] model=smollm2-135m cache=full" in done.stdout

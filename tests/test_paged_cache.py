@@ -97,3 +97,16 @@ def test_auto_sized_pool_grows_with_a_larger_batch(tiny_llama):
     assert engine.generate([PREFIX, PREFIX[::-1]], CFG).tokens == alone(
         tiny_llama, [PREFIX, PREFIX[::-1]]
     )
+
+
+def test_sequences_finishing_at_different_times_free_their_blocks(tiny_llama):
+    first = alone(tiny_llama, [PREFIX])[0]
+    eos = first[2]  # the first sequence stops after three tokens
+    cache = build_cache("paged", tiny_llama.cache_spec(), dict(block_size=4))
+    engine = Engine(tiny_llama, cache, eos_ids=[eos])
+    other = PREFIX[::-1]
+    run = engine.generate([PREFIX, other], GenerationConfig(6))
+    assert run.tokens[0] == first[:3]
+    assert run.stats.step_rows[0] == 2 and run.stats.step_rows[-1] == 1
+    assert run.tokens[1] == engine.generate([other], GenerationConfig(6)).tokens[0]
+    assert cache.pool.in_use == []
