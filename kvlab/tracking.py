@@ -31,6 +31,7 @@ TABLE_COLUMNS = (
     "kv_bytes",
     "kv_bytes_per_token",
     "weight_bytes",
+    "wikitext2/ppl",
 )
 
 
@@ -116,9 +117,15 @@ def flatten(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_results(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """Every result under ``sweep_dir`` as flat rows, in directory order."""
-    paths = sorted(Path(sweep_dir).rglob(RESULT_FILE))
+    """Every result under ``sweep_dir`` as flat rows, in job order (Hydra's ``N_...``
+    sub-directories sorted by N, not as strings)."""
+    paths = sorted(Path(sweep_dir).rglob(RESULT_FILE), key=_job_order)
     return [flatten(json.loads(p.read_text())) | {"path": str(p.parent)} for p in paths]
+
+
+def _job_order(path: Path) -> tuple:
+    number, _, rest = path.parent.name.partition("_")
+    return (str(path.parent.parent), int(number) if number.isdigit() else -1, rest)
 
 
 def format_table(rows: Iterable[dict[str, Any]], columns: Iterable[str] = TABLE_COLUMNS) -> str:

@@ -77,3 +77,20 @@ def test_invalid_single_run_exits_nonzero_with_the_field(tmp_path):
     done = kvlab("workload.prompt_len=-4", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
     assert done.returncode != 0
     assert "workload.prompt_len=-4" in done.stderr + done.stdout
+
+
+def test_sweep_rows_come_in_job_order_with_failures_kept(tmp_path):
+    from kvlab.tracking import format_table, write_record
+
+    for job in (0, 2, 10, 1):
+        status = "failed" if job == 2 else "ok"
+        record = {
+            "config": {"cache": {"name": f"c{job}"}},
+            "status": status,
+            "metrics": {} if status == "failed" else {"ttft_ms": float(job)},
+        }
+        write_record(tmp_path / f"{job}_cache=c{job}", record | {"error": "boom"})
+    rows = load_results(tmp_path)
+    assert [r["cache.name"] for r in rows] == ["c0", "c1", "c2", "c10"]
+    table = format_table(rows).splitlines()
+    assert "failed" in table[3] and table[3].split()[-1] == "-"  # missing metrics show as '-'
