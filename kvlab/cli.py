@@ -7,6 +7,7 @@ kvlab -m cache=full,nocache workload.prompt_len=256,1024
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -44,7 +45,24 @@ def _app(cfg: DictConfig) -> None:
         raise SystemExit(1)  # a single failed run fails the command; its record has the traceback
 
 
+def report_main(args: list[str]) -> None:
+    """``kvlab report SWEEP_DIR [OUT_DIR]``: Markdown report + plots from result files."""
+    from kvlab.analysis.report import write_report
+    from kvlab.tracking import format_table, load_results
+
+    if not args or args[0] in ("-h", "--help"):
+        raise SystemExit("usage: kvlab report SWEEP_DIR [OUT_DIR]")
+    if not Path(args[0]).is_dir():
+        raise SystemExit(f"kvlab report: {args[0]!r} is not a directory")
+    path = write_report(args[0], args[1] if len(args) > 1 else None)
+    print(format_table(load_results(args[0])))
+    print(f"\nreport: {path} (plots beside it)")
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "report":
+        report_main(sys.argv[2:])
+        return
     _app()
 
 

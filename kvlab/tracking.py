@@ -170,10 +170,13 @@ def summary_line(record: dict[str, Any]) -> str:
 
 
 class SweepTableCallback(Callback):
-    """Prints the comparison table of a ``-m`` sweep once all its points have run."""
+    """When a ``-m`` sweep ends: print its comparison table, write its report with plots."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        from kvlab.analysis.report import write_report
+
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = load_results(sweep_dir)
         if rows:
             print(f"\nkvlab sweep: {len(rows)} points in {sweep_dir}\n{format_table(rows)}")
+            print(f"\nreport: {write_report(sweep_dir)} (plots beside it)")

@@ -1,0 +1,138 @@
+"""``kvlab report <sweep_dir>``: a Markdown report with tables and PNG plots built from the
+``result.json`` files alone, so it works on partial and failed sweeps."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from kvlab.tracking import TABLE_COLUMNS, load_results
+
+PLOTS = (
+    # (file, title, x column, y column, x label, y label)
+    (
+        "itl_vs_context.png",
+        "Decode: ITL vs prompt length",
+        "workload.prompt_len",
+        "itl_ms_p50",
+        "prompt length (tokens)",
+        "ITL p50 (ms)",
+    ),
+    (
+        "ttft_vs_prompt.png",
+        "Prefill: TTFT vs prompt length",
+        "workload.prompt_len",
+        "ttft_ms",
+        "prompt length (tokens)",
+        "TTFT (ms)",
+    ),
+    (
+        "kv_bytes.png",
+        "KV bytes vs prompt length",
+        "workload.prompt_len",
+        "kv_bytes",
+        "prompt length (tokens)",
+        "KV bytes",
+    ),
+    (
+        "pareto_memory_accuracy.png",
+        "Memory vs accuracy",
+        "kv_bytes",
+        "wikitext2/ppl",
+        "KV bytes",
+        "WikiText-2 perplexity",
+    ),
+)
+
+
+def series_label(row: dict[str, Any]) -> str:
+    """A point's series: its cache strategy and options (and quantizer, when present)."""
+    options = row.get("cache.options") or {}
+    extra = (
+        ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+        if isinstance(options, dict)
+        else ""
+    )
+    return f"{row.get('cache.name')}" + (f"[{extra}]" if extra else "")
+
+
+def plot(rows: list[dict[str, Any]], spec: tuple, out_dir: Path) -> Path | None:
+    """One line (or scatter) per series; None when no row has both columns."""
+    name, title, x, y, xlabel, ylabel = spec
+    points = defaultdict(list)
+    for row in rows:
+        if row.get("status") == "ok" and row.get(x) is not None and row.get(y) is not None:
+            points[series_label(row)].append((row[x], row[y]))
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    scatter = x == "kv_bytes"  # a Pareto view: points, not curves
+    for label, xy in sorted(points.items()):
+        xs, ys = zip(*sorted(xy), strict=True)
+        ax.plot(xs, ys, marker="o", linestyle="none" if scatter else "-", label=label)
+    values = [v for xy in points.values() for _, v in xy if v > 0]
+    if values and max(values) / min(values) > 20:
+        ax.set_yscale("log")  # e.g. no-cache ITL next to cached ITL
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    path = out_dir / name
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+    shown = [c for c in columns if any(r.get(c) is not None for r in rows)]
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    for row in rows:
+        cells = [_cell(row.get(c)) for c in shown]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Write ``report.md`` and its plots (into ``out_dir``, default the sweep directory)."""
+    sweep_dir = Path(sweep_dir)
+    out = Path(out_dir) if out_dir else sweep_dir
+    out.mkdir(parents=True, exist_ok=True)
+    rows = load_results(sweep_dir)
+    ok = [r for r in rows if r.get("status") == "ok"]
+    failed = [r for r in rows if r.get("status") != "ok"]
+    parts = [
+        f"# kvlab report: {sweep_dir}",
+        "",
+        f"{len(rows)} points: {len(ok)} ok, {len(failed)} failed.",
+        "",
+        markdown_table(rows, TABLE_COLUMNS),
+        "",
+    ]
+    for spec in PLOTS:
+        path = plot(ok, spec, out)
+        if path is not None:
+            parts += [f"## {spec[1]}", "", f"![{spec[1]}]({path.name})", ""]
+    if failed:
+        parts += ["## Failed points", ""]
+        parts += [f"- `{Path(r['path']).name}`: {r.get('error')}" for r in failed]
+    report = out / "report.md"
+    report.write_text("\n".join(parts) + "\n")
+    return report
+
+
+def results_frame(sweep_dir: str | Path):
+    """The sweep's results as one pandas DataFrame (a row per point, dotted config keys)."""
+    import pandas as pd
+
+    return pd.DataFrame(load_results(sweep_dir))

@@ -1,0 +1,69 @@
+"""``kvlab report``: Markdown and plots from result files alone, partial and failed sweeps
+included; the sweep as one pandas table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvlab.analysis.report import results_frame, write_report
+from kvlab.tracking import write_record
+
+
+def fake_sweep(root):
+    job = 0
+    for cache, kv in (("full", 1000), ("int4", 300)):
+        for prompt_len in (256, 1024):
+            metrics = {
+                "ttft_ms": prompt_len / 10,
+                "itl_ms_p50": 30.0 + prompt_len / 100,
+                "kv_bytes": kv * prompt_len,
+                "wikitext2/ppl": 20.0 + (cache == "int4"),
+            }
+            config = {
+                "cache": {"name": cache, "options": {}},
+                "workload": {"prompt_len": prompt_len},
+            }
+            write_record(root / f"{job}_x", {"config": config, "status": "ok", "metrics": metrics})
+            job += 1
+    write_record(
+        root / f"{job}_bad",
+        {"config": {"cache": {"name": "sliding"}}, "status": "failed", "error": "ValueError: boom"},
+    )
+
+
+def test_report_renders_tables_plots_and_failures(tmp_path):
+    fake_sweep(tmp_path)
+    report = write_report(tmp_path).read_text()
+    assert "5 points: 4 ok, 1 failed." in report
+    assert "ValueError: boom" in report
+    for plot in (
+        "itl_vs_context.png",
+        "ttft_vs_prompt.png",
+        "kv_bytes.png",
+        "pareto_memory_accuracy.png",
+    ):
+        assert (tmp_path / plot).stat().st_size > 1000
+        assert f"]({plot})" in report
+
+
+def test_results_frame_has_a_row_per_point(tmp_path):
+    fake_sweep(tmp_path)
+    frame = results_frame(tmp_path)
+    assert len(frame) == 5
+    assert frame.groupby("cache.name")["kv_bytes"].max().to_dict() == {
+        "full": 1024000,
+        "int4": 307200,
+    }
+
+
+def test_report_command_prints_where_it_wrote(tmp_path):
+    fake_sweep(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlab.cli", "report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"report: {tmp_path / 'report.md'}" in done.stdout
