@@ -51,10 +51,10 @@ def test_results_frame_has_a_row_per_point(tmp_path):
     fake_sweep(tmp_path)
     frame = results_frame(tmp_path)
     assert len(frame) == 5
-    assert frame.groupby("cache.name")["kv_bytes"].max().to_dict() == {
-        "full": 1024000,
-        "int4": 307200,
-    }
+    ok = frame[frame["status"] == "ok"]
+    kv_bytes = ok.groupby("cache.name")["kv_bytes"].max().to_dict()
+    assert kv_bytes == {"full": 1024000, "int4": 307200}
+    assert frame.loc[frame["status"] == "failed", "error"].tolist() == ["ValueError: boom"]
 
 
 def test_report_command_prints_where_it_wrote(tmp_path):
