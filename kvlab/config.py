@@ -98,10 +98,16 @@ class RunConfig:
 
 
 def check_context(cfg: RunConfig) -> None:
-    """Fail early when prompt + new tokens exceed the model's context (no weights loaded)."""
+    """Fail early when prompt + new tokens exceed the model's context (no weights loaded),
+    unless the cache strategy keeps positions within it (StreamingLLM-style)."""
+    from kvlab.cache import registered
     from kvlab.models.loading import max_context
 
     limit = max_context(cfg.model.source)
+    strategy = registered()[cfg.cache.name]
+    span = strategy.position_span(strategy.Options(**cfg.cache.options))
+    if span is not None and span <= limit:
+        return
     wanted = cfg.workload.prompt_len + cfg.workload.new_tokens
     if cfg.workload.prompt_file is None and wanted > limit:
         raise ValueError(

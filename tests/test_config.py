@@ -50,6 +50,18 @@ def test_prompt_longer_than_context_fails_before_loading():
         check_context(cfg)
 
 
+def test_cache_positions_may_run_past_the_context():
+    streaming = CacheConfig(name="sliding", options=dict(window=1024, positions="cache"))
+    check_context(
+        RunConfig(cache=streaming, workload=WorkloadConfig(prompt_len=8000, new_tokens=500))
+    )
+    original = CacheConfig(name="sliding", options=dict(window=1024))
+    with pytest.raises(ValueError, match="exceeds the context"):
+        check_context(
+            RunConfig(cache=original, workload=WorkloadConfig(prompt_len=8000, new_tokens=500))
+        )
+
+
 def test_composed_overrides_reach_the_run():
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(

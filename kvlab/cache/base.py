@@ -84,6 +84,12 @@ class KVCache(ABC):
     stores_past: ClassVar[bool] = True
     Options: ClassVar[type[CacheOptions]] = CacheOptions
 
+    @classmethod
+    def position_span(cls, options: CacheOptions) -> int | None:
+        """The most positions RoPE ever sees with these options, whatever the sequence
+        length; None when positions grow with the sequence (the usual case)."""
+        return None
+
     def __init__(self, spec: CacheSpec, options: CacheOptions | None = None):
         self.spec = spec
         self.options = options if options is not None else self.Options()

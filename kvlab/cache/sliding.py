@@ -50,6 +50,11 @@ class SlidingWindowCache(KVCache):
 
     Options = SlidingOptions
 
+    @classmethod
+    def position_span(cls, options: SlidingOptions) -> int | None:
+        """With positions within the cache, no token sits past ``sinks + window``."""
+        return options.sinks + options.window if options.positions == "cache" else None
+
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)
         s, o = self.spec, self.options
