@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from kvlab.config import RunConfig, register_configs
+from kvlab.config import RunConfig, register_configs, to_run_config
 
 CONF_DIR = os.environ.get("KVLAB_CONF", str(Path(__file__).resolve().parents[1] / "conf"))
 
@@ -30,7 +30,7 @@ def _app(cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        run_cfg: RunConfig = OmegaConf.to_object(cfg)  # runs every __post_init__ check
+        run_cfg: RunConfig = to_run_config(cfg)  # runs every __post_init__ check
     except ValueError as exc:  # a bad point: recorded, and a sweep goes on to the next one
         config = OmegaConf.to_container(cfg, resolve=True)
         record = {"config": config, "status": "failed", "error": f"invalid config: {exc}"}

@@ -117,6 +117,15 @@ def check_context(cfg: RunConfig) -> None:
         )
 
 
+def to_run_config(cfg: Any) -> RunConfig:
+    """A composed Hydra config as a checked :class:`RunConfig` (every ``__post_init__``
+    runs); merged onto the schema first, since a ``_global_`` experiment file can leave the
+    root untyped."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+
+
 def register_configs() -> None:
     """Put the schemas in Hydra's ConfigStore; conf/config.yaml extends ``run_schema``."""
     store = ConfigStore.instance()

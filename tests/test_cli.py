@@ -94,3 +94,28 @@ def test_sweep_rows_come_in_job_order_with_failures_kept(tmp_path):
     assert [r["cache.name"] for r in rows] == ["c0", "c1", "c2", "c10"]
     table = format_table(rows).splitlines()
     assert "failed" in table[3] and table[3].split()[-1] == "-"  # missing metrics show as '-'
+
+
+EXPERIMENTS = sorted(
+    p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml")
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
+    sweep = tmp_path / experiment
+    tiny = [
+        "workload.prompt_len=16",
+        "workload.new_tokens=2",
+        "eval.ppl.seqlen=32",
+        "eval.ppl.max_windows=1",
+        "eval.ppl.chunk=8",
+    ]
+    if experiment != "kv_strategies":  # only it evaluates perplexity
+        tiny = tiny[:2]
+    done = kvlab("-m", f"+experiment={experiment}", *tiny, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = load_results(sweep)
+    assert rows and all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
+    assert (sweep / "report.md").exists()

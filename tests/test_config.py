@@ -7,10 +7,16 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from kvlab.cli import CONF_DIR
-from kvlab.config import CacheConfig, ModelConfig, RunConfig, WorkloadConfig, check_context
+from kvlab.config import (
+    CacheConfig,
+    ModelConfig,
+    RunConfig,
+    WorkloadConfig,
+    check_context,
+    to_run_config,
+)
 
 GROUPS = sorted(
     (group.name, option.stem)
@@ -22,10 +28,14 @@ GROUPS = sorted(
 
 @pytest.mark.parametrize(("group", "option"), GROUPS)
 def test_every_config_file_composes(group, option):
+    prefix = "+" if group == "experiment" else ""  # experiments are not in the defaults
+    overrides = [f"{prefix}{group}={option}"]
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"{group}={option}"])
-    run = OmegaConf.to_object(cfg)
-    assert isinstance(run, RunConfig)
+        cfg = compose(config_name="config", overrides=overrides)
+        if group == "experiment":  # an experiment defines its grid
+            full = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+            assert full.hydra.sweeper.params
+    assert isinstance(to_run_config(cfg), RunConfig)
 
 
 @pytest.mark.parametrize(
@@ -68,5 +78,5 @@ def test_composed_overrides_reach_the_run():
             config_name="config",
             overrides=["cache=nocache", "workload.prompt_len=256", "threads=1"],
         )
-    run = OmegaConf.to_object(cfg)
+    run = to_run_config(cfg)
     assert (run.cache.name, run.workload.prompt_len, run.threads) == ("nocache", 256, 1)
