@@ -55,6 +55,7 @@ class PagedCache(KVCache):
         super().__init__(spec, options)
         self.pool: BlockPool | None = None
         self.kv: list[torch.Tensor] = []  # one pool per codec component
+        self.table = torch.zeros(0, 0, dtype=torch.long)  # (B, blocks), rebuilt every step
         self.tables: list[list[int]] = []
         self.tokens: list[list[int]] = []  # token ids per row, for the prefix hash chain
         self.max_tokens = 0
@@ -217,7 +218,7 @@ class PagedCache(KVCache):
 
     # ---- accounting ---------------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:
-        return self.kv + ([self.table] if hasattr(self, "table") else [])
+        return [*self.kv, self.table]
 
     def _block_bytes(self) -> int:
         return sum(c.numel() * c.element_size() for c in self.kv) // self.pool.num_blocks
@@ -226,7 +227,7 @@ class PagedCache(KVCache):
         if not self.kv:
             return 0
         per_slot = self._block_bytes() // self.options.block_size
-        table = self.table.numel() * self.table.element_size() if hasattr(self, "table") else 0
+        table = self.table.numel() * self.table.element_size()
         return per_slot * sum(self.pool.fill[b] for b in self.pool.in_use) + table
 
     def memory(self) -> MemoryReport:
