@@ -41,6 +41,13 @@ def _app(cfg: DictConfig) -> None:
         return
     record = run_point(run_cfg, out_dir)
     print(summary_line(record), flush=True)
+    if run_cfg.logger.name == "wandb" and not record.get("skipped"):
+        from kvlab.wandb_logger import log_record
+
+        multirun = hydra_cfg.mode == RunMode.MULTIRUN
+        group = Path(hydra_cfg.sweep.dir).name if multirun else out_dir.name
+        study = hydra_cfg.runtime.choices.get("experiment") or ("sweep" if multirun else "run")
+        log_record(record, run_cfg.logger, out_dir, group, study)
     if record["status"] != "ok" and hydra_cfg.mode != RunMode.MULTIRUN:
         raise SystemExit(1)  # a single failed run fails the command; its record has the traceback
 

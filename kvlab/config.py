@@ -78,6 +78,24 @@ class WorkloadConfig:
         _require(0 < self.top_p <= 1, "workload.top_p", self.top_p, "0 < top_p <= 1")
 
 
+LOGGERS = ("none", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class LoggerConfig:
+    """Where a run's record also goes: ``none``, or W&B (offline by default: no account)."""
+
+    name: str = "none"
+    project: str = "kvlab"
+    entity: str | None = None
+    mode: str = "offline"
+
+    def __post_init__(self) -> None:
+        _require(self.name in LOGGERS, "logger.name", self.name, ", ".join(LOGGERS))
+        _require(self.mode in WANDB_MODES, "logger.mode", self.mode, ", ".join(WANDB_MODES))
+
+
 @dataclass
 class RunConfig:
     """One point of a study: model × cache × workload (+ evals), written to ``result.json``."""
@@ -86,6 +104,7 @@ class RunConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     eval: dict[str, Any] = field(default_factory=dict)  # eval name -> its options
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     threads: int = 0  # 0: torch's default
     resume: bool = True  # skip a point whose result.json says ok for the same config
 

@@ -119,3 +119,25 @@ def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
     rows = load_results(sweep)
     assert rows and all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
     assert (sweep / "report.md").exists()
+
+
+@pytest.mark.slow
+def test_wandb_logger_writes_one_offline_run_per_point(tmp_path):
+    sweep = tmp_path / "sweep"
+    done = kvlab(
+        "-m", "cache=full,int8", *TINY, "logger=wandb", f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    runs = sorted(sweep.glob("*/wandb/offline-run-*"))
+    assert len(runs) == 2
+    for run in runs:
+        (table,) = run.glob("files/media/table/itl_ms_*.table.json")
+        rows = json.loads(table.read_text())["data"]
+        assert [step for step, _ in rows] == [1, 2, 3]  # 4 new tokens: 3 decode steps
+
+
+def test_unknown_logger_is_refused():
+    from kvlab.config import LoggerConfig
+
+    with pytest.raises(ValueError, match="logger.name='mlflow' is invalid; allowed: none, wandb"):
+        LoggerConfig(name="mlflow")

@@ -36,6 +36,7 @@ def generation_metrics(stats: GenerationStats) -> dict[str, float | int]:
         "kv_bytes_reserved": kv.reserved_bytes,
         "kv_tokens": kv.tokens,
         "kv_bytes_per_token": kv.bytes_per_token,
+        "itl_ms": itl_ms,  # every decode step, for per-token plots and tables
     }
 
 
