@@ -60,6 +60,18 @@ def test_prompt_longer_than_context_fails_before_loading():
         check_context(cfg)
 
 
+LAUNCHERS = sorted(p.stem for p in (Path(CONF_DIR) / "hydra" / "launcher").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_every_launcher_config_composes(launcher):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(
+            config_name="config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True
+        )
+    assert "launcher" in cfg.hydra.launcher._target_.lower()
+
+
 def test_cache_positions_may_run_past_the_context():
     streaming = CacheConfig(name="sliding", options=dict(window=1024, positions="cache"))
     check_context(
