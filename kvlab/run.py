@@ -49,8 +49,11 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
     device = resolve_device(cfg.model.device)
     dtype = resolve_dtype(cfg.model.dtype, device)
     model, tokenizer = load_model(cfg.model.source, dtype, device)
-    cache = build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
-    engine = Engine(model, cache, _eos_ids(tokenizer, model))
+
+    def new_cache():  # the run's strategy, fresh: for the workload and for each eval
+        return build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
+
+    engine = Engine(model, new_cache(), _eos_ids(tokenizer, model))
     prompts = build_prompts(
         tokenizer, cfg.workload.prompt_len, cfg.workload.batch_size, cfg.workload.prompt_file
     )
@@ -63,10 +66,6 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
     metrics["device"], metrics["dtype"] = str(device), str(dtype).removeprefix("torch.")
     metrics["new_tokens"] = sum(len(t) for t in run.tokens)
     metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
-
-    def new_cache():
-        return build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
-
     return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)
 
 
