@@ -106,6 +106,13 @@ class KVCache(ABC):
         drop = set(rows)
         self.lengths = [n for b, n in enumerate(self.lengths) if b not in drop]
 
+    def _keep_index(self, rows: Sequence[int]) -> torch.Tensor:
+        """Indices of the rows that stay when ``rows`` are freed (call before ``free``),
+        for strategies that drop those rows from their tensors."""
+        drop = set(rows)
+        keep = [b for b in range(len(self.lengths)) if b not in drop]
+        return torch.tensor(keep, dtype=torch.long, device=self.spec.device)
+
     # ---- one forward step, called by the model -------------------------------------------
     def begin(self, step: StepInfo) -> None:
         """Called once before the layers of a forward step."""

@@ -45,10 +45,9 @@ class FullCache(KVCache):
         self.kv = torch.zeros(shape, dtype=s.dtype, device=s.device)
 
     def free(self, rows: Sequence[int]) -> None:
-        keep = [b for b in range(len(self.lengths)) if b not in set(rows)]
-        super().free(rows)
         assert self.kv is not None
-        index = torch.tensor(keep, device=self.kv.device, dtype=torch.long)
+        index = self._keep_index(rows)
+        super().free(rows)
         self.kv = self.kv.index_select(2, index)  # a smaller tensor: the freed rows' memory goes
 
     def begin(self, step: StepInfo) -> None:

@@ -144,9 +144,9 @@ class QuantizedCache(KVCache):
         self.quantized, self.tail_len = [0] * batch_size, [0] * batch_size
 
     def free(self, rows: Sequence[int]) -> None:
-        keep = [b for b in range(len(self.lengths)) if b not in set(rows)]
+        index = self._keep_index(rows)
+        keep = index.tolist()
         super().free(rows)
-        index = torch.tensor(keep, dtype=torch.long, device=self.tail.device)
         for store in (self.keys, self.values):
             store.codes, store.scale, store.zero = (
                 t.index_select(1, index) for t in store.tensors()

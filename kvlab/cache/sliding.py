@@ -68,9 +68,8 @@ class SlidingWindowCache(KVCache):
         self.slot_pos = torch.full((batch_size, self.slots), -1, dtype=torch.long, device=s.device)
 
     def free(self, rows: Sequence[int]) -> None:
-        keep = [b for b in range(len(self.lengths)) if b not in set(rows)]
+        index = self._keep_index(rows)
         super().free(rows)
-        index = torch.tensor(keep, dtype=torch.long, device=self.slot_pos.device)
         self.kv = [component.index_select(2, index) for component in self.kv]
         self.slot_pos = self.slot_pos.index_select(0, index)
 
