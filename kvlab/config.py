@@ -48,6 +48,20 @@ class CacheConfig:
 
 
 @dataclass
+class QuantConfig:
+    """``name`` of a registered weight quantizer (``none``: full precision); every other key
+    is an option of that quantizer."""
+
+    name: str = "none"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from kvlab.quant import quant_options
+
+        quant_options(self.name, self.options)  # names the bad field, value and what is allowed
+
+
+@dataclass
 class WorkloadConfig:
     """Synthetic prompts of exactly ``prompt_len`` tokens of real text (or ``prompt_file``)."""
 
@@ -98,10 +112,11 @@ class LoggerConfig:
 
 @dataclass
 class RunConfig:
-    """One point of a study: model × cache × workload (+ evals), written to ``result.json``."""
+    """One point of a study: model × quant × cache × workload (+ evals) → ``result.json``."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     eval: dict[str, Any] = field(default_factory=dict)  # eval name -> its options
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -59,3 +59,24 @@ def wikitext2_test_text() -> str:
 
     rows = load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
     return "".join(rows)
+
+
+def calibration_rows(source: str) -> list[str]:
+    """Calibration text for quantizers (never the test split): ``wikitext2-valid`` (the
+    shared ``wiki.valid.tokens``, else the hub's wikitext-2-v1 validation split) or a local
+    text file, read through ``datasets``."""
+    from datasets import load_dataset
+
+    root = data_root()
+    if source == "wikitext2-valid":
+        local = root / "wikitext2" / "wiki.valid.tokens" if root else None
+        if local is None or not local.exists():
+            return load_dataset("wikitext", "wikitext-2-v1", split="validation")["text"]
+        source = str(local)
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"quant.options.calibration={source!r} is not a file; allowed: wikitext2-valid "
+            "or a local text file"
+        )
+    return load_dataset("text", data_files={"train": str(path)}, split="train")["text"]

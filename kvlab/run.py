@@ -11,11 +11,14 @@ from typing import Any
 import torch
 
 from kvlab.cache import build_cache
-from kvlab.config import RunConfig, check_context
+from kvlab.config import ModelConfig, QuantConfig, RunConfig, check_context
 from kvlab.engine import Engine, GenerationConfig, SamplingConfig
 from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
 from kvlab.eval import run_evals
 from kvlab.models import load_model
+from kvlab.models.cpu_kernels import prepack_linears
+from kvlab.models.llama import Decoder
+from kvlab.quant import quantize_
 from kvlab.tracking import config_dict, environment, read_record, write_record
 from kvlab.workload import build_prompts
 
@@ -34,6 +37,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def load_run_model(
+    model_cfg: ModelConfig, quant: QuantConfig, device: torch.device
+) -> tuple[Decoder, Any]:
+    """The run's model, its weights quantized; bf16 linear layers left in full precision
+    are prepacked for the CPU afterwards (quantized layers bring their own kernels)."""
+    dtype = resolve_dtype(model_cfg.dtype, device)
+    model, tokenizer = load_model(model_cfg.source, dtype, device, cpu_prepack=False)
+    quantize_(model, quant.name, quant.options)
+    prepack_linears(model)
+    return model, tokenizer
+
+
 def generation_config(cfg: RunConfig, new_tokens: int | None = None) -> GenerationConfig:
     w = cfg.workload
     sampling = SamplingConfig(w.temperature, w.top_k, w.top_p, w.seed)
@@ -47,8 +62,7 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.model.device)
-    dtype = resolve_dtype(cfg.model.dtype, device)
-    model, tokenizer = load_model(cfg.model.source, dtype, device)
+    model, tokenizer = load_run_model(cfg.model, cfg.quant, device)
 
     def new_cache():  # the run's strategy, fresh: for the workload and for each eval
         return build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
@@ -63,7 +77,8 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
         run = engine.generate(prompts, generation_config(cfg))
     metrics = generation_metrics(run.stats) | peak.metrics
     metrics["weight_bytes"] = weight_bytes(model)
-    metrics["device"], metrics["dtype"] = str(device), str(dtype).removeprefix("torch.")
+    metrics["device"] = str(device)
+    metrics["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     metrics["new_tokens"] = sum(len(t) for t in run.tokens)
     metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
     return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)

@@ -20,6 +20,7 @@ RESULT_FILE = "result.json"
 TABLE_COLUMNS = (
     "model.source",
     "cache.name",
+    "quant.name",
     "workload.prompt_len",
     "workload.new_tokens",
     "workload.batch_size",
@@ -158,6 +159,7 @@ def summary_line(record: dict[str, Any]) -> str:
     row = flatten(record)
     point = (
         f"model={row.get('model.source')} cache={row.get('cache.name')} "
+        f"quant={row.get('quant.name', 'none')} "
         f"prompt_len={row.get('workload.prompt_len')} new_tokens={row.get('workload.new_tokens')}"
     )
     if row["status"] != "ok":

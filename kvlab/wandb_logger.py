@@ -21,7 +21,11 @@ def log_record(
         raise ImportError("logger=wandb needs wandb: pip install -e '.[wandb]'") from exc
     row = flatten(record)
     metrics = record.get("metrics", {})
-    tags = [f"cache={row.get('cache.name')}", f"status={record.get('status')}"]
+    tags = [
+        f"cache={row.get('cache.name')}",
+        f"quant={row.get('quant.name', 'none')}",
+        f"status={record.get('status')}",
+    ]
     config = {k: v for k, v in row.items() if "." in k}
     run = wandb.init(
         project=cfg.project,

@@ -112,8 +112,10 @@ def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
         "eval.ppl.max_windows=1",
         "eval.ppl.chunk=8",
     ]
-    if experiment != "kv_strategies":  # only it evaluates perplexity
+    if experiment not in ("kv_strategies", "weight_quant"):  # only they evaluate perplexity
         tiny = tiny[:2]
+    if experiment == "weight_quant":  # GPTQModel on the default model takes minutes:
+        tiny.append("quant=none,rtn_int8,bnb")  # (test_quant runs GPTQModel on a tiny model)
     done = kvlab("-m", f"+experiment={experiment}", *tiny, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = load_results(sweep)

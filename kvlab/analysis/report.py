@@ -47,14 +47,28 @@ PLOTS = (
 
 
 def series_label(row: dict[str, Any]) -> str:
-    """A point's series: its cache strategy and options (and quantizer, when present)."""
-    options = row.get("cache.options") or {}
-    extra = (
-        ",".join(f"{k}={v}" for k, v in sorted(options.items()))
-        if isinstance(options, dict)
-        else ""
+    """A point's series: its cache strategy and quantizer, each with the options it sets
+    away from their defaults (``int4[group_size=64] + rtn[bits=8]``)."""
+    from kvlab.cache import registered
+    from kvlab.quant import registered_quantizers
+
+    label = _with_options(row, "cache", registered())
+    quant = row.get("quant.name") or "none"
+    return (
+        label
+        if quant == "none"
+        else f"{label} + {_with_options(row, 'quant', registered_quantizers())}"
     )
-    return f"{row.get('cache.name')}" + (f"[{extra}]" if extra else "")
+
+
+def _with_options(row: dict[str, Any], group: str, known: dict[str, Any]) -> str:
+    name, prefix = row.get(f"{group}.name"), f"{group}.options."
+    options = {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix)}
+    entry = known.get(name)
+    options_type = getattr(entry, "Options", None) or getattr(entry, "options", None)
+    defaults = vars(options_type()) if options_type else {}
+    changed = {k: v for k, v in sorted(options.items()) if defaults.get(k, object()) != v}
+    return f"{name}" + (f"[{','.join(f'{k}={v}' for k, v in changed.items())}]" if changed else "")
 
 
 def plot(rows: list[dict[str, Any]], spec: tuple, out_dir: Path) -> Path | None:

@@ -12,6 +12,7 @@ from torch import nn
 
 from kvlab.engine.generate import GenerationStats
 from kvlab.engine.timing import percentile
+from kvlab.quant.base import held_tensors
 
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _STATUS = Path("/proc/self/status")
@@ -41,9 +42,10 @@ def generation_metrics(stats: GenerationStats) -> dict[str, float | int]:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer the model holds, shared storage counted once."""
+    """Bytes of every tensor the model holds (parameters, buffers, quantization state),
+    shared storage counted once."""
     seen, total = set(), 0
-    for tensor in [*model.parameters(), *model.buffers()]:
+    for tensor in held_tensors(model):
         key = id(tensor) if tensor.is_mkldnn else (tensor.device, tensor.data_ptr())
         if key not in seen:
             seen.add(key)

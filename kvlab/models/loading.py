@@ -137,6 +137,7 @@ def load_model(
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = inverse_frequencies(cfg)  # built on meta above: it holds no data yet
     model = model.to(device).eval().requires_grad_(False)
+    model.checkpoint_dir = checkpoint  # quantizers that calibrate (GPTQ) start from it
     if cpu_prepack:
         prepack_linears(model)
     return model, _load_tokenizer(checkpoint)

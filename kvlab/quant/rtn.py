@@ -1,0 +1,184 @@
+"""Round-to-nearest weight-only quantization: int8 per output channel (symmetric) and int4
+in groups along the input dimension (symmetric or asymmetric), stored really packed.
+
+Int4 follows torchao's int4 weight-only layout: ``w = (q - 8) * scale + offset`` with a
+float offset per group (symmetric: offset 0), which also represents GPTQ's integer zero
+points (see :mod:`kvlab.quant.gptq`). On the CPU the layers run PyTorch's packed-weight
+kernels (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``); they are fast in bf16
+only, hence ``compute_dtype`` (bf16 by default, as torchao's int4 weight-only requires).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlab.cache.codec import pack, unpack
+from kvlab.quant.base import QuantOptions, register_quantizer, replace_linears
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+COMPUTE_DTYPES = ("bfloat16", "input")
+
+
+@dataclass
+class RtnOptions(QuantOptions):
+    """``bits`` 8 (per output channel, symmetric) or 4 (``group_size`` input channels per
+    scale; None = 64); ``compute_dtype``: bfloat16, or ``input`` (the activations' dtype)."""
+
+    bits: int = 4
+    group_size: int | None = None
+    symmetric: bool = True
+    compute_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"quant.options.bits={self.bits!r} is invalid; allowed: 4, 8")
+        if self.bits == 8 and (self.group_size is not None or not self.symmetric):
+            raise ValueError(
+                f"quant.options.group_size={self.group_size!r}, symmetric={self.symmetric!r} "
+                "is invalid for bits=8; allowed: group_size=null, symmetric=true (int8 is "
+                "per output channel, symmetric)"
+            )
+        if self.bits == 4:
+            self.group_size = self.group_size or 64
+            if self.group_size not in INT4_GROUP_SIZES:
+                raise ValueError(
+                    f"quant.options.group_size={self.group_size!r} is invalid; allowed: "
+                    f"{', '.join(map(str, INT4_GROUP_SIZES))}"
+                )
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"quant.options.compute_dtype={self.compute_dtype!r} is invalid; allowed: "
+                f"{', '.join(COMPUTE_DTYPES)}"
+            )
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes (N, K) uint8 in 0..15, scale (K/G, N), offset (K/G, N)) with
+    ``w ≈ (codes - 8) * scale + offset`` per group of ``group_size`` input channels."""
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // group_size, group_size)
+    if symmetric:
+        scale = groups.abs().amax(-1, keepdim=True) / 7.5  # codes -8..7 cover [-8s, 7s]
+        offset = torch.zeros_like(scale)
+    else:
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = (high - low) / 15
+        offset = low + 8 * scale  # code 0 -> low, code 15 -> high
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((groups - offset) / safe + 8).round_().clamp_(0, 15).to(torch.uint8)
+    return codes.view(out_features, in_features), scale.squeeze(-1).T, offset.squeeze(-1).T
+
+
+def dequantize_int4(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_int4`: the (N, K) weight in the scale's dtype."""
+    out_features, in_features = codes.shape
+    groups = codes.view(out_features, in_features // group_size, group_size).to(scale.dtype)
+    weight = (groups - 8) * scale.T.unsqueeze(-1) + offset.T.unsqueeze(-1)  # (N, K/G, G)
+    return weight.view(out_features, in_features)
+
+
+class Int4Linear(nn.Module):
+    """Linear layer over packed int4 weights (two codes per byte). On the CPU the codes are
+    kept in the layout of PyTorch's int4 kernel; elsewhere (or ``cpu_kernel=False``) in
+    row-packed form, dequantized per call. ``input_perm`` reorders input channels first
+    (GPTQ act-order checkpoints)."""
+
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scale: torch.Tensor,
+        offset: torch.Tensor,
+        bias: torch.Tensor | None,
+        compute_dtype: torch.dtype | None = torch.bfloat16,
+        input_perm: torch.Tensor | None = None,
+        cpu_kernel: bool = True,
+    ):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        self.group_size = self.in_features // scale.shape[0]
+        self.compute_dtype = compute_dtype  # None: the input's dtype
+        self.cpu_kernel = cpu_kernel and codes.device.type == "cpu"
+        if self.cpu_kernel:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        else:
+            packed = pack(codes, 4)  # (N, K/2)
+        self.register_buffer("packed", packed)
+        dtype = compute_dtype or scale.dtype
+        # (K/G, N, 2): scale and offset side by side, as the kernel takes them
+        self.register_buffer("scale_offset", torch.stack((scale, offset), -1).to(dtype))
+        self.register_buffer("input_perm", input_perm)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The (N, K) weight this layer multiplies by (row-packed layout only)."""
+        scale, offset = self.scale_offset.to(dtype).unbind(-1)
+        return dequantize_int4(unpack(self.packed, 4), scale, offset, self.group_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
+        dtype = self.compute_dtype or x.dtype
+        flat = x.reshape(-1, self.in_features).to(dtype)  # (M, K)
+        if self.cpu_kernel:
+            sz = self.scale_offset.to(dtype)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, sz)
+        else:
+            out = F.linear(flat, self.dequantized_weight(dtype))
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+class Int8Linear(nn.Module):
+    """Linear layer over int8 weights with one symmetric scale per output channel."""
+
+    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = torch.bfloat16):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
+        self.register_buffer("qweight", (weight / scale[:, None]).round_().to(torch.int8))
+        self.register_buffer("scale", scale.to(compute_dtype or linear.weight.dtype))
+        self.compute_dtype = compute_dtype
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype or x.dtype
+        flat = x.reshape(-1, self.in_features).to(dtype)  # (M, K)
+        scale = self.scale.to(dtype)
+        if flat.device.type == "cpu":
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scale)
+        else:
+            out = F.linear(flat, self.qweight.to(dtype) * scale[:, None])
+        out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+def resolve_compute_dtype(name: str) -> torch.dtype | None:
+    return None if name == "input" else getattr(torch, name)
+
+
+@register_quantizer("rtn", RtnOptions)
+def apply_rtn(model: nn.Module, options: RtnOptions) -> int:
+    """Replace every eligible linear layer by its round-to-nearest int8 or int4 version."""
+    dtype = resolve_compute_dtype(options.compute_dtype)
+
+    def make(name: str, linear: nn.Linear) -> nn.Module:
+        if options.bits == 8:
+            return Int8Linear(linear, dtype)
+        if linear.in_features % options.group_size:
+            raise ValueError(
+                f"quant.options.group_size={options.group_size} does not divide the "
+                f"{linear.in_features} input features of {name}; allowed: a divisor of it"
+            )
+        codes, scale, offset = quantize_int4(linear.weight, options.group_size, options.symmetric)
+        return Int4Linear(codes, scale, offset, linear.bias, dtype)
+
+    return replace_linears(model, options, make)
