@@ -2,6 +2,8 @@
 
 kvlab model=smollm2-135m cache=full workload.prompt_len=512 workload.new_tokens=64
 kvlab -m cache=full,nocache workload.prompt_len=256,1024
+kvlab report SWEEP_DIR
+kvlab lm-eval --model kvlab --model_args model=smollm2-135m,cache=int4 --tasks hellaswag_local
 """
 
 from __future__ import annotations
@@ -66,9 +68,29 @@ def report_main(args: list[str]) -> None:
     print(f"\nreport: {path} (plots beside it)")
 
 
+def lm_eval_main(args: list[str]) -> None:
+    """``kvlab lm-eval ARGS``: lm-eval's own CLI with the ``kvlab`` model registered and
+    kvlab's local-data task folder added to ``--include_path``."""
+    from lm_eval.__main__ import cli_evaluate
+
+    from kvlab.eval import lm_eval_adapter  # noqa: F401  (registers --model kvlab)
+    from kvlab.eval.harness import TASKS_DIR
+
+    if "--include_path" in args:
+        at = args.index("--include_path") + 1
+        args[at] = f"{args[at]}:{TASKS_DIR}"
+    else:
+        args += ["--include_path", str(TASKS_DIR)]
+    sys.argv = ["lm-eval", *args]
+    cli_evaluate()
+
+
+SUBCOMMANDS = {"report": report_main, "lm-eval": lm_eval_main}
+
+
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "report":
-        report_main(sys.argv[2:])
+    if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
+        SUBCOMMANDS[sys.argv[1]](sys.argv[2:])
         return
     _app()
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvlab.cache import build_cache
-from kvlab.config import ModelConfig, QuantConfig, RunConfig, check_context
+from kvlab.cache.base import KVCache
+from kvlab.config import ModelConfig, QuantConfig, RunConfig, check_context, to_run_config
 from kvlab.engine import Engine, GenerationConfig, SamplingConfig
 from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
 from kvlab.eval import run_evals
@@ -47,6 +49,26 @@ def load_run_model(
     quantize_(model, quant.name, quant.options)
     prepack_linears(model)
     return model, tokenizer
+
+
+def build_run_model(
+    cache: str, quant: str, overrides: dict[str, Any]
+) -> tuple[Decoder, Any, Callable[[], KVCache]]:
+    """Model, tokenizer and cache factory of the run that ``cache=<cache> quant=<quant>``
+    and dotted ``overrides`` compose to (for callers outside Hydra: the lm-eval adapter)."""
+    from hydra import compose, initialize_config_dir
+
+    from kvlab.cli import CONF_DIR
+
+    wanted = [f"cache={cache}", f"quant={quant}", *(f"{k}={v}" for k, v in overrides.items())]
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = to_run_config(compose(config_name="config", overrides=wanted))
+    model, tokenizer = load_run_model(cfg.model, cfg.quant, resolve_device(cfg.model.device))
+
+    def new_cache() -> KVCache:
+        return build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
+
+    return model, tokenizer, new_cache
 
 
 def generation_config(cfg: RunConfig, new_tokens: int | None = None) -> GenerationConfig:

@@ -214,7 +214,10 @@ class PagedCache(KVCache):
         total = max(self.lengths) + q.shape[2]
         parts = [c[layer][:, self.table].flatten(2, 3)[:, :, :total] for c in self.kv]
         keys, values = self.codec.decode(parts).transpose(2, 3)  # (B, H_kv, L, D) each
-        return sdpa(q, keys, values, mask=self._mask, causal=self._causal)
+        # rows at different lengths adding padded steps can ask past the widest block table;
+        # those slots are seen only by padding queries, so the mask drops them
+        mask = None if self._mask is None else self._mask[..., : keys.shape[2]]
+        return sdpa(q, keys, values, mask=mask, causal=self._causal)
 
     # ---- accounting ---------------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:

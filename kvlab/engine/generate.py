@@ -181,7 +181,7 @@ class Engine:
         if not self.cache.stores_past:
             return self._forward_whole(seqs)
         lengths = torch.tensor([len(s) for s in seqs], device=self.device)
-        ids = self._padded(seqs)  # (B, T)
+        ids = self.padded(seqs)  # (B, T)
         last = torch.empty(len(seqs), self.model.config.vocab_size, device=self.device)
         for begin in range(0, ids.shape[1], chunk):
             piece = ids[:, begin : begin + chunk]  # (B, C)
@@ -206,13 +206,13 @@ class Engine:
 
     def _forward_whole(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
         """Recompute every token of every sequence (the no-cache baseline)."""
-        ids = self._padded(seqs)  # (B, T)
+        ids = self.padded(seqs)  # (B, T)
         positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
         index = torch.tensor([len(s) - 1 for s in seqs], device=self.device)
         self.cache.allocate(len(seqs), ids.shape[1])
         return self.model(ids, positions, self.cache, [len(s) for s in seqs], index)
 
-    def _padded(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+    def padded(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
         """Right-padded ids (B, T_max); the padding id is never attended by a real token."""
         width = max(map(len, seqs))
         rows = [list(s) + [0] * (width - len(s)) for s in seqs]

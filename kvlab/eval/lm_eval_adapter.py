@@ -1,0 +1,181 @@
+"""kvlab as an lm-eval model (lm-evaluation-harness 0.4, Gao et al.): ``loglikelihood``,
+``loglikelihood_rolling`` and ``generate_until`` run through kvlab's model and engine with
+the configured cache strategy and weight quantizer in the loop.
+
+Importing this module registers the model as ``kvlab`` (lm-eval 0.4 has no plugin entry
+points, so ``kvlab lm-eval ...`` runs lm-eval's own CLI with it registered). Model args:
+``model``, ``cache`` and ``quant`` (names of files under ``conf/cache`` and ``conf/quant``),
+``dtype``, ``device``, ``chunk`` (context prefill chunk; 0 = one pass), ``max_length``, and
+dotted ``cache.options.X`` / ``quant.options.X`` overrides.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import lm_eval.models  # noqa: F401  (lm-eval loads its own models only into an empty registry)
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from kvlab.cache.base import KVCache
+from kvlab.engine import Engine, GenerationConfig, SamplingConfig
+from kvlab.eval.scoring import continuation_logprobs
+from kvlab.models.llama import Decoder
+
+Pair = tuple[tuple[str, str], list[int], list[int]]
+
+
+@register_model("kvlab")
+class KvlabLM(TemplateLM):
+    """An lm-eval LM over a kvlab model, a cache factory and a tokenizer."""
+
+    def __init__(
+        self, model: str = "smollm2-135m", cache: str = "full", quant: str = "none",
+        dtype: str = "auto", device: str = "auto", batch_size: int | str = 8, chunk: int = 0,
+        max_length: int | None = None, **overrides: Any,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        from kvlab.run import build_run_model
+
+        quant = quant or "none"  # lm-eval's argument parser turns "none" into None
+        choices = {"model.source": model, "model.dtype": dtype, "model.device": _device(device)}
+        loaded, tokenizer, new_cache = build_run_model(cache, quant, choices | overrides)
+        self._setup(loaded, tokenizer, new_cache, batch_size, chunk, max_length)
+
+    @classmethod
+    def from_loaded(
+        cls, model: Decoder, tokenizer: Any, new_cache: Callable[[], KVCache],
+        batch_size: int = 8, chunk: int = 0, max_length: int | None = None,
+    ) -> KvlabLM:  # fmt: skip
+        """Wrap a model a kvlab run has already loaded (``eval=lm_eval``)."""
+        lm = cls.__new__(cls)
+        TemplateLM.__init__(lm)
+        lm._setup(model, tokenizer, new_cache, batch_size, chunk, max_length)
+        return lm
+
+    def _setup(self, model, tokenizer, new_cache, batch_size, chunk, max_length) -> None:
+        if tokenizer is None:
+            raise ValueError("the lm-eval adapter needs a model with a tokenizer")
+        self.model, self.tokenizer, self.new_cache = model, tokenizer, new_cache
+        self.batch_size = 8 if batch_size == "auto" else int(batch_size)
+        self.chunk = int(chunk)
+        self.max_length = int(max_length or model.config.max_position_embeddings)
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, **_: Any
+    ) -> list[int]:
+        return self.tokenizer.encode(string, add_special_tokens=bool(add_special_tokens))
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def _loglikelihood_tokens(
+        self, requests: list[Pair], disable_tqdm: bool = False, **_: Any
+    ) -> list[tuple[float, bool]]:
+        """Score in batches of similar length (longest first), answers in request order."""
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1] + requests[i][2]))
+        results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        with tqdm(total=len(requests), disable=disable_tqdm, desc="kvlab loglikelihood") as bar:
+            for batch in _batches(order, self.batch_size):
+                pairs = [self._truncated(requests[i][1], requests[i][2]) for i in batch]
+                scored = continuation_logprobs(
+                    self.model, self.new_cache(), *zip(*pairs, strict=True), chunk=self.chunk
+                )
+                for i, answer in zip(batch, scored, strict=True):
+                    results[i] = answer
+                    if self.cache_hook is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                bar.update(len(batch))
+        return results
+
+    def _truncated(self, context: list[int], continuation: list[int]) -> tuple[list, list]:
+        """Keep the last ``max_length`` input tokens, as the ``hf`` backend does."""
+        keep = self.max_length + 1 - len(continuation)
+        if keep < 1:
+            raise ValueError(
+                f"a continuation of {len(continuation)} tokens exceeds max_length="
+                f"{self.max_length}; allowed: continuations shorter than max_length"
+            )
+        return context[-keep:], continuation
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Whole-text log-likelihood over disjoint windows of ``max_length`` tokens."""
+        totals = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="kvlab rolling"):
+            (text,) = request.args
+            windows = get_rolling_token_windows(
+                self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1
+            )
+            pairs = [((text, ""), *make_disjoint_window(w)) for w in windows]
+            scored = self._loglikelihood_tokens(pairs, disable_tqdm=True)
+            totals.append(sum(logprob for logprob, _ in scored))
+            if self.cache_hook is not None:
+                self.cache_hook.add_partial("loglikelihood_rolling", (text,), totals[-1])
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or sampled, per ``gen_kwargs``) generation until a stop string or
+        ``max_gen_toks`` tokens, one request at a time."""
+        outputs = []
+        for request in tqdm(requests, disable=disable_tqdm, desc="kvlab generate_until"):
+            context, gen_kwargs = request.args
+            text = generate_text(self, context, dict(gen_kwargs))
+            outputs.append(text)
+            if self.cache_hook is not None:
+                self.cache_hook.add_partial("generate_until", request.args, text)
+        return outputs
+
+
+def generate_text(lm: KvlabLM, context: str, gen_kwargs: dict[str, Any]) -> str:
+    """lm-eval's generation contract: stop at the first ``until`` string (cut there) or
+    after ``max_gen_toks`` tokens; ``do_sample``/``temperature`` pick the sampler."""
+    until = gen_kwargs.pop("until", None) or [lm.tok_decode([lm.eot_token_id])]
+    until = [until] if isinstance(until, str) else list(until)
+    max_new = int(gen_kwargs.pop("max_gen_toks", 256))
+    temperature = (
+        float(gen_kwargs.pop("temperature", 0.0)) if gen_kwargs.pop("do_sample", False) else 0.0
+    )
+    prompt = lm.tok_encode(context)[-(lm.max_length - max_new) :]
+    config = GenerationConfig(max_new, SamplingConfig(temperature), stop_on_eos=True)
+    run = Engine(lm.model, lm.new_cache()).stream([prompt], config)
+    text = ""
+    for _ in run:
+        text = lm.tok_decode(run.tokens[0])
+        if any(stop in text for stop in until):
+            break
+    for stop in until:
+        text = text.split(stop)[0]
+    return text
+
+
+def _device(name: str) -> str:
+    """lm-eval's ``--device`` (``cuda:0`` by default) as a kvlab device; without CUDA,
+    ``cuda`` falls back to the CPU with a warning, as lm-eval's ``hf`` backend does."""
+    kind = name.split(":")[0]
+    if kind == "cuda" and not torch.cuda.is_available():
+        warnings.warn(f"device={name!r}: CUDA is not available; running on the CPU", stacklevel=3)
+        return "cpu"
+    return kind
+
+
+def _batches(items: list[int], size: int) -> Iterator[list[int]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

@@ -1,0 +1,126 @@
+"""The lm-eval adapter: per-item log-likelihoods equal lm-eval's own ``hf`` backend on the
+same converted weights (HellaSwag, LAMBADA, WikiText), scoring with the cache in the loop
+equals one causal pass for exact strategies, generate_until honours its stop strings, and
+``eval=lm_eval`` runs inside a kvlab run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from kvlab.cache import build_cache  # noqa: E402
+from kvlab.eval.harness import TASKS_DIR, task_metrics  # noqa: E402
+from kvlab.eval.lm_eval_adapter import KvlabLM  # noqa: E402
+from kvlab.eval.scoring import continuation_logprobs  # noqa: E402
+from kvlab.models.loading import resolve_checkpoint  # noqa: E402
+
+
+def _evaluate(model: str, model_args: str, task: str, limit: int) -> dict:
+    return lm_eval.simple_evaluate(
+        model=model, model_args=model_args, tasks=[task], limit=limit, batch_size=8,
+        device="cpu", log_samples=True, task_manager=TaskManager(include_path=str(TASKS_DIR)),
+    )  # fmt: skip
+
+
+def _loglikelihoods(result: dict, task: str) -> list[float]:
+    values = [resp[0] for sample in result["samples"][task] for resp in sample["resps"]]
+    return [v[0] if isinstance(v, list | tuple) else v for v in values]  # rolling: a float
+
+
+def _compare_with_hf(task: str, limit: int, metrics: tuple[str, ...]) -> None:
+    ours = _evaluate("kvlab", "model=smollm2-135m,cache=full,quant=none,dtype=float32", task, limit)
+    checkpoint = resolve_checkpoint("smollm2-135m")
+    theirs = _evaluate("hf", f"pretrained={checkpoint},dtype=float32", task, limit)
+    for metric in metrics:
+        assert ours["results"][task][metric] == theirs["results"][task][metric], metric
+    a, b = _loglikelihoods(ours, task), _loglikelihoods(theirs, task)
+    assert len(a) == len(b) > 0
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-3
+
+
+@pytest.mark.slow
+def test_hellaswag_first_200_items_match_the_hf_backend():
+    _compare_with_hf("hellaswag_local", 200, ("acc,none", "acc_norm,none"))
+
+
+def test_lambada_and_wikitext_match_the_hf_backend():
+    _compare_with_hf("lambada_openai_local", 16, ("acc,none",))
+    _compare_with_hf("wikitext_local", 1, ())
+
+
+def _pairs(vocab: int, rows: int = 5):
+    g = torch.Generator().manual_seed(0)
+    lengths = [(3, 4), (11, 1), (7, 6), (1, 2), (9, 3)][:rows]
+    contexts = [torch.randint(0, vocab, (c,), generator=g).tolist() for c, _ in lengths]
+    continuations = [torch.randint(0, vocab, (x,), generator=g).tolist() for _, x in lengths]
+    return contexts, continuations
+
+
+@pytest.mark.parametrize(("strategy", "chunk"), [("full", 0), ("full", 4), ("paged", 3)])
+def test_scoring_through_an_exact_cache_equals_one_causal_pass(tiny_llama, strategy, chunk):
+    contexts, continuations = _pairs(tiny_llama.config.vocab_size)
+    spec = tiny_llama.cache_spec()
+    one_pass = continuation_logprobs(
+        tiny_llama, build_cache("nocache", spec), contexts, continuations
+    )
+    cached = continuation_logprobs(
+        tiny_llama, build_cache(strategy, spec), contexts, continuations, chunk
+    )
+    for (a, greedy_a), (b, greedy_b) in zip(one_pass, cached, strict=True):
+        assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+
+
+def test_scoring_with_a_lossy_cache_puts_it_in_the_loop(tiny_llama):
+    contexts, continuations = _pairs(tiny_llama.config.vocab_size)
+    spec = tiny_llama.cache_spec()
+    exact = continuation_logprobs(tiny_llama, build_cache("full", spec), contexts, continuations)
+    lossy = continuation_logprobs(
+        tiny_llama,
+        build_cache("int4", spec, {"residual": 0, "group_size": 4}),
+        contexts,
+        continuations,
+    )
+    assert any(abs(a - b) > 1e-3 for (a, _), (b, _) in zip(exact, lossy, strict=True))
+
+
+class _Request:
+    def __init__(self, *args):
+        self.args = args
+
+
+def test_generate_until_stops_at_the_stop_string(smollm2):
+    model, tokenizer = smollm2
+    lm = KvlabLM.from_loaded(model, tokenizer, lambda: build_cache("full", model.cache_spec()))
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    (free,) = lm.generate_until([_Request(prompt, {"until": ["<never>"], "max_gen_toks": 12})])
+    assert len(tokenizer.encode(free, add_special_tokens=False)) <= 12
+    stop = free.strip().split()[1]  # a word the greedy continuation produces
+    (cut,) = lm.generate_until([_Request(prompt, {"until": [stop], "max_gen_toks": 12})])
+    assert stop not in cut and free.startswith(cut)
+
+
+def test_task_metrics_are_named_task_slash_metric():
+    results = {
+        "hellaswag_local": {"acc,none": 0.5, "acc_norm,none": 0.6, "sample_len": 10, "alias": "x"}
+    }
+    assert task_metrics(results) == {
+        "hellaswag/acc": 0.5, "hellaswag/acc_norm": 0.6, "hellaswag/items": 10,
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+def test_eval_lm_eval_runs_inside_a_kvlab_run(tmp_path):
+    from kvlab.config import RunConfig, WorkloadConfig
+    from kvlab.run import run_point
+
+    options = {"tasks": ["lambada_openai_local"], "limit": 4, "batch_size": 4}
+    cfg = RunConfig(workload=WorkloadConfig(prompt_len=16, new_tokens=2), eval={"lm_eval": options})
+    record = run_point(cfg, tmp_path)
+    assert record["status"] == "ok", record.get("traceback")
+    assert record["metrics"]["lambada_openai/items"] == 4
+    assert 0 <= record["metrics"]["lambada_openai/acc"] <= 1
+    assert (tmp_path / "lm_eval_results.json").exists()
