@@ -3,6 +3,7 @@
 kvlab model=smollm2-135m cache=full workload.prompt_len=512 workload.new_tokens=64
 kvlab -m cache=full,nocache workload.prompt_len=256,1024
 kvlab report SWEEP_DIR
+kvlab memory llama-2-13b --context 4096 --budget-gib 80
 kvlab lm-eval --model kvlab --model_args model=smollm2-135m,cache=int4 --tasks hellaswag_local
 """
 
@@ -85,7 +86,47 @@ def lm_eval_main(args: list[str]) -> None:
     cli_evaluate()
 
 
-SUBCOMMANDS = {"report": report_main, "lm-eval": lm_eval_main}
+def memory_main(args: list[str]) -> None:
+    """``kvlab memory MODEL [--context N] [--batch B] [--cache a,b] [--quant a,b] ...``:
+    weight and KV bytes from the model's config alone (no weights are read)."""
+    import argparse
+
+    import torch
+
+    from kvlab.analysis.memory import memory_rows, reference_configs
+    from kvlab.cache import registered
+    from kvlab.quant import registered_quantizers
+    from kvlab.tracking import format_table
+
+    parser = argparse.ArgumentParser(prog="kvlab memory", description=memory_main.__doc__)
+    names = ", ".join(reference_configs())
+    parser.add_argument("model", help=f"{names}, a config.json, a checkpoint dir or a hub id")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--cache", default=",".join(sorted(registered())))
+    parser.add_argument("--quant", default=",".join(sorted(registered_quantizers())))
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--budget-gib", type=float, default=None, help="memory budget for max_batch"
+    )
+    a = parser.parse_args(args)
+    caches = [c for c in a.cache.split(",") if c]
+    weights, kv = memory_rows(
+        a.model,
+        a.context,
+        a.batch,
+        caches,
+        a.quant.split(","),
+        getattr(torch, a.dtype),
+        a.budget_gib,
+    )
+    print(f"{a.model}: weights ({a.dtype} where unquantized)")
+    print(format_table(weights, ["quant", "weight_bytes", "weight_gib", "note"]))
+    print(f"\nKV cache at context={a.context}, batch={a.batch} ({a.dtype})")
+    print(format_table(kv, list(kv[0])))
+
+
+SUBCOMMANDS = {"report": report_main, "lm-eval": lm_eval_main, "memory": memory_main}
 
 
 def main() -> None:

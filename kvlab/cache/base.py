@@ -8,6 +8,7 @@ or pooled caches plug in without special cases (vLLM, arXiv 2309.06180, splits t
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +91,19 @@ class KVCache(ABC):
         length; None when positions grow with the sequence (the usual case)."""
         return None
 
+    @classmethod
+    def planned_bytes(
+        cls, spec: CacheSpec, options: CacheOptions, batch_size: int, max_tokens: int
+    ) -> dict[str, int]:
+        """The memory model's line for this strategy: bytes per component that
+        ``allocate(batch_size, max_tokens)`` and a run to ``max_tokens`` tokens hold, computed
+        from shapes alone, so it applies to any model config. By default: the strategy's own
+        ``allocate`` run on the meta device (shapes without storage); strategies whose
+        allocation is a short formula state it instead."""
+        cache = cls(dataclasses.replace(spec, device=torch.device("meta")), options)
+        cache.allocate(batch_size, max_tokens)
+        return {"allocated": sum(t.numel() * t.element_size() for t in cache.tensors())}
+
     def __init__(self, spec: CacheSpec, options: CacheOptions | None = None):
         self.spec = spec
         self.options = options if options is not None else self.Options()
@@ -146,6 +160,14 @@ class KVCache(ABC):
     def memory(self) -> MemoryReport:
         held = sum(t.numel() * t.element_size() for t in self.tensors())
         return MemoryReport(held, self.used_bytes(), sum(self.lengths))
+
+
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype`` (for memory-model lines)."""
+    count = 1
+    for size in shape:
+        count *= size
+    return count * dtype.itemsize
 
 
 def register(name: str):

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvlab.cache.base import KVCache, StepInfo, register, sdpa
+from kvlab.cache.base import KVCache, StepInfo, nbytes, register, sdpa
 
 
 def step_mask(lengths: list[int], steps: int, device: torch.device) -> torch.Tensor | None:
@@ -38,11 +38,18 @@ class FullCache(KVCache):
         self._mask: torch.Tensor | None = None
         self._causal = False
 
+    @staticmethod
+    def _shape(spec, batch_size: int, max_tokens: int) -> tuple[int, ...]:
+        return (spec.num_layers, 2, batch_size, spec.num_kv_heads, max_tokens, spec.head_dim)
+
+    @classmethod
+    def planned_bytes(cls, spec, options, batch_size, max_tokens):
+        return {"kv": nbytes(cls._shape(spec, batch_size, max_tokens), spec.dtype)}
+
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)
-        s = self.spec
-        shape = (s.num_layers, 2, batch_size, s.num_kv_heads, max_tokens, s.head_dim)
-        self.kv = torch.zeros(shape, dtype=s.dtype, device=s.device)
+        shape = self._shape(self.spec, batch_size, max_tokens)
+        self.kv = torch.zeros(shape, dtype=self.spec.dtype, device=self.spec.device)
 
     def free(self, rows: Sequence[int]) -> None:
         assert self.kv is not None

@@ -46,6 +46,11 @@ class GQASharedCache(FullCache):
             dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // options.factor), options
         )
 
+    @classmethod
+    def planned_bytes(cls, spec, options, batch_size, max_tokens):
+        merged = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // options.factor)
+        return super().planned_bytes(merged, options, batch_size, max_tokens)
+
     def attend(self, layer, q, k, v, k_raw):
         return super().attend(layer, q, self._merge(k), self._merge(v), k_raw)
 

@@ -19,6 +19,10 @@ class NoCache(KVCache):
 
     stores_past = False
 
+    @classmethod
+    def planned_bytes(cls, spec, options, batch_size, max_tokens):
+        return {}
+
     def attend(self, layer, q, k, v, k_raw):
         return sdpa(q, k, v, causal=True)  # right padding never precedes a real token
 

@@ -60,6 +60,12 @@ class PagedCache(KVCache):
         self.tokens: list[list[int]] = []  # token ids per row, for the prefix hash chain
         self.max_tokens = 0
 
+    @classmethod
+    def planned_bytes(cls, spec, options, batch_size, max_tokens):
+        """The pool ``allocate`` makes, plus the block table steps rebuild (int64)."""
+        table = batch_size * -(-max_tokens // options.block_size) * torch.long.itemsize
+        return super().planned_bytes(spec, options, batch_size, max_tokens) | {"table": table}
+
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         for row in range(len(self.tables)):
             self._release_row(row)

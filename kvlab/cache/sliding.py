@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import CacheOptions, KVCache, StepInfo, register, sdpa
+from kvlab.cache.base import CacheOptions, KVCache, StepInfo, nbytes, register, sdpa
 from kvlab.cache.codec import CodecOptions
 from kvlab.models.rope import RotaryTables
 
@@ -55,17 +55,30 @@ class SlidingWindowCache(KVCache):
         """With positions within the cache, no token sits past ``sinks + window``."""
         return options.sinks + options.window if options.positions == "cache" else None
 
+    @classmethod
+    def _layouts(cls, spec, options, batch_size, max_tokens) -> list[tuple[tuple, torch.dtype]]:
+        """(shape, dtype) of every tensor: the ring per codec component, then slot_pos."""
+        slots = min(options.sinks + options.window, max_tokens)
+        lead = (spec.num_layers, 2, batch_size, spec.num_kv_heads, slots)
+        ring = [
+            ((*lead, *tail), dtype)
+            for tail, dtype in options.codec(spec.head_dim, spec.dtype).layouts()
+        ]
+        return [*ring, ((batch_size, slots), torch.long)]
+
+    @classmethod
+    def planned_bytes(cls, spec, options, batch_size, max_tokens):
+        *ring, positions = cls._layouts(spec, options, batch_size, max_tokens)
+        return {"window": sum(nbytes(*r) for r in ring), "slot_positions": nbytes(*positions)}
+
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)
         s, o = self.spec, self.options
         self.slots = min(o.sinks + o.window, max_tokens)
         self.codec = o.codec(s.head_dim, s.dtype)
-        shape = (s.num_layers, 2, batch_size, s.num_kv_heads, self.slots)
-        self.kv = [
-            torch.zeros(*shape, *trailing, dtype=dtype, device=s.device)
-            for trailing, dtype in self.codec.layouts()
-        ]  # one per codec component
-        self.slot_pos = torch.full((batch_size, self.slots), -1, dtype=torch.long, device=s.device)
+        *ring, (positions, _) = self._layouts(s, o, batch_size, max_tokens)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=s.device) for shape, dtype in ring]
+        self.slot_pos = torch.full(positions, -1, dtype=torch.long, device=s.device)
 
     def free(self, rows: Sequence[int]) -> None:
         index = self._keep_index(rows)

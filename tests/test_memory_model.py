@@ -1,0 +1,106 @@
+"""The memory model against the seeds' figures (derived from the shipped configs, never
+hard-coded) and against kvlab's own measured KV bytes on the default model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvlab.analysis.memory import (
+    GIB,
+    Architecture,
+    kv_bytes,
+    load_config,
+    max_batch,
+    nominal_weight_bytes,
+    parameter_count,
+    reference_configs,
+    weight_bytes,
+)
+from kvlab.cache import build_cache, registered
+from kvlab.engine import Engine, GenerationConfig
+
+MILLION_TOKENS = 2**20  # the seeds' "1M-token context"
+
+
+def arch(name: str) -> Architecture:
+    return Architecture.from_config(load_config(name))
+
+
+def test_llama2_13b_holds_819200_fp16_bytes_per_token():
+    a = arch("llama-2-13b")
+    assert sum(kv_bytes(a, "full", context=1, dtype=torch.float16).values()) == 819_200
+    at_4k = sum(kv_bytes(a, "full", context=4096, dtype=torch.float16).values())
+    assert at_4k / GIB == pytest.approx(3.125)  # "about 3.1 GiB at 4K tokens"
+
+
+def test_7b_weights_at_each_width_are_28_14_7_and_3_5_gb():
+    assert [nominal_weight_bytes(7e9, bits) / 1e9 for bits in (32, 16, 8, 4)] == [28, 14, 7, 3.5]
+    assert parameter_count(arch("llama-2-7b")) == 6_738_415_616  # what "7B" rounds
+
+
+def test_deepseek_kv_at_one_million_tokens_matches_the_reports():
+    v4_pro = sum(kv_bytes(arch("deepseek-v4-pro"), "native", context=MILLION_TOKENS).values())
+    v32 = sum(kv_bytes(arch("deepseek-v3.2"), "native", context=MILLION_TOKENS).values())
+    assert round(v4_pro / GIB, 2) == 9.62
+    assert round(v32 / GIB, 1) == 83.9
+    assert 0.1 <= v4_pro / v32 <= 0.12  # "V4-Pro needs about 10% of V3.2's KV cache"
+
+
+def test_reference_parameter_counts_are_the_published_sizes():
+    published = {"llama-2-13b": 13.0e9, "llama-3-8b": 8.03e9, "mistral-7b": 7.24e9,
+                 "qwen2.5-7b": 7.62e9, "deepseek-v3.2": 671e9}  # fmt: skip
+    for name, size in published.items():
+        assert parameter_count(arch(name)) == pytest.approx(size, rel=0.01), name
+
+
+def test_every_reference_config_loads():
+    for name in reference_configs():
+        assert sum(kv_bytes(arch(name), "full" if arch(name).kind == "gqa" else "native").values())
+
+
+def test_quantized_weights_shrink_by_their_bits():
+    from kvlab.quant import quant_options
+
+    a = arch("llama-2-7b")
+    full = weight_bytes(a, "none", dtype=torch.float16)
+    assert full == 2 * parameter_count(a)
+    linear_share = 1 - 2 * 32000 * 4096 / parameter_count(a)  # embeddings and head stay fp16
+    for quant, options, bits in [("rtn", {"bits": 8}, 8), ("rtn", {"group_size": 64}, 4.5),
+                                 ("bnb", {"mode": "nf4"}, 4.5)]:  # fmt: skip
+        expected = 1 - linear_share * (1 - bits / 16)
+        got = weight_bytes(a, quant, quant_options(quant, options), torch.float16) / full
+        assert got == pytest.approx(expected, rel=0.01), (quant, options)
+
+
+def test_max_batch_is_what_fits_beside_the_weights():
+    a = arch("llama-2-13b")
+    per_seq = sum(kv_bytes(a, "full", context=4096).values())
+    weights = weight_bytes(a, "none")
+    budget = weights + 5 * per_seq + per_seq // 2
+    assert max_batch(a, "full", None, 4096, budget, weights) == 5
+    assert max_batch(a, "nocache", None, 4096, budget, weights) is None
+
+
+@pytest.mark.parametrize("name", sorted(registered()))
+def test_model_agrees_with_measured_kv_bytes_on_the_default_model(name, smollm2):
+    """Generate with each strategy and compare its peak held bytes with its model line."""
+    model, tokenizer = smollm2
+    prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 40)["input_ids"][:300]
+    cache = build_cache(name, model.cache_spec())
+    run = Engine(model, cache).generate([prompt], GenerationConfig(20))
+    measured = run.stats.kv_peak.held_bytes
+    spec = model.cache_spec()
+    planned = sum(type(cache).planned_bytes(spec, cache.options, 1, len(prompt) + 20).values())
+    assert planned == pytest.approx(measured, rel=0.01, abs=0)
+
+
+def test_memory_command_prints_both_tables():
+    out = subprocess.run(
+        [sys.executable, "-m", "kvlab.cli", "memory", "llama-2-13b", "--budget-gib", "80"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "819200.00" in out and "max_batch" in out and "weight_gib" in out
