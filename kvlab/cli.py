@@ -4,6 +4,7 @@ kvlab model=smollm2-135m cache=full workload.prompt_len=512 workload.new_tokens=
 kvlab -m cache=full,nocache workload.prompt_len=256,1024
 kvlab report SWEEP_DIR
 kvlab memory llama-2-13b --context 4096 --budget-gib 80
+kvlab diagnose workload.prompt_len=2048 cache=int4
 kvlab lm-eval --model kvlab --model_args model=smollm2-135m,cache=int4 --tasks hellaswag_local
 """
 
@@ -126,7 +127,19 @@ def memory_main(args: list[str]) -> None:
     print(format_table(kv, list(kv[0])))
 
 
-SUBCOMMANDS = {"report": report_main, "lm-eval": lm_eval_main, "memory": memory_main}
+def diagnose_main(args: list[str]) -> None:
+    """``kvlab diagnose [overrides]``: one measured run explained phase by phase."""
+    from kvlab.analysis.diagnose import diagnose
+
+    print(diagnose(args))
+
+
+SUBCOMMANDS = {
+    "report": report_main,
+    "lm-eval": lm_eval_main,
+    "memory": memory_main,
+    "diagnose": diagnose_main,
+}
 
 
 def main() -> None:

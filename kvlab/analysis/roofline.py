@@ -1,0 +1,127 @@
+"""Roofline of both inference phases (Williams et al., CACM 2009): this machine's peak
+matrix-multiply FLOP/s and memory bandwidth, measured once and cached, against the FLOPs
+and bytes a run's prefill and decode must move. Prefill should land near the compute roof,
+decode near the bandwidth roof."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kvlab.analysis.memory import Architecture, linear_shapes
+from kvlab.models.loading import cache_dir
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """Measured peaks: FLOP/s of a square matmul per dtype; read bandwidth of a tensor of
+    ``bandwidth_bytes`` (chosen well beyond the last-level cache)."""
+
+    matmul_flops: dict[str, float]
+    bandwidth: float
+    bandwidth_bytes: int
+    matmul_size: int
+    machine: str
+
+
+def _best_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_peaks(
+    matmul_size: int = 2048, bandwidth_bytes: int = 2 * 2**30, repeats: int = 5
+) -> Peaks:
+    """Best of ``repeats``: an n×n×n matmul per dtype, and a full read (sum) of a fp32 tensor
+    of ``bandwidth_bytes`` (2 GiB default: 8x this CPU's 260 MiB L3)."""
+    flops = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(matmul_size, matmul_size).to(dtype)
+        b = torch.randn(matmul_size, matmul_size).to(dtype)
+        flops[str(dtype).removeprefix("torch.")] = (
+            2 * matmul_size**3 / _best_seconds(lambda a=a, b=b: a @ b, repeats)
+        )
+    big = torch.ones(bandwidth_bytes // 4)
+    bandwidth = bandwidth_bytes / _best_seconds(lambda: big.sum(), repeats)
+    return Peaks(flops, bandwidth, bandwidth_bytes, matmul_size, _machine())
+
+
+def _machine() -> str:
+    from kvlab.tracking import environment
+
+    env = environment()
+    return f"{env['cpu']} x{env['threads']} threads, torch {env['torch']}"
+
+
+def cached_peaks(refresh: bool = False) -> Peaks:
+    """This machine's peaks, measured on first use and kept in ``$KVLAB_CACHE``."""
+    path = cache_dir() / "roofline.json"
+    machine = _machine()
+    if path.exists() and not refresh:
+        stored = json.loads(path.read_text())
+        if stored.get("machine") == machine:
+            return Peaks(**stored)
+    peaks = measure_peaks()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(peaks), indent=2))
+    return peaks
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """FLOPs and bytes one phase must move (weights once per step, the KV it reads and writes)."""
+
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+
+def phase_costs(
+    arch: Architecture, prompt_len: int, new_tokens: int, batch: int,
+    weight_bytes: int, kv_bytes_per_token: float,
+) -> tuple[PhaseCost, PhaseCost]:  # fmt: skip
+    """(prefill, the mean decode step) of a GQA model: 2 FLOPs per linear weight per token,
+    4·L·H·D per attended (query, key) pair; weights read once per forward, the KV written by
+    prefill and read by every decode step."""
+    linear = sum(n * k for _, n, k in linear_shapes(arch)) + arch.vocab * arch.hidden  # + head
+    pair = 4 * arch.layers * arch.heads * arch.head_dim
+    prefill = PhaseCost(
+        2 * linear * batch * prompt_len + pair * batch * prompt_len * (prompt_len + 1) / 2,
+        weight_bytes + kv_bytes_per_token * batch * prompt_len,
+    )
+    context = prompt_len + new_tokens / 2  # keys the mean decode step attends
+    decode = PhaseCost(
+        2 * linear * batch + pair * batch * context,
+        weight_bytes + kv_bytes_per_token * batch * context,
+    )
+    return prefill, decode
+
+
+def roofline_rows(peaks: Peaks, dtype: str, prefill: PhaseCost, decode: PhaseCost,
+                  ttft_s: float, itl_s: float) -> list[dict[str, Any]]:  # fmt: skip
+    """Per phase: achieved FLOP/s and bytes/s, as % of the roofs, and which roof binds."""
+    peak_flops = peaks.matmul_flops[dtype]
+    ridge = peak_flops / peaks.bandwidth  # FLOPs per byte where the two roofs meet
+    rows = []
+    for phase, cost, seconds in (("prefill", prefill, ttft_s), ("decode", decode, itl_s)):
+        rows.append({
+            "phase": phase, "seconds": seconds,
+            "gflop": cost.flops / 1e9, "gbytes": cost.bytes / 1e9,
+            "flop_per_byte": cost.intensity, "ridge_flop_per_byte": ridge,
+            "bound": "compute" if cost.intensity > ridge else "memory",
+            "pct_peak_flops": 100 * cost.flops / seconds / peak_flops,
+            "pct_peak_bandwidth": 100 * cost.bytes / seconds / peaks.bandwidth,
+        })  # fmt: skip
+    return rows
