@@ -73,6 +73,35 @@ def test_sweep_records_failures_goes_on_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_killed_sweep_resumes_with_only_the_missing_points(tmp_path):
+    """SIGKILL the sweep once its first point is recorded; the re-run skips what finished,
+    runs the rest, and the report renders."""
+    import os
+    import signal
+    import time
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", "cache=full,nocache,int8,int4", "workload.prompt_len=16",
+            "workload.new_tokens=2", f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    command = [sys.executable, "-m", "kvlab.cli", *args]
+    victim = subprocess.Popen(command, cwd=tmp_path, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.time() + 300
+    while not list(sweep.glob("*/result.json")) and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    finished = len(list(sweep.glob("*/result.json")))
+    assert 1 <= finished < 4, "the kill should land mid-sweep"
+    again = kvlab(*args, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("already done, skipped") == finished
+    rows = load_results(sweep)
+    assert len(rows) == 4 and all(r["status"] == "ok" for r in rows)
+    assert (sweep / "report.md").exists()
+
+
+@pytest.mark.slow
 def test_invalid_single_run_exits_nonzero_with_the_field(tmp_path):
     done = kvlab("workload.prompt_len=-4", f"hydra.run.dir={tmp_path / 'bad'}", cwd=tmp_path)
     assert done.returncode != 0
@@ -112,10 +141,10 @@ def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
         "eval.ppl.max_windows=1",
         "eval.ppl.chunk=8",
     ]
-    if experiment not in ("kv_strategies", "weight_quant"):  # only they evaluate perplexity
+    if experiment not in ("kv_strategies", "weight_quant", "joint"):  # the ones with ppl
         tiny = tiny[:2]
-    if experiment == "weight_quant":  # GPTQModel on the default model takes minutes:
-        tiny.append("quant=none,rtn_int8,bnb")  # (test_quant runs GPTQModel on a tiny model)
+    if experiment in ("weight_quant", "joint"):  # GPTQModel on the default model takes
+        tiny.append("quant=none,rtn_int8,bnb")  # minutes; test_quant runs it on a tiny model
     done = kvlab("-m", f"+experiment={experiment}", *tiny, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = load_results(sweep)
