@@ -104,3 +104,29 @@ def test_memory_command_prints_both_tables():
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "819200.00" in out and "max_batch" in out and "weight_gib" in out
+
+
+@pytest.mark.parametrize(
+    ("quant", "options"),
+    [
+        ("none", {}),
+        ("rtn", {"bits": 8}),
+        ("rtn", {"group_size": 32}),
+        ("bnb", {"mode": "nf4"}),
+        ("bnb", {"mode": "int8"}),
+    ],  # fmt: skip
+)
+def test_model_agrees_with_measured_weight_bytes_on_the_default_model(quant, options):
+    """The weight line of each quantizer against the bytes the quantized model holds."""
+    from kvlab import load_model
+    from kvlab.engine.metrics import weight_bytes as measured_bytes
+    from kvlab.quant import quant_options, quantize_
+
+    if quant == "bnb":
+        pytest.importorskip("bitsandbytes")
+    model, _ = load_model("smollm2-135m", cpu_prepack=False)
+    quantize_(model, quant, options)
+    planned = weight_bytes(
+        arch("smollm2-135m"), quant, quant_options(quant, options), torch.float32
+    )
+    assert planned == pytest.approx(measured_bytes(model), rel=0.001)
