@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -66,9 +67,20 @@ def _with_options(row: dict[str, Any], group: str, known: dict[str, Any]) -> str
     options = {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix)}
     entry = known.get(name)
     options_type = getattr(entry, "Options", None) or getattr(entry, "options", None)
-    defaults = vars(options_type()) if options_type else {}
+    defaults = _field_defaults(options_type) if options_type else {}
     changed = {k: v for k, v in sorted(options.items()) if defaults.get(k, object()) != v}
     return f"{name}" + (f"[{','.join(f'{k}={v}' for k, v in changed.items())}]" if changed else "")
+
+
+def _field_defaults(options_type: type) -> dict[str, Any]:
+    """Declared defaults (before ``__post_init__`` fills them: rtn's group_size stays None)."""
+    out = {}
+    for f in dataclasses.fields(options_type):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
 
 
 def plot(rows: list[dict[str, Any]], spec: tuple, out_dir: Path) -> Path | None:
