@@ -9,7 +9,9 @@ layers, so every KV strategy runs on it. Needs the ``gptq`` extra for quantizing
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import multiprocessing
 import os
 import random
 from dataclasses import asdict, dataclass
@@ -209,20 +211,36 @@ def calibration_samples(source: Path, options: GptqOptions) -> list[dict[str, li
 
 
 def run_gptqmodel(source: Path, options: GptqOptions, out: Path) -> None:
-    """GPTQModel's quantize + save of ``source`` into ``out`` (the GPTQ format)."""
+    """GPTQModel's quantize + save of ``source`` into ``out`` (the GPTQ format), in a
+    separate process: GPTQModel leaves worker threads and global settings behind that
+    slowed every later measurement of the sweep's process (ITL 18.9 ms -> 33.6 ms)."""
+    if importlib.util.find_spec("gptqmodel") is None:
+        raise ModuleNotFoundError("quant=gptq needs GPTQModel: pip install 'kvlab[gptq]'")
+    context = multiprocessing.get_context("spawn")
+    worker = context.Process(
+        target=_quantize_in_worker, args=(str(source), asdict(options), str(out))
+    )
+    worker.start()
+    worker.join()
+    if worker.exitcode != 0:
+        raise RuntimeError(
+            f"GPTQModel failed on {source} (exit code {worker.exitcode}); see its log above"
+        )
+
+
+def _quantize_in_worker(source: str, options: dict[str, Any], out: str) -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
-    try:
-        from gptqmodel import GPTQModel, QuantizeConfig
-    except ImportError as exc:
-        raise ModuleNotFoundError("quant=gptq needs GPTQModel: pip install 'kvlab[gptq]'") from exc
+    from gptqmodel import GPTQModel, QuantizeConfig
+
+    opts = GptqOptions(**options)
     qcfg = QuantizeConfig(
-        bits=options.bits, group_size=options.group_size, desc_act=options.desc_act,
-        sym=options.symmetric, damp_percent=options.damp_percent,
+        bits=opts.bits, group_size=opts.group_size, desc_act=opts.desc_act,
+        sym=opts.symmetric, damp_percent=opts.damp_percent,
     )  # fmt: skip
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = GPTQModel.load(str(source), qcfg, device=device)
-    model.quantize(calibration_samples(source, options), batch_size=1)
-    model.save(str(out))
+    model = GPTQModel.load(source, qcfg, device=device)
+    model.quantize(calibration_samples(Path(source), opts), batch_size=1)
+    model.save(out)
 
 
 def _gptqmodel_version() -> str:
