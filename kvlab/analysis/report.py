@@ -44,6 +44,14 @@ PLOTS = (
         "KV bytes",
         "WikiText-2 perplexity",
     ),
+    (
+        "pareto_total_memory_accuracy.png",
+        "Weights + KV vs accuracy",
+        "total_bytes",
+        "wikitext2/ppl",
+        "weight + KV bytes",
+        "WikiText-2 perplexity",
+    ),
 )
 
 
@@ -135,6 +143,9 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Pa
     out = Path(out_dir) if out_dir else sweep_dir
     out.mkdir(parents=True, exist_ok=True)
     rows = load_results(sweep_dir)
+    for row in rows:  # the memory a point needs: its weights and its peak KV
+        if row.get("weight_bytes") is not None and row.get("kv_bytes") is not None:
+            row["total_bytes"] = row["weight_bytes"] + row["kv_bytes"]
     ok = [r for r in rows if r.get("status") == "ok"]
     failed = [r for r in rows if r.get("status") != "ok"]
     parts = [
