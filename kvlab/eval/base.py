@@ -4,46 +4,33 @@ model with a factory for fresh caches of the run's strategy; it returns named me
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvlab.cache.base import KVCache
 from kvlab.models.llama import Decoder
+from kvlab.registry import Entry, OptionsRegistry
 
 CacheFactory = Callable[[], KVCache]
 # fn(model, tokenizer, new_cache, options, out_dir) -> metrics; out_dir may be None
 EvalFn = Callable[[Decoder, Any, CacheFactory, Any, Path | None], dict[str, Any]]
 
 
-@dataclass(frozen=True)
-class EvalEntry:
-    options: type
-    run: EvalFn
-
-
-_EVALS: dict[str, EvalEntry] = {}
+_EVALS = OptionsRegistry("eval={name!r} is not registered; known: {known}")
 
 
 def register_eval(name: str, options: type):
     """Function decorator: register ``fn(model, tokenizer, new_cache, options, out_dir)``."""
-
-    def wrap(fn: EvalFn) -> EvalFn:
-        _EVALS[name] = EvalEntry(options, fn)
-        return fn
-
-    return wrap
+    return _EVALS.register(name, options)
 
 
-def registered_evals() -> dict[str, EvalEntry]:
-    return dict(_EVALS)
+def registered_evals() -> dict[str, Entry]:
+    return _EVALS.entries()
 
 
 def eval_options(name: str, options: dict[str, Any] | None) -> Any:
     """Checked options of eval ``name`` (its dataclass names bad fields)."""
-    if name not in _EVALS:
-        raise ValueError(f"eval={name!r} is not registered; known: {sorted(_EVALS)}")
-    return _EVALS[name].options(**(options or {}))
+    return _EVALS.options(name, options)
 
 
 def run_evals(
@@ -57,6 +44,6 @@ def run_evals(
     files an eval writes (plots) go to ``out_dir`` when given."""
     metrics: dict[str, Any] = {}
     for name, options in evals.items():
-        entry = _EVALS[name]
-        metrics |= entry.run(model, tokenizer, new_cache, eval_options(name, options), out_dir)
+        run = _EVALS.entry(name).fn
+        metrics |= run(model, tokenizer, new_cache, eval_options(name, options), out_dir)
     return metrics

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvlab.registry import Entry, OptionsRegistry
+
 
 @dataclass
 class QuantOptions:
@@ -30,44 +32,30 @@ class QuantOptions:
 Transform = Callable[[nn.Module, Any], int]  # (model, options) -> layers replaced
 
 
-@dataclass(frozen=True)
-class QuantEntry:
-    options: type
-    apply: Transform
-
-
-_QUANTIZERS: dict[str, QuantEntry] = {}
+_QUANTIZERS = OptionsRegistry("quant.name={name!r} is invalid; allowed: {allowed}")
 
 
 def register_quantizer(name: str, options: type) -> Callable[[Transform], Transform]:
     """Function decorator: register ``apply(model, options) -> layers replaced``."""
-
-    def wrap(fn: Transform) -> Transform:
-        _QUANTIZERS[name] = QuantEntry(options, fn)
-        return fn
-
-    return wrap
+    return _QUANTIZERS.register(name, options)
 
 
-def registered_quantizers() -> dict[str, QuantEntry]:
-    return dict(_QUANTIZERS)
+def registered_quantizers() -> dict[str, Entry]:
+    return _QUANTIZERS.entries()
 
 
 def quant_options(name: str, options: dict[str, Any] | None = None) -> Any:
     """Checked options of quantizer ``name`` (its dataclass names bad fields)."""
-    if name not in _QUANTIZERS:
-        known = ", ".join(sorted(_QUANTIZERS))
-        raise ValueError(f"quant.name={name!r} is invalid; allowed: {known}")
-    return _QUANTIZERS[name].options(**(options or {}))
+    return _QUANTIZERS.options(name, options)
 
 
 def quantize_(model: nn.Module, name: str, options: dict[str, Any] | Any = None) -> int:
     """Quantize ``model``'s weights in place with quantizer ``name``; returns how many
     layers were replaced. ``options``: a dict of its options or its options object."""
-    entry = _QUANTIZERS.get(name) or quant_options(name)  # unknown name -> the error above
+    entry = _QUANTIZERS.entry(name)
     if not isinstance(options, entry.options):
-        options = quant_options(name, options)
-    return entry.apply(model, options)
+        options = entry.options(**(options or {}))
+    return entry.fn(model, options)
 
 
 def linear_layers(model: nn.Module, options: QuantOptions) -> Iterator[tuple[str, nn.Linear]]:

@@ -1,0 +1,47 @@
+"""A name → (options dataclass, function) registry, shared by the evals and the weight
+quantizers: register with a decorator, check options by name with an error that names the
+field, the bad value and what is allowed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Entry:
+    options: type
+    fn: Callable[..., Any]
+
+
+class OptionsRegistry:
+    """``unknown``: the error for an unregistered name, formatted with ``name``, ``known``
+    (the sorted list) and ``allowed`` (the names joined by commas)."""
+
+    def __init__(self, unknown: str):
+        self.unknown = unknown
+        self._entries: dict[str, Entry] = {}
+
+    def register(self, name: str, options: type) -> Callable[[Callable], Callable]:
+        """Function decorator: register ``fn`` under ``name`` with its options dataclass."""
+
+        def wrap(fn: Callable) -> Callable:
+            self._entries[name] = Entry(options, fn)
+            return fn
+
+        return wrap
+
+    def entries(self) -> dict[str, Entry]:
+        return dict(self._entries)
+
+    def entry(self, name: str) -> Entry:
+        if name not in self._entries:
+            known = sorted(self._entries)
+            message = self.unknown.format(name=name, known=known, allowed=", ".join(known))
+            raise ValueError(message)
+        return self._entries[name]
+
+    def options(self, name: str, values: dict[str, Any] | None = None) -> Any:
+        """Checked options of ``name`` (its dataclass names bad fields)."""
+        return self.entry(name).options(**(values or {}))
