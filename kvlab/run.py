@@ -51,18 +51,24 @@ def load_run_model(
     return model, tokenizer
 
 
+def compose_run_config(overrides: list[str]) -> RunConfig:
+    """The checked run config that ``conf/`` and Hydra-style ``overrides`` compose to,
+    outside a Hydra app (the lm-eval adapter, ``kvlab diagnose``)."""
+    from hydra import compose, initialize_config_dir
+
+    from kvlab.cli import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=overrides))
+
+
 def build_run_model(
     cache: str, quant: str, overrides: dict[str, Any]
 ) -> tuple[Decoder, Any, Callable[[], KVCache]]:
     """Model, tokenizer and cache factory of the run that ``cache=<cache> quant=<quant>``
     and dotted ``overrides`` compose to (for callers outside Hydra: the lm-eval adapter)."""
-    from hydra import compose, initialize_config_dir
-
-    from kvlab.cli import CONF_DIR
-
     wanted = [f"cache={cache}", f"quant={quant}", *(f"{k}={v}" for k, v in overrides.items())]
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = to_run_config(compose(config_name="config", overrides=wanted))
+    cfg = compose_run_config(wanted)
     model, tokenizer = load_run_model(cfg.model, cfg.quant, resolve_device(cfg.model.device))
 
     def new_cache() -> KVCache:

@@ -13,15 +13,10 @@ from kvlab.tracking import format_table
 
 def diagnose(overrides: list[str]) -> str:
     """Measure the run that ``overrides`` compose to and explain where its time goes."""
-    from hydra import compose, initialize_config_dir
-
-    from kvlab.cli import CONF_DIR
-    from kvlab.config import to_run_config
     from kvlab.models.loading import read_hf_config
-    from kvlab.run import measure
+    from kvlab.run import compose_run_config, measure
 
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = to_run_config(compose(config_name="config", overrides=overrides))
+    cfg = compose_run_config(overrides)
     cfg.eval = {}
     metrics = measure(cfg)
     arch = Architecture.from_config(read_hf_config(cfg.model.source))
