@@ -4,6 +4,7 @@ beside the checkout) when it exists, otherwise the hub datasets of the same name
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +60,26 @@ def wikitext2_test_text() -> str:
 
     rows = load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
     return "".join(rows)
+
+
+def calibration_windows(
+    tokenizer_dir: Path, source: str, samples: int, seqlen: int, seed: int, field: str
+) -> list[list[int]]:
+    """``samples`` random windows of ``seqlen`` token ids of the calibration text ``source``
+    (see :func:`calibration_rows`), seeded, as the GPTQ paper draws them; ``field`` names the
+    options in errors."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tokenizer("".join(calibration_rows(source)))["input_ids"]
+    if len(ids) <= seqlen:
+        raise ValueError(
+            f"{field}.calibration={source!r} has {len(ids)} tokens; "
+            f"allowed: a text longer than seqlen={seqlen} tokens"
+        )
+    rng = random.Random(seed)
+    starts = [rng.randrange(len(ids) - seqlen) for _ in range(samples)]
+    return [ids[s : s + seqlen] for s in starts]
 
 
 def calibration_rows(source: str) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvlab.cache import build_cache
+from kvlab.cache import cache_factory
 from kvlab.cache.base import KVCache
 from kvlab.config import ModelConfig, QuantConfig, RunConfig, check_context, to_run_config
 from kvlab.engine import Engine, GenerationConfig, SamplingConfig
@@ -71,10 +71,7 @@ def build_run_model(
     cfg = compose_run_config(wanted)
     model, tokenizer = load_run_model(cfg.model, cfg.quant, resolve_device(cfg.model.device))
 
-    def new_cache() -> KVCache:
-        return build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
-
-    return model, tokenizer, new_cache
+    return model, tokenizer, cache_factory(cfg.cache.name, model, cfg.cache.options)
 
 
 def generation_config(cfg: RunConfig, new_tokens: int | None = None) -> GenerationConfig:
@@ -92,8 +89,7 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
     device = resolve_device(cfg.model.device)
     model, tokenizer = load_run_model(cfg.model, cfg.quant, device)
 
-    def new_cache():  # the run's strategy, fresh: for the workload and for each eval
-        return build_cache(cfg.cache.name, model.cache_spec(), cfg.cache.options)
+    new_cache = cache_factory(cfg.cache.name, model, cfg.cache.options)  # workload and evals
 
     engine = Engine(model, new_cache(), _eos_ids(tokenizer, model))
     prompts = build_prompts(

@@ -145,6 +145,10 @@ def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
         tiny = tiny[:2]
     if experiment in ("weight_quant", "joint"):  # GPTQModel on the default model takes
         tiny.append("quant=none,rtn_int8,bnb")  # minutes; test_quant runs it on a tiny model
+    if experiment == "compressed_attention":  # ppl and passkey at the prompt length
+        tiny = ["workload.prompt_len=64", "workload.new_tokens=2", "workload.prefill_chunk=16"]
+        tiny += ["eval.ppl.max_windows=1", "eval.ppl.chunk=16", "eval.longctx.samples=1"]
+        tiny += ["eval.longctx.depths=[0.5]", "eval.longctx.max_new_tokens=4"]
     done = kvlab("-m", f"+experiment={experiment}", *tiny, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = load_results(sweep)

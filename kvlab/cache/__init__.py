@@ -1,6 +1,14 @@
 """KV-cache strategies: one file each, registered by name (see ``base.py`` for the contract)."""
 
-from kvlab.cache import full, gqa_shared, nocache, paged, quantized, sliding  # noqa: F401  (registers the strategies)
+from kvlab.cache import (  # noqa: F401  (registers the strategies)
+    compressed,
+    full,
+    gqa_shared,
+    nocache,
+    paged,
+    quantized,
+    sliding,
+)
 from kvlab.cache.base import (
     CacheFull,
     CacheOptions,
@@ -9,6 +17,7 @@ from kvlab.cache.base import (
     MemoryReport,
     StepInfo,
     build_cache,
+    cache_factory,
     register,
     registered,
     sdpa,
@@ -22,6 +31,7 @@ __all__ = [
     "MemoryReport",
     "StepInfo",
     "build_cache",
+    "cache_factory",
     "register",
     "registered",
     "sdpa",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -32,6 +32,7 @@ class CacheSpec:
     head_dim: int
     dtype: torch.dtype
     device: torch.device
+    model_id: str = ""  # the model's fingerprint: what a learned strategy was fitted to
 
 
 @dataclass
@@ -103,6 +104,12 @@ class KVCache(ABC):
         cache = cls(dataclasses.replace(spec, device=torch.device("meta")), options)
         cache.allocate(batch_size, max_tokens)
         return {"allocated": sum(t.numel() * t.element_size() for t in cache.tensors())}
+
+    @classmethod
+    def prepare(cls, model: torch.nn.Module, options: CacheOptions) -> None:
+        """Fit, once per model, whatever the strategy learns from it (a calibrated
+        compressor) before its caches are built; by default there is nothing to fit."""
+        return None
 
     def __init__(self, spec: CacheSpec, options: CacheOptions | None = None):
         self.spec = spec
@@ -188,12 +195,28 @@ def registered() -> dict[str, type[KVCache]]:
     return dict(_REGISTRY)
 
 
-def build_cache(name: str, spec: CacheSpec, options: dict[str, Any] | None = None) -> KVCache:
-    """Instantiate strategy ``name`` with its options checked by its ``Options`` dataclass."""
+def strategy(name: str) -> type[KVCache]:
+    """The class registered as ``name``."""
     if name not in _REGISTRY:
         raise ValueError(f"cache={name!r} is not a registered strategy; known: {sorted(_REGISTRY)}")
-    cls = _REGISTRY[name]
+    return _REGISTRY[name]
+
+
+def build_cache(name: str, spec: CacheSpec, options: dict[str, Any] | None = None) -> KVCache:
+    """Instantiate strategy ``name`` with its options checked by its ``Options`` dataclass."""
+    cls = strategy(name)
     return cls(spec, cls.Options(**(options or {})))
+
+
+def cache_factory(
+    name: str, model: torch.nn.Module, options: dict[str, Any] | None = None
+) -> Callable[[], KVCache]:
+    """A function that builds fresh caches of strategy ``name`` for ``model``, after the
+    strategy has fitted what it learns from the model (:meth:`KVCache.prepare`)."""
+    cls = strategy(name)
+    checked = cls.Options(**(options or {}))
+    cls.prepare(model, checked)
+    return lambda: cls(model.cache_spec(), checked)
 
 
 def sdpa(

@@ -147,16 +147,32 @@ class SlidingWindowCache(KVCache):
         return torch.cat([past, current], dim=-1)[:, None]
 
     def attend(self, layer, q, k, v, k_raw):
-        if self._write_first:
+        keys, values = self.context(layer, k, v)
+        new = 0 if self._write_first else q.shape[2]
+        return self._attention(q, keys, values, self._sink_keys(self._read, new))
+
+    def context(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Store the step's k/v (B, H_kv, T, D) for ``layer`` and return the keys and values
+        (B, H_kv, L, D) the step's queries see under :meth:`visible` (for strategies that
+        attend over a window together with other entries)."""
+        if self._write_first:  # decode: store, then read the slots alone
             self._write(layer, k, v)
             kept = self._kept(layer)  # (2, B, H_kv, S, D)
-            return self._attention(q, kept[0], kept[1], self._sink_keys(kept.shape[3], 0))
+            return kept[0], kept[1]
         kept = self._kept(layer)
         k_new, v_new = self._as_stored(k), self._as_stored(v)  # as decode would read them
         keys, values = torch.cat([kept[0], k_new], dim=2), torch.cat([kept[1], v_new], dim=2)
-        out = self._attention(q, keys, values, self._sink_keys(kept.shape[3], q.shape[2]))
-        self._write(layer, k, v)
-        return out
+        self._write(layer, k, v)  # after the read: cat copied what the slots held
+        return keys, values
+
+    def visible(self) -> torch.Tensor:
+        """(B, 1, T, L) boolean: which of :meth:`context`'s keys each query sees."""
+        if self._mask is not None:
+            return self._mask
+        steps = self.step.positions.shape[1]
+        total = self._read if self._write_first else self._read + steps
+        ones = torch.ones(steps, total, dtype=torch.bool, device=self.spec.device)
+        return ones.tril(total - steps)[None, None]
 
     def _attention(self, q, keys, values, is_sink: torch.Tensor | None) -> torch.Tensor:
         if is_sink is None:

@@ -23,6 +23,7 @@ class LongContextOptions:
     samples: int = 2
     max_new_tokens: int = 24
     seed: int = 0
+    chunk: int = 0  # prefill in pieces of this many tokens (0: one pass)
 
     def __post_init__(self) -> None:
         unknown = [t for t in self.tasks if t not in TASKS]
@@ -34,6 +35,8 @@ class LongContextOptions:
             raise ValueError(f"eval.longctx.depths={self.depths}; allowed: values in [0, 1]")
         if self.samples < 1 or self.max_new_tokens < 1:
             raise ValueError("eval.longctx.samples and max_new_tokens must be >= 1")
+        if self.chunk < 0:
+            raise ValueError(f"eval.longctx.chunk={self.chunk}; allowed: >= 0 (0: one pass)")
 
 
 def _haystack() -> list[str]:
@@ -49,7 +52,8 @@ def run_cell(model, tokenizer, new_cache, task, length, depth, options, rng, hay
         sample = TASKS[task](tokenizer, length, depth, rng, haystack)
         ids = tokenizer(sample.prompt)["input_ids"]
         engine = Engine(model, new_cache())
-        run = engine.generate([ids], GenerationConfig(options.max_new_tokens))
+        config = GenerationConfig(options.max_new_tokens, prefill_chunk=options.chunk)
+        run = engine.generate([ids], config)
         scores.append(score(tokenizer.decode(run.tokens[0]), sample.references))
     return statistics.fmean(scores)
 

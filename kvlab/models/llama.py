@@ -7,6 +7,8 @@ matmul each. Attention owns no cache: every layer hands q, k, v to the cache str
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -102,8 +104,25 @@ class Decoder(nn.Module):
         """Shapes, dtype and device a cache strategy needs to serve this model."""
         c, weight = self.config, self.embed_tokens.weight
         return CacheSpec(
-            c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, weight.dtype, weight.device
+            c.num_layers,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            weight.dtype,
+            weight.device,
+            self.fingerprint(),
         )
+
+    def fingerprint(self) -> str:
+        """Identity of this model for what is fitted to it: its config and a sample of its
+        embeddings at bf16 precision (the same for the model at any dtype or weight
+        quantization, which leaves embeddings alone; different for other weights)."""
+        if getattr(self, "_fingerprint", None) is None:
+            digest = hashlib.sha256(repr(sorted(vars(self.config).items())).encode())
+            sample = self.embed_tokens.weight[:8].detach().to("cpu", torch.bfloat16).float()
+            digest.update(sample.numpy().tobytes())
+            self._fingerprint = digest.hexdigest()[:16]
+        return self._fingerprint
 
     def forward(
         self,

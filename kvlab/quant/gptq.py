@@ -13,7 +13,6 @@ import importlib.util
 import json
 import multiprocessing
 import os
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -191,23 +190,12 @@ def quantized_checkpoint(source: Path, options: GptqOptions) -> Path:
 def calibration_samples(source: Path, options: GptqOptions) -> list[dict[str, list[int]]]:
     """``samples`` random windows of ``seqlen`` tokens of the calibration text (seeded), as
     the GPTQ paper draws them."""
-    from transformers import AutoTokenizer
+    from kvlab.data import calibration_windows
 
-    from kvlab.data import calibration_rows
-
-    tokenizer = AutoTokenizer.from_pretrained(source)
-    ids = tokenizer("".join(calibration_rows(options.calibration)))["input_ids"]
-    if len(ids) <= options.seqlen:
-        raise ValueError(
-            f"quant.options.calibration={options.calibration!r} has {len(ids)} tokens; "
-            f"allowed: a text longer than seqlen={options.seqlen} tokens"
-        )
-    rng = random.Random(options.seed)
-    starts = [rng.randrange(len(ids) - options.seqlen) for _ in range(options.samples)]
-    return [
-        {"input_ids": ids[s : s + options.seqlen], "attention_mask": [1] * options.seqlen}
-        for s in starts
-    ]
+    windows = calibration_windows(
+        source, options.calibration, options.samples, options.seqlen, options.seed, "quant.options"
+    )
+    return [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in windows]
 
 
 def run_gptqmodel(source: Path, options: GptqOptions, out: Path) -> None:

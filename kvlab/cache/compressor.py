@@ -1,0 +1,215 @@
+"""The calibrated compressor of the ``compressed`` strategy: per layer, a gating projection
+(D, 2D) and a position bias (span, 2D), DeepSeek-V4's Z = C W^Z and B (report §2.3), here
+fed with the model's own raw keys since no compressor was trained with the model.
+
+Fitted layer by layer, teacher-forced on the full model's q/k/v over calibration text
+(WikiText-2 *validation*, never the test text), to minimise the relative squared error
+between full attention and compressed attention outputs; starts from uniform pooling.
+Saved as safetensors beside a manifest naming the model it was fitted to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kvlab.cache.base import CacheSpec
+from kvlab.cache.full import FullCache
+from kvlab.cache.pooling import LayerPooling, attend_entries, compress_windows, visible_entries
+
+if TYPE_CHECKING:
+    from kvlab.cache.compressed import CompressedOptions
+
+MANIFEST = "manifest.json"
+WEIGHTS = "compressor.safetensors"
+
+
+@dataclass
+class CalibrationOptions:
+    """``cache.options.calibration``: text, windows drawn from it, and the optimiser."""
+
+    source: str = "wikitext2-valid"
+    samples: int = 4
+    seqlen: int = 1024
+    steps: int = 48
+    lr: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "seqlen", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"cache.options.calibration.{name}={getattr(self, name)} must be >= 1"
+                )
+        if self.lr <= 0:
+            raise ValueError(f"cache.options.calibration.lr={self.lr} must be > 0")
+
+
+def recipe(options: CompressedOptions) -> dict[str, Any]:
+    """What a compressor depends on besides the model."""
+    keys = ("schedule", "csa_ratio", "hca_ratio", "window", "top_k", "overlap")
+    calibration = asdict(CalibrationOptions(**options.calibration))
+    return {k: getattr(options, k) for k in keys} | {"calibration": calibration}
+
+
+def default_dir(model_id: str, options: CompressedOptions) -> Path:
+    from kvlab.models.loading import cache_dir
+
+    key = hashlib.sha256(json.dumps(recipe(options), sort_keys=True).encode()).hexdigest()[:12]
+    return cache_dir() / "compressors" / f"{model_id}-{key}"
+
+
+def ensure_trained(model: torch.nn.Module, options: CompressedOptions) -> Path:
+    """The cached compressor of ``model`` for ``options``, calibrated on first use."""
+    out = default_dir(model.fingerprint(), options)
+    if (out / MANIFEST).exists():
+        return out
+    calibration = CalibrationOptions(**options.calibration)
+    from kvlab.data import calibration_windows
+
+    windows = calibration_windows(
+        Path(model.checkpoint_dir),
+        calibration.source,
+        calibration.samples,
+        calibration.seqlen,
+        calibration.seed,
+        "cache.options",
+    )
+    save(out, calibrate(model, options, windows), model.fingerprint(), options)
+    return out
+
+
+def save(out: Path, fitted: dict[str, Any], model_id: str, options: CompressedOptions) -> None:
+    """Weights as safetensors and a manifest (model, recipe, losses) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in fitted["weights"].items()}, out / WEIGHTS)
+    manifest = {"model_id": model_id, "recipe": recipe(options)} | fitted["report"]
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def load_into(pools: dict[int, LayerPooling], spec: CacheSpec, options: CompressedOptions):
+    """Set the learned gates of ``pools`` from the compressor of ``options``; refuse one
+    fitted to another model or to another geometry."""
+    path = Path(options.compressor).expanduser() if options.compressor else None
+    path = path or default_dir(spec.model_id, options)
+    if not (path / MANIFEST).exists():
+        raise FileNotFoundError(
+            f"cache.options.compressor={str(path)!r} holds no trained compressor; allowed: a "
+            "directory written by kvlab's calibration (runs calibrate on first use when empty)"
+        )
+    manifest = json.loads((path / MANIFEST).read_text())
+    if manifest["model_id"] != spec.model_id:
+        raise ValueError(
+            f"cache.options.compressor={str(path)!r} was fitted to model "
+            f"{manifest['model_id']}; this model is {spec.model_id}: calibrate one for it"
+        )
+    weights = load_file(path / WEIGHTS, device=str(spec.device))
+    for layer, pool in pools.items():
+        proj, bias = weights.get(f"{layer}.proj"), weights.get(f"{layer}.bias")
+        expected = [(spec.head_dim, 2 * spec.head_dim), (pool.span, 2 * spec.head_dim)]
+        if proj is None or bias is None or [proj.shape, bias.shape] != expected:
+            raise ValueError(
+                f"cache.options.compressor={str(path)!r} has no gate of layer {layer} with "
+                f"shapes {expected}; it was fitted with {manifest['recipe']}"
+            )
+        pool.proj, pool.bias = proj.float(), bias.float()
+
+
+class _Recorder(FullCache):
+    """The exact cache, keeping every layer's q, k, v and raw k of the step (fp32)."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.seen: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def attend(self, layer, q, k, v, k_raw):
+        self.seen[layer] = tuple(t.float() for t in (q, k, v, k_raw))
+        return super().attend(layer, q, k, v, k_raw)
+
+
+def record(model: torch.nn.Module, ids: list[int]) -> dict[int, tuple[torch.Tensor, ...]]:
+    """q, k, v, k_raw (1, heads, T, D) of every layer of ``model`` over ``ids``."""
+    recorder = _Recorder(model.cache_spec())
+    recorder.allocate(1, len(ids))
+    tokens = torch.tensor([ids], device=recorder.spec.device)
+    with torch.no_grad():
+        model(tokens, torch.arange(len(ids), device=tokens.device)[None], recorder)
+    return recorder.seen
+
+
+def calibrate(
+    model: torch.nn.Module, options: CompressedOptions, windows: list[list[int]]
+) -> dict[str, Any]:
+    """Fit the gates of every compressed layer; returns weights and a report of the relative
+    error (uniform pooling vs fitted, on the calibration windows) per layer."""
+    from kvlab.cache.compressed import CompressedCache
+
+    start = time.perf_counter()
+    untrained = dataclasses.replace(options, gate="uniform")  # the layers' geometry only
+    pools = CompressedCache(model.cache_spec(), untrained).pools
+    records = [record(model, ids) for ids in windows]
+    weights, errors = {}, {}
+    for layer, pool in pools.items():
+        samples = [r[layer] for r in records]
+        before, after = fit_layer(pool, samples, model.inv_freq, options)
+        weights[f"{layer}.proj"], weights[f"{layer}.bias"] = pool.proj, pool.bias
+        errors[str(layer)] = {"uniform": before, "calibrated": after}
+    seconds = round(time.perf_counter() - start, 1)
+    return {"weights": weights, "report": {"relative_error": errors, "seconds": seconds}}
+
+
+def fit_layer(pool, samples, inv_freq, options) -> tuple[float, float]:
+    """Adam on one layer's (proj, bias) from zero (= uniform pooling); returns the mean
+    relative error before and after."""
+    calibration = CalibrationOptions(**options.calibration)
+    dim = samples[0][0].shape[-1]
+    pool.gate = "calibrated"
+    pool.proj = torch.zeros(dim, 2 * dim, requires_grad=True)
+    pool.bias = torch.zeros(pool.span, 2 * dim, requires_grad=True)
+    targets = [_full_attention(q, k, v) for q, k, v, _ in samples]
+    optimiser = torch.optim.Adam([pool.proj, pool.bias], lr=calibration.lr)
+    before = _mean_error(pool, samples, targets, inv_freq, options.window)
+    for step in range(calibration.steps):
+        i = step % len(samples)
+        loss = _error(pool, samples[i], targets[i], inv_freq, options.window)
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+    pool.proj, pool.bias = pool.proj.detach(), pool.bias.detach()
+    return before, _mean_error(pool, samples, targets, inv_freq, options.window)
+
+
+def _full_attention(q, k, v) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True
+    )
+
+
+def _mean_error(pool, samples, targets, inv_freq, window) -> float:
+    with torch.no_grad():
+        errors = [
+            _error(pool, s, t, inv_freq, window) for s, t in zip(samples, targets, strict=True)
+        ]
+    return float(torch.stack(errors).mean())
+
+
+def _error(pool, sample, target, inv_freq, window: int) -> torch.Tensor:
+    """||compressed - full||^2 / ||full||^2 over one sequence, attention as the cache
+    computes it in one bulk prefill."""
+    q, k, v, k_raw = sample
+    steps = q.shape[2]
+    count = steps // pool.ratio
+    keys, values = compress_windows(k_raw[0], v[0], 0, 0, count, pool, inv_freq, (q[0], 0))
+    positions = torch.arange(steps)[None]
+    entries = (keys[None], values[None], visible_entries(positions, count, pool.ratio))
+    band = torch.ones(steps, steps, dtype=torch.bool).tril().triu(-(window - 1))[None, None]
+    out = attend_entries(q, entries, (k, v, band), pool.top_k)
+    return (out - target).square().sum() / target.square().sum()

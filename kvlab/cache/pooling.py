@@ -1,0 +1,176 @@
+"""Pooling windows of keys/values into compressed entries, and attention over them
+(DeepSeek-V4's CSA and HCA, report of 2026-04-24, §2.3).
+
+An entry pools the raw (pre-RoPE) keys and the values of one window with a per-channel
+softmax over the window's slots, ``C_w = sum_j softmax_j(Z_j + B) * C_j``, and its key is
+rotated at the window's first position (V4 rotates its entries there too). With
+``overlap`` (CSA) entry w pools 2 * ratio slots: window w and window w-1. Window w closes
+at position (w + 1) * ratio - 1 and query t sees it iff w < (t + 1) // ratio. The same
+functions serve the cache's bulk prefill, its decode (one window at a time) and the
+calibration of the learned gates, so the three agree by construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.cache.base import sdpa
+from kvlab.models.rope import RotaryTables
+
+GATES = ("uniform", "keynorm", "attention", "calibrated")
+
+
+@dataclass
+class LayerPooling:
+    """How one layer pools: ``ratio`` tokens per entry, ``overlap`` (CSA's 2 * ratio span),
+    ``top_k`` entries per query, the ``gate``, the ``observe`` last queries of a window that
+    score it (attention gate) and the learned ``proj`` (D, 2D) and ``bias`` (span, 2D) of
+    the calibrated gate (key channels first, then value channels)."""
+
+    ratio: int
+    overlap: bool
+    top_k: int = 0  # entries each query keeps (CSA's indexer); 0: all
+    gate: str = "uniform"
+    observe: int = 8
+    proj: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+
+    @property
+    def span(self) -> int:
+        return self.ratio * (2 if self.overlap else 1)
+
+
+def window_slots(first: int, count: int, pool: LayerPooling) -> torch.Tensor:
+    """(count, span) absolute positions pooled by windows first..first+count-1 (negative:
+    before the sequence, an empty slot)."""
+    start = torch.arange(first, first + count) * pool.ratio - (pool.ratio if pool.overlap else 0)
+    return start[:, None] + torch.arange(pool.span)
+
+
+def compress_windows(
+    k_raw: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    first: int,
+    count: int,
+    pool: LayerPooling,
+    rope_freq: torch.Tensor,
+    queries: tuple[torch.Tensor, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entries of windows first..first+count-1 from k_raw, v (H_kv, S, D) holding positions
+    start..start+S-1; ``queries`` (q (H, S_q, D) rotated, its first position) feed the
+    attention gate. Returns rotated keys and values (H_kv, count, D)."""
+    slots = window_slots(first, count, pool).to(k_raw.device)  # (N, span)
+    valid = slots >= 0
+    index = (slots - start).clamp(min=0)
+    keys, values = k_raw[:, index], v[:, index]  # (H_kv, N, span, D)
+    logits = gate_logits(keys, slots, valid, pool, rope_freq, queries)  # (H_kv, N, span, C)
+    weights = logits.masked_fill(~valid[..., None], float("-inf")).softmax(dim=2)
+    weights = weights.to(keys.dtype)
+    key_weights, value_weights = (
+        (weights, weights) if weights.shape[-1] == 1 else weights.split(keys.shape[-1], dim=-1)
+    )
+    pooled_keys = (keys * key_weights).sum(dim=2)  # (H_kv, N, D)
+    pooled_values = (values * value_weights).sum(dim=2)
+    positions = (torch.arange(first, first + count, device=k_raw.device) * pool.ratio)[None]
+    rope = RotaryTables(rope_freq, positions, pooled_keys.dtype)
+    return rope.rotate_heads_first(pooled_keys[None])[0], pooled_values
+
+
+def gate_logits(
+    keys: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+    pool: LayerPooling,
+    rope_freq: torch.Tensor,
+    queries: tuple[torch.Tensor, int] | None,
+) -> torch.Tensor:
+    """Z + B per slot: (H_kv, N, span, 1) for the training-free gates (one weight per token),
+    (H_kv, N, span, 2D) for the calibrated one (per channel of keys, then of values)."""
+    if pool.gate == "uniform":
+        return torch.zeros(*keys.shape[:-1], 1, dtype=torch.float32, device=keys.device)
+    if pool.gate == "keynorm":
+        return keys.float().norm(dim=-1, keepdim=True).clamp(min=1e-6).log()
+    if pool.gate == "calibrated":
+        assert pool.proj is not None and pool.bias is not None, "calibrated gate without weights"
+        return keys.float() @ pool.proj + pool.bias  # (H_kv, N, span, 2D)
+    assert queries is not None, "the attention gate needs the window's queries"
+    return attention_mass(keys, slots, valid, pool, rope_freq, queries).clamp(min=1e-9).log()
+
+
+def attention_mass(
+    keys: torch.Tensor,
+    slots: torch.Tensor,
+    valid: torch.Tensor,
+    pool: LayerPooling,
+    rope_freq: torch.Tensor,
+    queries: tuple[torch.Tensor, int],
+) -> torch.Tensor:
+    """SnapKV-style scores (Li et al., arXiv 2404.14469): the attention each slot gets from
+    the ``observe`` last queries of its window, softmax over the window's slots per query
+    head, summed over those queries and the heads of the KV group. (H_kv, N, span, 1)."""
+    q, q_start = queries
+    kv_heads, count, span, dim = keys.shape
+    group = q.shape[0] // kv_heads
+    observe = min(pool.observe, pool.ratio)
+    closes = slots[:, -1]  # (N,) a window closes at its last slot
+    seen = closes[:, None] - observe + 1 + torch.arange(observe, device=keys.device)  # (N, O)
+    q_obs = q[:, (seen - q_start).clamp(min=0)]  # (H, N, O, D)
+    rope = RotaryTables(rope_freq, slots.clamp(min=0), keys.dtype)
+    rotated = rope.rotate(keys.permute(1, 2, 0, 3)).permute(2, 0, 1, 3)  # (H_kv, N, span, D)
+    q_obs = q_obs.view(kv_heads, group, count, observe, dim)
+    scores = q_obs.float() @ rotated.float()[:, None].transpose(-1, -2) / dim**0.5
+    allowed = valid[:, None, :] & (slots[:, None, :] <= seen[:, :, None])  # (N, O, span)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    return probs.sum(dim=(1, 3))[..., None]  # (H_kv, N, span, 1)
+
+
+def attend_entries(
+    q: torch.Tensor,
+    entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    window: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    top_k: int,
+) -> torch.Tensor:
+    """Attention of q (B, H, T, D) over compressed entries and an uncompressed window,
+    one softmax. ``entries``: keys, values (B, H_kv, N, D) and the visible mask
+    (B, 1, T, N); ``window``: keys, values (B, H_kv, L, D) and its mask (B, 1, T, L). With
+    ``top_k`` each query keeps the k visible entries its KV group scores highest
+    (q . k summed over the group's heads, V4's indexer on the model's own keys)."""
+    keys, values, visible = entries
+    if top_k and keys.shape[2] > top_k:
+        keys, values, visible = select_top_k(q, keys, values, visible, top_k)
+    w_keys, w_values, w_visible = window
+    batch, heads, steps, _ = q.shape
+    mask_heads = visible.shape[1]
+    mask = torch.cat(
+        [visible, w_visible.expand(batch, mask_heads, steps, w_visible.shape[-1])], dim=-1
+    )
+    keys_all = torch.cat([keys, w_keys], dim=2)  # (B, H_kv, N' + L, D)
+    values_all = torch.cat([values, w_values], dim=2)
+    return sdpa(q, keys_all, values_all, mask=mask)
+
+
+def select_top_k(q, keys, values, visible, top_k):
+    """Keep each query's ``top_k`` entries: gathered when one query per row (decode reads only
+    those), else a per-KV-head mask repeated over the group's query heads."""
+    batch, heads, steps, dim = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    summed = q.view(batch, kv_heads, group, steps, dim).sum(dim=2)  # (B, H_kv, T, D)
+    scores = (summed @ keys.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
+    chosen = scores.topk(top_k, dim=-1).indices  # (B, H_kv, T, k)
+    if steps == 1:
+        index = chosen[:, :, 0, :, None].expand(-1, -1, -1, dim)  # (B, H_kv, k, D)
+        seen = visible.expand(batch, kv_heads, 1, -1).gather(-1, chosen)  # (B, H_kv, 1, k)
+        return keys.gather(2, index), values.gather(2, index), seen
+    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+    return keys, values, (picked & visible).repeat_interleave(group, dim=1)  # (B, H, T, N)
+
+
+def visible_entries(positions: torch.Tensor, count: int, ratio: int) -> torch.Tensor:
+    """(B, 1, T, count): query at position t sees entry w iff w < (t + 1) // ratio."""
+    closed = (positions + 1) // ratio  # (B, T)
+    entry = torch.arange(count, device=positions.device)
+    return (entry[None, None, :] < closed[:, :, None])[:, None]

@@ -1,0 +1,176 @@
+"""The ``compressed`` strategy (DeepSeek-V4's CSA/HCA on ordinary models): exactness at ratio
+1, bulk prefill = chunked = token-by-token emission for every gate, the pooling against a
+hand computation, the memory report, and the calibrated compressor's fit, save and refusal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.cache import build_cache, cache_factory
+from kvlab.cache.compressor import calibrate, save
+from kvlab.cache.pooling import GATES
+from kvlab.models.rope import RotaryTables
+
+LOSSY = dict(csa_ratio=2, hca_ratio=4, window=3, top_k=2, observe=2)
+
+
+def run_logits(model, cache, ids: list[int], chunk: int) -> torch.Tensor:
+    """Logits (T, V) of every position of ``ids`` fed in pieces of ``chunk`` tokens."""
+    cache.allocate(1, len(ids))
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(ids), chunk):
+            piece = torch.tensor([ids[start : start + chunk]])
+            positions = torch.arange(start, start + piece.shape[1])[None]
+            out.append(model(piece, positions, cache)[0])
+    return torch.cat(out)
+
+
+def random_ids(model, length: int, seed: int = 5) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
+
+
+def with_random_gates(cache):
+    """Give every layer a random calibrated gate (no file): exercises the per-channel path."""
+    gen = torch.Generator().manual_seed(0)
+    dim = cache.spec.head_dim
+    for pool in cache.pools.values():
+        pool.gate = "calibrated"
+        pool.proj = torch.randn(dim, 2 * dim, generator=gen) * 0.3
+        pool.bias = torch.randn(pool.span, 2 * dim, generator=gen)
+    return cache
+
+
+def test_ratio_one_uniform_no_top_k_is_exactly_full(tiny_llama):
+    ids = random_ids(tiny_llama, 23)
+    options = dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0)
+    spec = tiny_llama.cache_spec()
+    full = run_logits(tiny_llama, build_cache("full", spec), ids, 23)
+    for chunk in (23, 5, 1):
+        compressed = run_logits(tiny_llama, build_cache("compressed", spec, options), ids, chunk)
+        torch.testing.assert_close(compressed, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("overlap", [True, False])
+def test_bulk_prefill_equals_chunks_and_decode_emission(tiny_llama, gate, overlap):
+    """Prefill pools every closed window at once; decode pools each as its last token arrives;
+    both give the same attention output (so the same logits) at every position."""
+    ids = random_ids(tiny_llama, 29)
+    spec = tiny_llama.cache_spec()
+    options = LOSSY | dict(gate="uniform" if gate == "calibrated" else gate, overlap=overlap)
+
+    def cache():
+        built = build_cache("compressed", spec, options)
+        return with_random_gates(built) if gate == "calibrated" else built
+
+    bulk = run_logits(tiny_llama, cache(), ids, 29)
+    for chunk in (1, 3, 8):
+        torch.testing.assert_close(
+            run_logits(tiny_llama, cache(), ids, chunk), bulk, atol=2e-5, rtol=0
+        )
+
+
+def test_lossy_settings_differ_from_full(tiny_llama):
+    ids = random_ids(tiny_llama, 29)
+    spec = tiny_llama.cache_spec()
+    full = run_logits(tiny_llama, build_cache("full", spec), ids, 29)
+    compressed = run_logits(tiny_llama, build_cache("compressed", spec, LOSSY), ids, 29)
+    assert (compressed[:1] - full[:1]).abs().max() < 1e-5  # no window closed yet: exact
+    assert (compressed[10:] - full[10:]).abs().max() > 1e-3
+
+
+def test_uniform_entries_are_window_means_rotated_at_the_window_start(tiny_llama):
+    """CSA (overlap: the previous window's tokens too) and HCA by hand, from the raw keys
+    and values each layer handed to the cache."""
+    ids = random_ids(tiny_llama, 17)
+    options = dict(schedule=["csa", "hca"], csa_ratio=2, hca_ratio=4, window=3, top_k=0)
+    cache = build_cache("compressed", tiny_llama.cache_spec(), options)
+    seen, attend = {}, cache.attend
+
+    def recording_attend(layer, q, k, v, k_raw):
+        seen[layer] = (k_raw, v)
+        return attend(layer, q, k, v, k_raw)
+
+    cache.attend = recording_attend
+    run_logits(tiny_llama, cache, ids, 17)
+    for layer, (ratio, span) in {0: (2, 4), 1: (4, 4)}.items():
+        k_raw, v = seen[layer]  # (1, H_kv, T, D)
+        for w in range(17 // ratio):
+            tokens = slice(max(0, (w + 1) * ratio - span), (w + 1) * ratio)
+            rope = RotaryTables(tiny_llama.inv_freq, torch.tensor([[w * ratio]]), torch.float32)
+            key = rope.rotate_heads_first(k_raw[:, :, tokens].mean(dim=2, keepdim=True))
+            torch.testing.assert_close(
+                cache.entries[layer][0, 0, :, w], key[0, :, 0], atol=1e-5, rtol=0
+            )
+            value = v[0, :, tokens].mean(dim=1)
+            torch.testing.assert_close(cache.entries[layer][1, 0, :, w], value, atol=1e-5, rtol=0)
+
+
+def test_memory_report_counts_entries_buffer_and_window(tiny_llama):
+    spec = tiny_llama.cache_spec()
+    options = dict(csa_ratio=4, hca_ratio=16, window=8, gate="attention", observe=2)
+    cache = build_cache("compressed", spec, options)
+    run_logits(tiny_llama, cache, random_ids(tiny_llama, 128), 128)
+    report = cache.memory()
+    assert report.held_bytes == sum(t.numel() * t.element_size() for t in cache.tensors())
+    assert set(report.details) == {"window", "entries", "buffer", "queries"}
+    assert sum(report.details.values()) == report.held_bytes
+    head = spec.num_kv_heads * spec.head_dim * 4  # fp32 bytes of one K or V row
+    assert report.details["entries"] == 2 * head * (128 // 4 + 128 // 16)
+    assert report.details["buffer"] == 2 * head * (8 + 16)
+    planned = type(cache).planned_bytes(spec, cache.options, 1, 128)
+    assert sum(planned.values()) == report.held_bytes
+    full = build_cache("full", spec)
+    run_logits(tiny_llama, full, random_ids(tiny_llama, 128), 128)
+    assert report.used_bytes < full.memory().used_bytes / 2
+
+
+def test_calibrated_compressor_fits_saves_and_refuses_other_models(
+    tiny_llama, tiny_checkpoints, tmp_path
+):
+    from kvlab import load_model
+
+    options_dict = dict(LOSSY, calibration=dict(steps=40, lr=0.05))
+    options = build_cache("compressed", tiny_llama.cache_spec(), options_dict).options
+    windows = [random_ids(tiny_llama, 48, seed) for seed in range(2)]
+    fitted = calibrate(tiny_llama, options, windows)
+    errors = fitted["report"]["relative_error"]
+    assert set(errors) == {"0", "1"}
+    for layer in errors.values():
+        assert layer["calibrated"] < layer["uniform"]
+    save(tmp_path, fitted, tiny_llama.fingerprint(), options)
+
+    calibrated = dict(options_dict, gate="calibrated", compressor=str(tmp_path))
+    cache = cache_factory("compressed", tiny_llama, calibrated)()
+    assert all(pool.proj is not None for pool in cache.pools.values())
+    run_logits(tiny_llama, cache, windows[0], 48)
+
+    other, _ = load_model(str(tiny_checkpoints["qwen2"]))
+    with pytest.raises(ValueError, match="was fitted to model"):
+        cache_factory("compressed", other, calibrated)()
+
+
+def test_fingerprint_ignores_dtype_but_not_weights(tiny_llama, tiny_checkpoints):
+    from kvlab import load_model
+
+    bf16, _ = load_model(str(tiny_checkpoints["llama"]), torch.bfloat16)
+    other, _ = load_model(str(tiny_checkpoints["smollm"]))
+    assert bf16.fingerprint() == tiny_llama.fingerprint() != other.fingerprint()
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        (dict(gate="magic"), "gate"),
+        (dict(schedule=["csa", "mla"]), "schedule"),
+        (dict(window=0), "window"),
+        (dict(top_k=-1), "top_k"),
+        (dict(calibration=dict(steps=0)), "calibration.steps"),
+    ],
+)
+def test_bad_options_name_the_field(tiny_llama, options, field):
+    with pytest.raises(ValueError, match=f"cache.options.{field}="):
+        build_cache("compressed", tiny_llama.cache_spec(), options)
