@@ -21,7 +21,7 @@ LOSSY = {
     "sliding": dict(sinks=2, window=6),
     "gqa_shared": dict(factor=2),
     "paged": dict(block_size=4),
-    "compressed": dict(csa_ratio=2, hca_ratio=4, window=3, top_k=2),
+    "compressed": dict(csa_ratio=2, hca_ratio=4, window=3, sinks=1, top_k=2),
 }
 EXACT = {
     "full": {},
@@ -32,7 +32,7 @@ EXACT = {
     "sliding": dict(sinks=2, window=256),
     "gqa_shared": dict(factor=1),
     "paged": dict(block_size=3),
-    "compressed": dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0),
+    "compressed": dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0, sinks=0),
 }
 STRATEGIES = sorted(registered())
 TOLERANCE = 1e-4
@@ -178,7 +178,7 @@ DEFAULT_MODEL_EXACT = {
     "int8": dict(residual=1024),
     "int4": dict(residual=1024),
     "int2": dict(residual=1024),
-    "compressed": dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0),
+    "compressed": dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0, sinks=0),
 }
 
 

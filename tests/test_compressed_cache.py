@@ -12,7 +12,7 @@ from kvlab.cache.compressor import calibrate, save
 from kvlab.cache.pooling import GATES
 from kvlab.models.rope import RotaryTables
 
-LOSSY = dict(csa_ratio=2, hca_ratio=4, window=3, top_k=2, observe=2)
+LOSSY = dict(csa_ratio=2, hca_ratio=4, window=3, sinks=1, top_k=2, observe=2)
 
 
 def run_logits(model, cache, ids: list[int], chunk: int) -> torch.Tensor:
@@ -45,7 +45,7 @@ def with_random_gates(cache):
 
 def test_ratio_one_uniform_no_top_k_is_exactly_full(tiny_llama):
     ids = random_ids(tiny_llama, 23)
-    options = dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0)
+    options = dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0, sinks=0)
     spec = tiny_llama.cache_spec()
     full = run_logits(tiny_llama, build_cache("full", spec), ids, 23)
     for chunk in (23, 5, 1):
@@ -86,7 +86,7 @@ def test_uniform_entries_are_window_means_rotated_at_the_window_start(tiny_llama
     """CSA (overlap: the previous window's tokens too) and HCA by hand, from the raw keys
     and values each layer handed to the cache."""
     ids = random_ids(tiny_llama, 17)
-    options = dict(schedule=["csa", "hca"], csa_ratio=2, hca_ratio=4, window=3, top_k=0)
+    options = dict(schedule=["csa", "hca"], csa_ratio=2, hca_ratio=4, window=3, sinks=0, top_k=0)
     cache = build_cache("compressed", tiny_llama.cache_spec(), options)
     seen, attend = {}, cache.attend
 
@@ -111,7 +111,7 @@ def test_uniform_entries_are_window_means_rotated_at_the_window_start(tiny_llama
 
 def test_memory_report_counts_entries_buffer_and_window(tiny_llama):
     spec = tiny_llama.cache_spec()
-    options = dict(csa_ratio=4, hca_ratio=16, window=8, gate="attention", observe=2)
+    options = dict(csa_ratio=4, hca_ratio=16, window=8, sinks=2, gate="attention", observe=2)
     cache = build_cache("compressed", spec, options)
     run_logits(tiny_llama, cache, random_ids(tiny_llama, 128), 128)
     report = cache.memory()

@@ -11,6 +11,7 @@ tokens of the open window wait in a raw (pre-RoPE) buffer. Gates: see ``pooling.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,8 +37,10 @@ class CompressedOptions(CacheOptions):
     csa_ratio: int = 4
     hca_ratio: int = 128
     window: int = 128
+    sinks: int = 4  # first tokens kept exactly (StreamingLLM's sinks; V4 learns sink logits)
     top_k: int = 512  # CSA entries each query keeps (V4-Flash's index_topk); 0: all
     overlap: bool = True  # CSA entries pool 2 * csa_ratio tokens
+    proportional: bool = False  # an entry's logit + log(ratio): it stands for ratio tokens
     gate: str = "uniform"
     observe: int = 8  # attention gate: a window's last queries that score its tokens
     compressor: str = ""  # calibrated gate: a trained compressor directory ("": the cached one)
@@ -51,12 +54,13 @@ class CompressedOptions(CacheOptions):
         for name in ("csa_ratio", "hca_ratio", "observe"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), ">= 1")
         _check(self.top_k >= 0, "top_k", self.top_k, ">= 0 (0: every entry)")
-        exact_only = self.ratios_used() == {1} and not self.overlap
+        _check(self.sinks >= 0, "sinks", self.sinks, ">= 0")
+        exact_only = self.ratios_used() == {1} and not self.overlap and self.sinks == 0
         _check(
             self.window >= 1 or exact_only,
             "window",
             self.window,
-            ">= 1 (0 only when every layer pools windows of 1 token without overlap)",
+            ">= 1 (0 only when every layer pools windows of 1 token without overlap or sinks)",
         )
         compressor.CalibrationOptions(**self.calibration)
 
@@ -93,7 +97,9 @@ class CompressedCache(KVCache):
         super().__init__(spec, options)
         o = self.options
         self.window = (
-            SlidingWindowCache(spec, SlidingOptions(sinks=0, window=o.window)) if o.window else None
+            SlidingWindowCache(spec, SlidingOptions(sinks=o.sinks, window=o.window))
+            if o.window
+            else None
         )
         self.pools: dict[int, LayerPooling] = {}
         for layer in range(spec.num_layers):
@@ -163,6 +169,7 @@ class CompressedCache(KVCache):
             (stored[0], stored[1], self._visible[pool.ratio]),
             window,
             pool.top_k,
+            math.log(pool.ratio) if self.options.proportional else 0.0,
         )
 
     def _window_part(self, layer: int, k: torch.Tensor, v: torch.Tensor):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,7 +56,16 @@ class CalibrationOptions:
 
 def recipe(options: CompressedOptions) -> dict[str, Any]:
     """What a compressor depends on besides the model."""
-    keys = ("schedule", "csa_ratio", "hca_ratio", "window", "top_k", "overlap")
+    keys = (
+        "schedule",
+        "csa_ratio",
+        "hca_ratio",
+        "window",
+        "sinks",
+        "top_k",
+        "overlap",
+        "proportional",
+    )
     calibration = asdict(CalibrationOptions(**options.calibration))
     return {k: getattr(options, k) for k in keys} | {"calibration": calibration}
 
@@ -176,15 +186,15 @@ def fit_layer(pool, samples, inv_freq, options) -> tuple[float, float]:
     pool.bias = torch.zeros(pool.span, 2 * dim, requires_grad=True)
     targets = [_full_attention(q, k, v) for q, k, v, _ in samples]
     optimiser = torch.optim.Adam([pool.proj, pool.bias], lr=calibration.lr)
-    before = _mean_error(pool, samples, targets, inv_freq, options.window)
+    before = _mean_error(pool, samples, targets, inv_freq, options)
     for step in range(calibration.steps):
         i = step % len(samples)
-        loss = _error(pool, samples[i], targets[i], inv_freq, options.window)
+        loss = _error(pool, samples[i], targets[i], inv_freq, options)
         optimiser.zero_grad()
         loss.backward()
         optimiser.step()
     pool.proj, pool.bias = pool.proj.detach(), pool.bias.detach()
-    return before, _mean_error(pool, samples, targets, inv_freq, options.window)
+    return before, _mean_error(pool, samples, targets, inv_freq, options)
 
 
 def _full_attention(q, k, v) -> torch.Tensor:
@@ -193,15 +203,15 @@ def _full_attention(q, k, v) -> torch.Tensor:
     )
 
 
-def _mean_error(pool, samples, targets, inv_freq, window) -> float:
+def _mean_error(pool, samples, targets, inv_freq, options) -> float:
     with torch.no_grad():
         errors = [
-            _error(pool, s, t, inv_freq, window) for s, t in zip(samples, targets, strict=True)
+            _error(pool, s, t, inv_freq, options) for s, t in zip(samples, targets, strict=True)
         ]
     return float(torch.stack(errors).mean())
 
 
-def _error(pool, sample, target, inv_freq, window: int) -> torch.Tensor:
+def _error(pool, sample, target, inv_freq, options: CompressedOptions) -> torch.Tensor:
     """||compressed - full||^2 / ||full||^2 over one sequence, attention as the cache
     computes it in one bulk prefill."""
     q, k, v, k_raw = sample
@@ -210,6 +220,9 @@ def _error(pool, sample, target, inv_freq, window: int) -> torch.Tensor:
     keys, values = compress_windows(k_raw[0], v[0], 0, 0, count, pool, inv_freq, (q[0], 0))
     positions = torch.arange(steps)[None]
     entries = (keys[None], values[None], visible_entries(positions, count, pool.ratio))
-    band = torch.ones(steps, steps, dtype=torch.bool).tril().triu(-(window - 1))[None, None]
-    out = attend_entries(q, entries, (k, v, band), pool.top_k)
+    causal = torch.ones(steps, steps, dtype=torch.bool).tril()
+    sinks = torch.arange(steps) < options.sinks
+    band = (causal.triu(-(options.window - 1)) | (causal & sinks))[None, None]  # (1, 1, T, T)
+    bias = math.log(pool.ratio) if options.proportional else 0.0
+    out = attend_entries(q, entries, (k, v, band), pool.top_k, bias)
     return (out - target).square().sum() / target.square().sum()

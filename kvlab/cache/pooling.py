@@ -132,12 +132,15 @@ def attend_entries(
     entries: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     window: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     top_k: int,
+    entry_bias: float = 0.0,
 ) -> torch.Tensor:
     """Attention of q (B, H, T, D) over compressed entries and an uncompressed window,
     one softmax. ``entries``: keys, values (B, H_kv, N, D) and the visible mask
     (B, 1, T, N); ``window``: keys, values (B, H_kv, L, D) and its mask (B, 1, T, L). With
     ``top_k`` each query keeps the k visible entries its KV group scores highest
-    (q . k summed over the group's heads, V4's indexer on the model's own keys)."""
+    (q . k summed over the group's heads, V4's indexer on the model's own keys).
+    ``entry_bias`` is added to every entry's logit: log(ratio) gives an entry the weight of
+    the tokens it stands for (ToMe's proportional attention, Bolya et al., arXiv 2210.09461)."""
     keys, values, visible = entries
     if top_k and keys.shape[2] > top_k:
         keys, values, visible = select_top_k(q, keys, values, visible, top_k)
@@ -147,6 +150,10 @@ def attend_entries(
     mask = torch.cat(
         [visible, w_visible.expand(batch, mask_heads, steps, w_visible.shape[-1])], dim=-1
     )
+    if entry_bias:
+        bias = torch.zeros(mask.shape[-1], dtype=q.dtype, device=q.device)
+        bias[: keys.shape[2]] = entry_bias
+        mask = bias.masked_fill(~mask, float("-inf"))  # (B, H_m, T, N' + L) additive
     keys_all = torch.cat([keys, w_keys], dim=2)  # (B, H_kv, N' + L, D)
     values_all = torch.cat([values, w_values], dim=2)
     return sdpa(q, keys_all, values_all, mask=mask)
