@@ -134,8 +134,24 @@ def diagnose_main(args: list[str]) -> None:
     print(diagnose(args))
 
 
+def wandb_view_main(args: list[str]) -> None:
+    """``kvlab wandb-view --entity ENTITY [--project kvlab]``: save kvlab's comparison view
+    (runs grouped by cache and quant; ITL, TTFT, perplexity and passkey panels) into a W&B
+    project, after ``wandb login`` and ``wandb sync`` of an offline sweep."""
+    import argparse
+
+    from kvlab.wandb_view import save_view
+
+    parser = argparse.ArgumentParser(prog="kvlab wandb-view", description=wandb_view_main.__doc__)
+    parser.add_argument("--entity", required=True, help="your W&B user or team")
+    parser.add_argument("--project", default="kvlab")
+    a = parser.parse_args(args)
+    print(f"saved view: {save_view(a.entity, a.project)}")
+
+
 SUBCOMMANDS = {
     "report": report_main,
+    "wandb-view": wandb_view_main,
     "lm-eval": lm_eval_main,
     "memory": memory_main,
     "diagnose": diagnose_main,
