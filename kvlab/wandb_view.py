@@ -14,7 +14,9 @@ def comparison_view(entity: str, project: str = "kvlab", name: str = "kvlab comp
         import wandb_workspaces.reports.v2 as wr
         import wandb_workspaces.workspaces as ws
     except ImportError as exc:
-        raise ImportError("the saved view needs wandb-workspaces: pip install -e '.[wandb]'") from exc
+        raise ImportError(
+            "the saved view needs wandb-workspaces: pip install -e '.[wandb]'"
+        ) from exc
 
     def scatter(title: str, x: Any, y: str, log_x: bool = False) -> Any:
         return wr.ScatterPlot(title=title, x=x, y=wr.SummaryMetric(y), log_x=log_x)
@@ -28,12 +30,16 @@ def comparison_view(entity: str, project: str = "kvlab", name: str = "kvlab comp
         ],
         "Prefill: TTFT vs prompt length": [
             scatter("TTFT (ms) vs prompt length", wr.Config("workload.prompt_len"), "ttft_ms"),
-            scatter("ITL p50 (ms) vs prompt length", wr.Config("workload.prompt_len"), "itl_ms_p50"),
+            scatter(
+                "ITL p50 (ms) vs prompt length", wr.Config("workload.prompt_len"), "itl_ms_p50"
+            ),
         ],
         "Accuracy vs memory": [
             scatter("WikiText-2 perplexity vs KV bytes", kv_bytes, "wikitext2/ppl", log_x=True),
             scatter("passkey accuracy vs KV bytes", kv_bytes, "passkey/acc", log_x=True),
-            scatter("perplexity vs weight bytes", wr.SummaryMetric("weight_bytes"), "wikitext2/ppl"),
+            scatter(
+                "perplexity vs weight bytes", wr.SummaryMetric("weight_bytes"), "wikitext2/ppl"
+            ),
         ],
     }
     return ws.Workspace(

@@ -54,13 +54,14 @@ def test_ratio_one_uniform_no_top_k_is_exactly_full(tiny_llama):
 
 
 @pytest.mark.parametrize("gate", GATES)
-@pytest.mark.parametrize("overlap", [True, False])
-def test_bulk_prefill_equals_chunks_and_decode_emission(tiny_llama, gate, overlap):
+@pytest.mark.parametrize(("overlap", "in_window"), [(True, True), (False, True), (True, False)])
+def test_bulk_prefill_equals_chunks_and_decode_emission(tiny_llama, gate, overlap, in_window):
     """Prefill pools every closed window at once; decode pools each as its last token arrives;
     both give the same attention output (so the same logits) at every position."""
     ids = random_ids(tiny_llama, 29)
     spec = tiny_llama.cache_spec()
-    options = LOSSY | dict(gate="uniform" if gate == "calibrated" else gate, overlap=overlap)
+    gate_option = "uniform" if gate == "calibrated" else gate
+    options = LOSSY | dict(gate=gate_option, overlap=overlap, in_window=in_window)
 
     def cache():
         built = build_cache("compressed", spec, options)
@@ -174,3 +175,14 @@ def test_fingerprint_ignores_dtype_but_not_weights(tiny_llama, tiny_checkpoints)
 def test_bad_options_name_the_field(tiny_llama, options, field):
     with pytest.raises(ValueError, match=f"cache.options.{field}="):
         build_cache("compressed", tiny_llama.cache_spec(), options)
+
+
+def test_entries_become_visible_when_closed_or_when_out_of_the_window():
+    from kvlab.cache.pooling import visible_entries
+
+    positions = torch.arange(12)[None]
+    closed = visible_entries(positions, 3, ratio=4)[0, 0]  # (T, N)
+    assert closed.sum(dim=1).tolist() == [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
+    behind = visible_entries(positions, 3, ratio=4, behind=3)[0, 0]  # window of 3 tokens
+    # entry 0 pools tokens 0-3: out of query t's window (t-2..t) from t = 6 on
+    assert behind.sum(dim=1).tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2]

@@ -41,6 +41,7 @@ class CompressedOptions(CacheOptions):
     top_k: int = 512  # CSA entries each query keeps (V4-Flash's index_topk); 0: all
     overlap: bool = True  # CSA entries pool 2 * csa_ratio tokens
     proportional: bool = False  # an entry's logit + log(ratio): it stands for ratio tokens
+    in_window: bool = True  # V4: entries visible once closed; false: once out of the window
     gate: str = "uniform"
     observe: int = 8  # attention gate: a window's last queries that score its tokens
     compressor: str = ""  # calibrated gate: a trained compressor directory ("": the cached one)
@@ -63,6 +64,10 @@ class CompressedOptions(CacheOptions):
             ">= 1 (0 only when every layer pools windows of 1 token without overlap or sinks)",
         )
         compressor.CalibrationOptions(**self.calibration)
+
+    def entries_behind(self) -> int:
+        """How far behind a query an entry's tokens must be before it sees the entry."""
+        return 0 if self.in_window else self.window
 
     def ratios_used(self) -> set[int]:
         return {self.ratio(kind) for kind in self.schedule}
@@ -148,7 +153,9 @@ class CompressedCache(KVCache):
             self.window.begin(step)
             self._window_visible = self.window.visible()
         self._visible = {
-            ratio: visible_entries(step.positions, self._entries_read(ratio), ratio)
+            ratio: visible_entries(
+                step.positions, self._entries_read(ratio), ratio, self.options.entries_behind()
+            )
             for ratio in {pool.ratio for pool in self.pools.values()}
         }
 

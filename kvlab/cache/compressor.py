@@ -219,7 +219,8 @@ def _error(pool, sample, target, inv_freq, options: CompressedOptions) -> torch.
     count = steps // pool.ratio
     keys, values = compress_windows(k_raw[0], v[0], 0, 0, count, pool, inv_freq, (q[0], 0))
     positions = torch.arange(steps)[None]
-    entries = (keys[None], values[None], visible_entries(positions, count, pool.ratio))
+    visible = visible_entries(positions, count, pool.ratio, options.entries_behind())
+    entries = (keys[None], values[None], visible)
     causal = torch.ones(steps, steps, dtype=torch.bool).tril()
     sinks = torch.arange(steps) < options.sinks
     band = (causal.triu(-(options.window - 1)) | (causal & sinks))[None, None]  # (1, 1, T, T)

@@ -176,8 +176,12 @@ def select_top_k(q, keys, values, visible, top_k):
     return keys, values, (picked & visible).repeat_interleave(group, dim=1)  # (B, H, T, N)
 
 
-def visible_entries(positions: torch.Tensor, count: int, ratio: int) -> torch.Tensor:
-    """(B, 1, T, count): query at position t sees entry w iff w < (t + 1) // ratio."""
-    closed = (positions + 1) // ratio  # (B, T)
+def visible_entries(
+    positions: torch.Tensor, count: int, ratio: int, behind: int = 0
+) -> torch.Tensor:
+    """(B, 1, T, count): query at position t sees entry w iff w < (t + 1 - behind) // ratio,
+    i.e. the entry's window closed (V4: ``behind`` = 0) and, with ``behind`` = the exact
+    window's size, every token it pools has left that window."""
+    closed = (positions + 1 - behind).clamp(min=0) // ratio  # (B, T)
     entry = torch.arange(count, device=positions.device)
     return (entry[None, None, :] < closed[:, :, None])[:, None]
