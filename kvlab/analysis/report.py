@@ -81,13 +81,16 @@ def _with_options(row: dict[str, Any], group: str, known: dict[str, Any]) -> str
 
 
 def _field_defaults(options_type: type) -> dict[str, Any]:
-    """Declared defaults (before ``__post_init__`` fills them: rtn's group_size stays None)."""
+    """Declared defaults (before ``__post_init__`` fills them: rtn's group_size stays None);
+    nested option dicts flattened with dots, as result rows are."""
     out = {}
     for f in dataclasses.fields(options_type):
         if f.default is not dataclasses.MISSING:
             out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:
             out[f.name] = f.default_factory()
+        if isinstance(out.get(f.name), dict):
+            out |= {f"{f.name}.{k}": v for k, v in out.pop(f.name).items()}
     return out
 
 
@@ -107,9 +110,11 @@ def plot(rows: list[dict[str, Any]], spec: tuple, out_dir: Path) -> Path | None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     scatter = x == "kv_bytes"  # a Pareto view: points, not curves
-    for label, xy in sorted(points.items()):
+    colors, markers = plt.get_cmap("tab10").colors, "os^Dv"  # 50 distinct series
+    for i, (label, xy) in enumerate(sorted(points.items())):
         xs, ys = zip(*sorted(xy), strict=True)
-        ax.plot(xs, ys, marker="o", linestyle="none" if scatter else "-", label=label)
+        style = dict(color=colors[i % 10], marker=markers[i // 10 % len(markers)])
+        ax.plot(xs, ys, linestyle="none" if scatter else "-", label=label, **style)
     values = [v for xy in points.values() for _, v in xy if v > 0]
     if values and max(values) / min(values) > 20:
         ax.set_yscale("log")  # e.g. no-cache ITL next to cached ITL

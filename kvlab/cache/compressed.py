@@ -19,6 +19,7 @@ import torch
 
 from kvlab.cache import compressor
 from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, StepInfo, register
+from kvlab.cache.compressor import calibration_defaults
 from kvlab.cache.pooling import (
     GATES,
     LayerPooling,
@@ -45,7 +46,7 @@ class CompressedOptions(CacheOptions):
     gate: str = "uniform"
     observe: int = 8  # attention gate: a window's last queries that score its tokens
     compressor: str = ""  # calibrated gate: a trained compressor directory ("": the cached one)
-    calibration: dict = field(default_factory=dict)  # calibrated gate: CalibrationOptions
+    calibration: dict = field(default_factory=calibration_defaults)  # CalibrationOptions
 
     def __post_init__(self) -> None:
         self.schedule = list(self.schedule)

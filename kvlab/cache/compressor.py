@@ -54,6 +54,11 @@ class CalibrationOptions:
             raise ValueError(f"cache.options.calibration.lr={self.lr} must be > 0")
 
 
+def calibration_defaults() -> dict[str, Any]:
+    """``cache.options.calibration`` when not given: :class:`CalibrationOptions`' defaults."""
+    return asdict(CalibrationOptions())
+
+
 def recipe(options: CompressedOptions) -> dict[str, Any]:
     """What a compressor depends on besides the model."""
     keys = (
