@@ -81,6 +81,9 @@ def test_lossy_settings_differ_from_full(tiny_llama):
     compressed = run_logits(tiny_llama, build_cache("compressed", spec, LOSSY), ids, 29)
     assert (compressed[:1] - full[:1]).abs().max() < 1e-5  # no window closed yet: exact
     assert (compressed[10:] - full[10:]).abs().max() > 1e-3
+    dense = run_logits(tiny_llama, build_cache("compressed", spec, LOSSY | dict(top_k=0)), ids, 29)
+    assert (dense[:5] - compressed[:5]).abs().max() < 1e-5  # at most 2 CSA entries visible
+    assert (dense[8:] - compressed[8:]).abs().max() > 1e-3  # top-2 of 4+ entries selects
 
 
 def test_uniform_entries_are_window_means_rotated_at_the_window_start(tiny_llama):

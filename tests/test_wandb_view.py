@@ -12,6 +12,9 @@ from kvlab.config import RunConfig
 from kvlab.tracking import flatten
 
 pytest.importorskip("wandb_workspaces")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore::DeprecationWarning"
+)  # pydantic v1 API in wandb-workspaces
 
 # Summary metrics the logger writes for a run with eval=accuracy (names of DESIGN.md).
 LOGGED = {"ttft_ms", "itl_ms_p50", "kv_bytes", "weight_bytes", "wikitext2/ppl", "passkey/acc"}

@@ -143,7 +143,7 @@ def attend_entries(
     the tokens it stands for (ToMe's proportional attention, Bolya et al., arXiv 2210.09461)."""
     keys, values, visible = entries
     if top_k and keys.shape[2] > top_k:
-        keys, values, visible = select_top_k(q, keys, values, visible, top_k)
+        visible = top_k_mask(q, keys, visible, top_k)
     w_keys, w_values, w_visible = window
     batch, heads, steps, _ = q.shape
     mask_heads = visible.shape[1]
@@ -159,21 +159,21 @@ def attend_entries(
     return sdpa(q, keys_all, values_all, mask=mask)
 
 
-def select_top_k(q, keys, values, visible, top_k):
-    """Keep each query's ``top_k`` entries: gathered when one query per row (decode reads only
-    those), else a per-KV-head mask repeated over the group's query heads."""
+def top_k_mask(q, keys, visible, top_k) -> torch.Tensor:
+    """Each query's ``top_k`` visible entries as a mask: one per KV head in decode (sdpa folds
+    the group into the query axis), repeated over the group's query heads in prefill. (On the
+    CPU at these sizes masking beats gathering the k entries: csa decode at 8k tokens, 54.0 vs
+    56.5 ms a step.)"""
     batch, heads, steps, dim = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     summed = q.view(batch, kv_heads, group, steps, dim).sum(dim=2)  # (B, H_kv, T, D)
     scores = (summed @ keys.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
     chosen = scores.topk(top_k, dim=-1).indices  # (B, H_kv, T, k)
+    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True) & visible
     if steps == 1:
-        index = chosen[:, :, 0, :, None].expand(-1, -1, -1, dim)  # (B, H_kv, k, D)
-        seen = visible.expand(batch, kv_heads, 1, -1).gather(-1, chosen)  # (B, H_kv, 1, k)
-        return keys.gather(2, index), values.gather(2, index), seen
-    picked = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
-    return keys, values, (picked & visible).repeat_interleave(group, dim=1)  # (B, H, T, N)
+        return picked  # (B, H_kv, 1, N)
+    return picked.repeat_interleave(group, dim=1)  # (B, H, T, N)
 
 
 def visible_entries(
