@@ -34,6 +34,7 @@ STRATEGIES = [
     ("gqa_shared", {"factor": 3}),
     ("paged", {}),
     ("paged", {"kv_bits": 4}),
+    ("compressed", {}),
 ]
 
 
@@ -46,7 +47,8 @@ def agreement(tokens: list[int], reference: list[int], count: int) -> tuple[int,
 
 def kvlab_rows(model, prompt, args) -> list[dict]:
     rows, reference = [], None
-    for name, options in STRATEGIES:
+    chosen = [(n, o) for n, o in STRATEGIES if n == "full" or not args.only or n in args.only]
+    for name, options in chosen:
         engine = Engine(model, build_cache(name, model.cache_spec(), options))
         engine.generate([prompt[:64]], GenerationConfig(4, stop_on_eos=False))  # warm-up
         run = engine.generate([prompt], GenerationConfig(args.new_tokens, stop_on_eos=False))
@@ -140,12 +142,19 @@ def main() -> None:
     ap.add_argument("--batch-max", type=int, default=1024)
     ap.add_argument("--batch-new-tokens", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument(
+        "--only",
+        type=lambda s: s.split(","),
+        default=[],
+        help="strategies to run besides full (the reference); also skips the rest",
+    )
     args = ap.parse_args()
     model, tokenizer = kvlab.load_model("smollm2-135m")
     prompt = build_prompts(tokenizer, args.prompt_len, 1)[0]
     rows = kvlab_rows(model, prompt, args)
-    rows += [] if args.skip_hf else hf_rows(prompt, args)
-    paged_batch(model, tokenizer, args)
+    rows += [] if args.skip_hf or args.only else hf_rows(prompt, args)
+    if not args.only or "paged" in args.only:
+        paged_batch(model, tokenizer, args)
     full, hf_full = rows[0], next((r for r in rows if r["strategy"] == "hf DynamicCache"), None)
     print(
         f"\nprompt_len={args.prompt_len} new_tokens={args.new_tokens} dtype=float32 "
