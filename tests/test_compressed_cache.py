@@ -132,12 +132,13 @@ def test_memory_report_counts_entries_buffer_and_window(tiny_llama):
     assert report.used_bytes < full.memory().used_bytes / 2
 
 
+@pytest.mark.parametrize("sequential", [False, True])
 def test_calibrated_compressor_fits_saves_and_refuses_other_models(
-    tiny_llama, tiny_checkpoints, tmp_path
+    tiny_llama, tiny_checkpoints, tmp_path, sequential
 ):
     from kvlab import load_model
 
-    options_dict = dict(LOSSY, calibration=dict(steps=40, lr=0.05))
+    options_dict = dict(LOSSY, calibration=dict(steps=40, lr=0.05, sequential=sequential))
     options = build_cache("compressed", tiny_llama.cache_spec(), options_dict).options
     windows = [random_ids(tiny_llama, 48, seed) for seed in range(2)]
     fitted = calibrate(tiny_llama, options, windows)
@@ -189,3 +190,15 @@ def test_entries_become_visible_when_closed_or_when_out_of_the_window():
     behind = visible_entries(positions, 3, ratio=4, behind=3)[0, 0]  # window of 3 tokens
     # entry 0 pools tokens 0-3: out of query t's window (t-2..t) from t = 6 on
     assert behind.sum(dim=1).tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+
+
+def test_sequential_calibration_records_inputs_through_the_fitted_layers(tiny_llama):
+    from kvlab.cache.compressor import record
+
+    ids = random_ids(tiny_llama, 24)
+    student = build_cache("compressed", tiny_llama.cache_spec(), LOSSY)
+    student.pools = {0: student.pools[0]}  # layer 0 compresses, layer 1 is still exact
+    teacher, taught = record(tiny_llama, ids), record(tiny_llama, ids, student)
+    for a, b in zip(teacher[0], taught[0], strict=True):
+        torch.testing.assert_close(a, b)  # layer 0 gets the same inputs
+    assert (teacher[1][0] - taught[1][0]).abs().max() > 1e-3  # layer 1 sees compression

@@ -43,6 +43,7 @@ class CalibrationOptions:
     steps: int = 48
     lr: float = 0.01
     seed: int = 0
+    sequential: bool = False  # fit each layer on the inputs the fitted layers below give it
 
     def __post_init__(self) -> None:
         for name in ("samples", "seqlen", "steps"):
@@ -139,20 +140,44 @@ def load_into(pools: dict[int, LayerPooling], spec: CacheSpec, options: Compress
 
 
 class _Recorder(FullCache):
-    """The exact cache, keeping every layer's q, k, v and raw k of the step (fp32)."""
+    """The exact cache, keeping every layer's q, k, v and raw k of the step (fp32); the
+    layers a ``student`` compressed cache pools (and its window-only layers) attend through
+    it instead, so later layers see the inputs compression gives them."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, student=None):
         super().__init__(spec)
         self.seen: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.student = student
+
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
+        super().allocate(batch_size, max_tokens)
+        if self.student is not None:
+            self.student.allocate(batch_size, max_tokens)
+
+    def begin(self, step) -> None:
+        super().begin(step)
+        if self.student is not None:
+            self.student.begin(step)
+
+    def end(self) -> None:
+        super().end()
+        if self.student is not None:
+            self.student.end()
 
     def attend(self, layer, q, k, v, k_raw):
         self.seen[layer] = tuple(t.float() for t in (q, k, v, k_raw))
+        student = self.student
+        if student is not None and (
+            layer in student.pools or student.options.layer_kind(layer) == "window"
+        ):
+            return student.attend(layer, q, k, v, k_raw)
         return super().attend(layer, q, k, v, k_raw)
 
 
-def record(model: torch.nn.Module, ids: list[int]) -> dict[int, tuple[torch.Tensor, ...]]:
-    """q, k, v, k_raw (1, heads, T, D) of every layer of ``model`` over ``ids``."""
-    recorder = _Recorder(model.cache_spec())
+def record(model: torch.nn.Module, ids: list[int], student=None) -> dict[int, tuple]:
+    """q, k, v, k_raw (1, heads, T, D) of every layer of ``model`` over ``ids`` (with the
+    layers of ``student`` compressed)."""
+    recorder = _Recorder(model.cache_spec(), student)
     recorder.allocate(1, len(ids))
     tokens = torch.tensor([ids], device=recorder.spec.device)
     with torch.no_grad():
@@ -164,17 +189,26 @@ def calibrate(
     model: torch.nn.Module, options: CompressedOptions, windows: list[list[int]]
 ) -> dict[str, Any]:
     """Fit the gates of every compressed layer; returns weights and a report of the relative
-    error (uniform pooling vs fitted, on the calibration windows) per layer."""
+    error (uniform pooling vs fitted, on the calibration windows) per layer. Layers see the
+    full model's inputs, or with ``calibration.sequential`` the inputs the already fitted
+    layers below them produce (as GPTQ quantizes layer after layer)."""
     from kvlab.cache.compressed import CompressedCache
 
     start = time.perf_counter()
     untrained = dataclasses.replace(options, gate="uniform")  # the layers' geometry only
     pools = CompressedCache(model.cache_spec(), untrained).pools
-    records = [record(model, ids) for ids in windows]
+    student = CompressedCache(model.cache_spec(), untrained)
+    student.pools = {}  # compresses the layers fitted so far
+    sequential = CalibrationOptions(**options.calibration).sequential
+    records = None if sequential else [record(model, ids) for ids in windows]
     weights, errors = {}, {}
     for layer, pool in pools.items():
-        samples = [r[layer] for r in records]
+        if sequential:
+            samples = [record(model, ids, student)[layer] for ids in windows]
+        else:
+            samples = [r[layer] for r in records]
         before, after = fit_layer(pool, samples, model.inv_freq, options)
+        student.pools[layer] = pool
         weights[f"{layer}.proj"], weights[f"{layer}.bias"] = pool.proj, pool.bias
         errors[str(layer)] = {"uniform": before, "calibrated": after}
     seconds = round(time.perf_counter() - start, 1)
