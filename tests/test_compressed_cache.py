@@ -202,3 +202,23 @@ def test_sequential_calibration_records_inputs_through_the_fitted_layers(tiny_ll
     for a, b in zip(teacher[0], taught[0], strict=True):
         torch.testing.assert_close(a, b)  # layer 0 gets the same inputs
     assert (teacher[1][0] - taught[1][0]).abs().max() > 1e-3  # layer 1 sees compression
+
+
+def test_every_option_calibration_depends_on_keys_the_cached_compressor(tiny_llama):
+    """A compressor fitted with one option value is never reused for another (a new option
+    must be listed here: fitted, or in NOT_FITTED)."""
+    from dataclasses import fields
+
+    from kvlab.cache.compressor import NOT_FITTED, default_dir
+
+    spec = tiny_llama.cache_spec()
+    other = dict(schedule=["hca"], csa_ratio=3, hca_ratio=8, window=5, sinks=0, top_k=3)
+    other |= dict(overlap=False, proportional=True, in_window=False, calibration=dict(steps=7))
+    unfitted = dict(gate="keynorm", observe=3, compressor="/elsewhere")
+    options_type = type(build_cache("compressed", spec, LOSSY).options)
+    assert {f.name for f in fields(options_type)} == set(other) | set(unfitted)
+    assert set(unfitted) == set(NOT_FITTED)
+    base = default_dir("m", build_cache("compressed", spec, LOSSY).options)
+    for name, value in (other | unfitted).items():
+        moved = default_dir("m", build_cache("compressed", spec, LOSSY | {name: value}).options)
+        assert (moved == base) == (name in NOT_FITTED), name

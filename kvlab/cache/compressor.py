@@ -60,20 +60,15 @@ def calibration_defaults() -> dict[str, Any]:
     return asdict(CalibrationOptions())
 
 
+# Options that do not change what calibration fits (the gate is "calibrated" whenever a
+# compressor is used; observe serves the attention gate; compressor names the file).
+NOT_FITTED = ("gate", "observe", "compressor")
+
+
 def recipe(options: CompressedOptions) -> dict[str, Any]:
-    """What a compressor depends on besides the model."""
-    keys = (
-        "schedule",
-        "csa_ratio",
-        "hca_ratio",
-        "window",
-        "sinks",
-        "top_k",
-        "overlap",
-        "proportional",
-    )
-    calibration = asdict(CalibrationOptions(**options.calibration))
-    return {k: getattr(options, k) for k in keys} | {"calibration": calibration}
+    """What a compressor depends on besides the model: every other option."""
+    fitted = {k: v for k, v in asdict(options).items() if k not in NOT_FITTED}
+    return fitted | {"calibration": asdict(CalibrationOptions(**options.calibration))}
 
 
 def default_dir(model_id: str, options: CompressedOptions) -> Path:
