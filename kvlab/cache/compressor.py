@@ -190,10 +190,8 @@ def calibrate(
     from kvlab.cache.compressed import CompressedCache
 
     start = time.perf_counter()
-    untrained = dataclasses.replace(options, gate="uniform")  # the layers' geometry only
-    pools = CompressedCache(model.cache_spec(), untrained).pools
-    student = CompressedCache(model.cache_spec(), untrained)
-    student.pools = {}  # compresses the layers fitted so far
+    student = CompressedCache(model.cache_spec(), dataclasses.replace(options, gate="uniform"))
+    pools, student.pools = student.pools, {}  # the student compresses the layers fitted so far
     sequential = CalibrationOptions(**options.calibration).sequential
     records = None if sequential else [record(model, ids) for ids in windows]
     weights, errors = {}, {}
