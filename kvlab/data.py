@@ -3,6 +3,7 @@ beside the checkout) when it exists, otherwise the hub datasets of the same name
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from pathlib import Path
@@ -19,18 +20,25 @@ def data_root() -> Path | None:
     return shared if shared.is_dir() else None
 
 
+def local_rows(path: Path) -> list[str]:
+    """Rows of a local text file by the rule of the hub's WikiText builder: one row per line
+    with its line break, whitespace-only lines as empty rows. Every local text kvlab reads
+    (evaluation and calibration) goes through here, so a local copy and the hub dataset give
+    the same rows and the same joined text."""
+    from datasets import load_dataset
+
+    rows = load_dataset("text", data_files={"rows": str(path)}, keep_linebreaks=True, split="rows")
+    return [row if row.strip() else "" for row in rows["text"]]
+
+
 def wikitext2_test_rows() -> list[str]:
-    """WikiText-2 raw test as the hub dataset's rows: each line with its newline, and
-    whitespace-only lines as empty rows (the builder's rule), read through ``datasets``."""
+    """WikiText-2 raw test as the hub dataset's rows (see :func:`local_rows`)."""
     from datasets import load_dataset
 
     root = data_root()
     local = root / "wikitext2" / "wiki.test.raw" if root else None
     if local is not None and local.exists():
-        rows = load_dataset(
-            "text", data_files={"test": str(local)}, keep_linebreaks=True, split="test"
-        )["text"]
-        return [row if row.strip() else "" for row in rows]
+        return local_rows(local)
     return load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
 
 
@@ -43,9 +51,7 @@ def text_rows(source: str) -> list[str]:
 
     path = Path(source).expanduser()
     if path.is_file():
-        return load_dataset(
-            "text", data_files={"test": str(path)}, keep_linebreaks=True, split="test"
-        )["text"]
+        return local_rows(path)
     name, _, config = source.partition(":")
     return load_dataset(name, config or None, split="test")["text"]
 
@@ -66,12 +72,12 @@ def calibration_windows(
     tokenizer_dir: Path, source: str, samples: int, seqlen: int, seed: int, field: str
 ) -> list[list[int]]:
     """``samples`` random windows of ``seqlen`` token ids of the calibration text ``source``
-    (see :func:`calibration_rows`), seeded, as the GPTQ paper draws them; ``field`` names the
-    options in errors."""
+    (see :func:`calibration_text`), seeded, as the GPTQ paper draws them; ``field`` names
+    the options in errors."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    ids = tokenizer("".join(calibration_rows(source)))["input_ids"]
+    ids = tokenizer(calibration_text(source))["input_ids"]
     if len(ids) <= seqlen:
         raise ValueError(
             f"{field}.calibration={source!r} has {len(ids)} tokens; "
@@ -82,22 +88,28 @@ def calibration_windows(
     return [ids[s : s + seqlen] for s in starts]
 
 
-def calibration_rows(source: str) -> list[str]:
-    """Calibration text for quantizers (never the test split): ``wikitext2-valid`` (the
-    shared ``wiki.valid.tokens``, else the hub's wikitext-2-v1 validation split) or a local
-    text file, read through ``datasets``."""
+def calibration_text(source: str) -> str:
+    """Calibration text for quantizers and compressors (never the test split): its rows
+    joined as they come, line breaks included. ``wikitext2-valid`` is the shared
+    ``wiki.valid.tokens``, else the hub's wikitext-2-v1 validation split (the same rows, by
+    :func:`local_rows`); anything else is a local text file."""
     from datasets import load_dataset
 
     root = data_root()
     if source == "wikitext2-valid":
         local = root / "wikitext2" / "wiki.valid.tokens" if root else None
         if local is None or not local.exists():
-            return load_dataset("wikitext", "wikitext-2-v1", split="validation")["text"]
+            return "".join(load_dataset("wikitext", "wikitext-2-v1", split="validation")["text"])
         source = str(local)
     path = Path(source).expanduser()
     if not path.is_file():
         raise FileNotFoundError(
-            f"quant.options.calibration={source!r} is not a file; allowed: wikitext2-valid "
-            "or a local text file"
+            f"calibration={source!r} is not a file; allowed: wikitext2-valid or a local text file"
         )
-    return load_dataset("text", data_files={"train": str(path)}, split="train")["text"]
+    return "".join(local_rows(path))
+
+
+def calibration_text_id(source: str) -> str:
+    """The identity of the calibration text ``source`` reads to (a SHA-256 prefix of the
+    text), for the cache keys and manifests of what is fitted on it."""
+    return hashlib.sha256(calibration_text(source).encode()).hexdigest()[:16]

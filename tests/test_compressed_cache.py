@@ -222,3 +222,17 @@ def test_every_option_calibration_depends_on_keys_the_cached_compressor(tiny_lla
     for name, value in (other | unfitted).items():
         moved = default_dir("m", build_cache("compressed", spec, LOSSY | {name: value}).options)
         assert (moved == base) == (name in NOT_FITTED), name
+
+
+def test_compressor_cache_key_covers_the_calibration_text(tiny_llama, tmp_path):
+    from kvlab.cache.compressor import default_dir, recipe
+
+    text = tmp_path / "calibration.txt"
+    text.write_text("first text\n")
+    options = build_cache(
+        "compressed", tiny_llama.cache_spec(), LOSSY | {"calibration": {"source": str(text)}}
+    ).options
+    before = default_dir("m", options)
+    text.write_text("second text\n")
+    assert default_dir("m", options) != before
+    assert recipe(options)["calibration_text"]

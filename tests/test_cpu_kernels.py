@@ -1,6 +1,10 @@
-"""oneDNN-prepacked bf16 linears change speed only: outputs equal plain ``F.linear``."""
+"""oneDNN-prepacked bf16 linears change speed only: outputs equal plain ``F.linear``. They
+exist only where oneDNN can reorder bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: Intel Xeons
+here); on an AVX2-only CPU (AMD EPYC here) the plain layout must be kept, and bf16 must run."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,10 +13,17 @@ from torch import nn
 from kvlab import load_model
 from kvlab.cache import build_cache
 from kvlab.engine.metrics import weight_bytes
-from kvlab.models.cpu_kernels import PrepackedLinear, prepack_linears, prepack_supported
+from kvlab.models.cpu_kernels import (
+    PrepackedLinear,
+    onednn_bf16_reorder_works,
+    prepack_linears,
+    prepack_supported,
+)
 
 needs_onednn_bf16 = pytest.mark.skipif(
-    not prepack_supported(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 here"
+    not onednn_bf16_reorder_works(),
+    reason=f"oneDNN bf16 reorder needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT; this CPU: "
+    f"{torch.backends.cpu.get_cpu_capability()}",
 )
 
 
@@ -46,3 +57,28 @@ def test_prepacked_model_gives_identical_logits(tiny_checkpoints):
 
 def test_fp32_is_left_alone(tiny_llama):
     assert prepack_linears(tiny_llama) == 0
+
+
+def test_the_probe_agrees_with_the_cpu_flags():
+    """AVX-512 BW/VL/DQ is what oneDNN's bf16 reorder needs (or AVX-NE-CONVERT, which the
+    flags below may not show): a CPU without AVX-512 and without avx_ne_convert gets no
+    prepacking, and a bf16 model still loads and runs there."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU flags from")
+    flags = set(cpuinfo.read_text().split())
+    avx512 = {"avx512bw", "avx512vl", "avx512dq"} <= flags
+    if not avx512 and "avx_ne_convert" not in flags:
+        assert not onednn_bf16_reorder_works()
+    if avx512:
+        assert onednn_bf16_reorder_works()
+
+
+def test_bf16_model_runs_on_any_cpu(tiny_checkpoints):
+    model, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16)
+    expected = 4 * 2 + 1 if prepack_supported(torch.zeros(1, dtype=torch.bfloat16)) else 0
+    assert sum(isinstance(m, PrepackedLinear) for m in model.modules()) == expected
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        logits = model(ids, torch.arange(5)[None], build_cache("nocache", model.cache_spec()))
+    assert torch.isfinite(logits).all()

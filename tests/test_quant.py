@@ -177,3 +177,19 @@ def test_gptq_quantizes_through_gptqmodel_and_loads_into_kvlab(tmp_path, monkeyp
     quantize_(again, "gptq", options)  # from the cache: GPTQModel is not run twice
     assert list((tmp_path / "cache" / "gptq").iterdir()) == [made]
     torch.testing.assert_close(_logits(again, ids), _logits(model, ids))
+
+
+def test_gptq_cache_key_covers_the_calibration_text(tmp_path, monkeypatch):
+    """Two calibration files of the same name but other text never share a GPTQ checkpoint,
+    and the recipe records which text was read."""
+    from kvlab.quant.gptq import GptqOptions, checkpoint_key
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "calibration.txt"
+    text.write_text("one line\nanother line\n")
+    options = GptqOptions(calibration=str(text))
+    first, recipe = checkpoint_key(tmp_path, options)
+    text.write_text("one line\nanother, different line\n")
+    second, _ = checkpoint_key(tmp_path, options)
+    assert first != second
+    assert len(recipe["calibration_text"]) == 16

@@ -66,9 +66,14 @@ NOT_FITTED = ("gate", "observe", "compressor")
 
 
 def recipe(options: CompressedOptions) -> dict[str, Any]:
-    """What a compressor depends on besides the model: every other option."""
+    """What a compressor depends on besides the model: every other option, and the
+    identity of the calibration text it reads."""
+    from kvlab.data import calibration_text_id
+
     fitted = {k: v for k, v in asdict(options).items() if k not in NOT_FITTED}
-    return fitted | {"calibration": asdict(CalibrationOptions(**options.calibration))}
+    calibration = CalibrationOptions(**options.calibration)
+    text = calibration_text_id(calibration.source)
+    return fitted | {"calibration": asdict(calibration), "calibration_text": text}
 
 
 def default_dir(model_id: str, options: CompressedOptions) -> Path:

@@ -1,24 +1,43 @@
-"""oneDNN-prepacked linear layers for bf16 on the CPU.
+"""oneDNN-prepacked linear layers for bf16 on the CPU, where the CPU supports them.
 
 PyTorch's plain bf16 ``F.linear`` runs a matrix-vector product (decode, M=1) at about half
-the bandwidth of fp32 on this kind of CPU; the same weights reordered once into oneDNN's
+the bandwidth of fp32 on an AVX-512/AMX Xeon; the same weights reordered once into oneDNN's
 blocked layout run it about 2.5x faster with bit-identical results (the path inductor's
-CPU freezing takes). Prefill (large M) is unchanged.
+CPU freezing takes). oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on
+an AVX2-only CPU (AMD EPYC here) it raises, so the capability is probed once by reordering a
+tiny weight, and the plain layout stays where the probe fails. Prefill (large M) is unchanged.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 
+@functools.cache
+def onednn_bf16_reorder_works() -> bool:
+    """True when this CPU's oneDNN can reorder a bf16 weight (probed once: oneDNN raises
+    ``mkldnn_reorder_linear_weight: bf16 path needs the cpu support ...`` on AVX2-only CPUs)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    try:
+        weight = torch.zeros(16, 16, dtype=torch.bfloat16)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        torch.ops.mkldnn._linear_pointwise(weight[:1], packed, None, "none", [], "")
+    except RuntimeError:
+        return False
+    return True
+
+
 def prepack_supported(weight: torch.Tensor) -> bool:
-    """True where the prepacked kernel applies: a bf16 weight on a CPU with oneDNN."""
+    """True where the prepacked kernel applies: a bf16 weight on a CPU whose oneDNN can
+    reorder bf16 (see :func:`onednn_bf16_reorder_works`)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and onednn_bf16_reorder_works()
     )
 
 
@@ -37,7 +56,8 @@ class PrepackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Swap every eligible ``nn.Linear`` for a :class:`PrepackedLinear`; returns the count.
+    """Swap every eligible ``nn.Linear`` for a :class:`PrepackedLinear`; returns the count
+    (0 on a CPU without oneDNN bf16 support: the plain layout is the fallback).
 
     A tied output head gets its own packed copy (the embedding keeps the plain layout for
     lookups); ``weight_bytes`` counts both.

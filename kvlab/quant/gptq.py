@@ -170,13 +170,7 @@ def apply_gptq(model: nn.Module, options: GptqOptions) -> int:
 def quantized_checkpoint(source: Path, options: GptqOptions) -> Path:
     """The GPTQ checkpoint of ``source`` for ``options``, made by GPTQModel on first use and
     cached under ``$KVLAB_CACHE/gptq`` with a manifest of what made it."""
-    from kvlab.models.loading import cache_dir
-
-    recipe = {
-        k: v for k, v in asdict(options).items() if k not in ("checkpoint", "compute_dtype", "skip")
-    }
-    key = hashlib.sha256(json.dumps([str(source.resolve()), recipe], sort_keys=True).encode())
-    out = cache_dir() / "gptq" / f"{source.name}-{key.hexdigest()[:12]}"
+    out, recipe = checkpoint_key(source, options)
     if (out / "kvlab_gptq.json").exists():
         return out
     partial = out.with_name(out.name + ".partial")
@@ -185,6 +179,20 @@ def quantized_checkpoint(source: Path, options: GptqOptions) -> Path:
     (partial / "kvlab_gptq.json").write_text(json.dumps(manifest, indent=2))
     partial.replace(out)
     return out
+
+
+def checkpoint_key(source: Path, options: GptqOptions) -> tuple[Path, dict[str, Any]]:
+    """Where the GPTQ checkpoint of ``source`` for ``options`` is cached, and the recipe its
+    key covers: the options that change the result and the identity of the calibration
+    text (so the same file name with other text is never reused)."""
+    from kvlab.data import calibration_text_id
+    from kvlab.models.loading import cache_dir
+
+    unfitted = ("checkpoint", "compute_dtype", "skip")
+    recipe = {k: v for k, v in asdict(options).items() if k not in unfitted}
+    recipe["calibration_text"] = calibration_text_id(options.calibration)
+    key = hashlib.sha256(json.dumps([str(source.resolve()), recipe], sort_keys=True).encode())
+    return cache_dir() / "gptq" / f"{source.name}-{key.hexdigest()[:12]}", recipe
 
 
 def calibration_samples(source: Path, options: GptqOptions) -> list[dict[str, list[int]]]:
