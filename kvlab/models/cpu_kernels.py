@@ -20,7 +20,8 @@ from torch import nn
 def onednn_bf16_reorder_works() -> bool:
     """True when this CPU's oneDNN can reorder a bf16 weight (probed once: oneDNN raises
     ``mkldnn_reorder_linear_weight: bf16 path needs the cpu support ...`` on AVX2-only CPUs)."""
-    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    onednn = torch.backends.mkldnn.is_available()
+    if not onednn or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False
     try:
         weight = torch.zeros(16, 16, dtype=torch.bfloat16)
