@@ -78,7 +78,7 @@ def test_waste_is_below_one_block_per_sequence(tiny_llama):
 
 def test_exhausted_pool_fails_clearly(tiny_llama):
     _, engine = paged(tiny_llama, num_blocks=3, prefix_sharing=False)
-    with pytest.raises(CacheFull, match="all 3 blocks of 4 tokens are in use"):
+    with pytest.raises(CacheFull, match="needs 1 free blocks of 4 tokens, 0 of 3 are free"):
         engine.generate([PREFIX, PREFIX[:5]], CFG)
 
 

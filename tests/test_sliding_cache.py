@@ -64,9 +64,10 @@ def test_memory_is_bounded_by_sinks_plus_window(tiny_llama):
         run = continuation(tiny_llama, cache, list(range(3, 19)), steps=steps)
         held.append(run.stats.kv_peak.held_bytes)
     assert held[0] == held[1]
-    spec = tiny_llama.cache_spec()
-    per_token = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
-    assert run.stats.kv_peak.used_bytes == per_token * (SINKS + WINDOW) + (SINKS + WINDOW) * 8
+    # by hand: 2 layers x (K, V) x 2 KV heads x (sinks + window + 1 trash slot) x 16 dims x
+    # 4 bytes, and one int64 position per slot
+    slots = SINKS + WINDOW + 1
+    assert held[1] == 2 * 2 * 2 * slots * 16 * 4 + slots * 8
 
 
 def test_sinks_are_kept(tiny_llama):
@@ -74,7 +75,7 @@ def test_sinks_are_kept(tiny_llama):
     cache.allocate(1, 64)
     engine = Engine(tiny_llama, cache)
     engine.prefill([list(range(3, 23))], chunk=20)
-    held = sorted(cache.slot_pos[0].tolist())
+    held = sorted(p for p in cache.slot_pos[0].tolist() if p >= 0)
     assert held == [0, 1, *range(20 - WINDOW, 20)]
 
 
@@ -86,9 +87,10 @@ class CachePositionsRecompute(BandRecompute):
     def attend(self, layer, q, k, v, k_raw):
         from kvlab.models.rope import RotaryTables
 
-        rope = self.step.rope
+        rope = self.step.info.rope
         group = q.shape[1] // k.shape[1]
-        q_raw = RotaryTables(rope.inv_freq, -self.step.positions, q.dtype).rotate_heads_first(q)
+        q_raw = RotaryTables(rope.inv_freq, -self.step.info.positions, q.dtype)
+        q_raw = q_raw.rotate_heads_first(q)
         outs = []
         for i in range(q.shape[2]):
             seen = [j for j in range(i + 1) if j < SINKS or j > i - WINDOW]

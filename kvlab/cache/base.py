@@ -37,14 +37,36 @@ class CacheSpec:
 
 @dataclass
 class StepInfo:
-    """One forward step: ``positions`` (B, T) absolute token positions; ``num_new[b]`` of the
-    T tokens of row b are real, the rest right padding; ``rope`` rotates at those positions;
-    ``ids`` (B, T) are the tokens themselves (prefix sharing hashes them)."""
+    """One forward step as the model sees it: ``positions`` (B, T) absolute token positions;
+    ``num_new[b]`` of the T tokens of row b are real, the rest right padding; ``rope``
+    rotates at those positions; ``ids`` (B, T) are the tokens themselves (prefix sharing
+    hashes them)."""
 
     positions: torch.Tensor
     num_new: list[int]
     rope: RotaryTables
     ids: torch.Tensor | None = None
+
+    @property
+    def steps(self) -> int:
+        return self.positions.shape[1]
+
+
+@dataclass
+class Step:
+    """What ``begin`` prepares, once per forward step and on the model's device, for the
+    layers to index with (nano-vllm's ``prepare_decode``, gpt-fast's ``input_pos``):
+    ``start`` (B,) tokens each row stored before the step, ``end`` (B,) after it. Strategies
+    that need more subclass it; ``attend`` reads only this object, never host state."""
+
+    info: StepInfo
+    start: torch.Tensor
+    end: torch.Tensor
+
+    @property
+    def decode(self) -> bool:
+        """One token per row: the decode kernels' case (static shapes, no mask)."""
+        return self.info.steps == 1
 
 
 class CacheFull(RuntimeError):
@@ -114,8 +136,11 @@ class KVCache(ABC):
     def __init__(self, spec: CacheSpec, options: CacheOptions | None = None):
         self.spec = spec
         self.options = options if options is not None else self.Options()
-        self.lengths: list[int] = []  # tokens stored per row
-        self.step: StepInfo | None = None
+        self.lengths: list[int] = []  # tokens stored per row (host bookkeeping)
+        self.step: Step | None = None
+        # static: decode reads fixed-size buffers under masks, never host-derived lengths,
+        # so a compiled decode step keeps one graph (set by the engine when it compiles)
+        self.static = False
 
     # ---- lifecycle, called by the engine -------------------------------------------------
     def allocate(self, batch_size: int, max_tokens: int) -> None:
@@ -135,9 +160,20 @@ class KVCache(ABC):
         return torch.tensor(keep, dtype=torch.long, device=self.spec.device)
 
     # ---- one forward step, called by the model -------------------------------------------
-    def begin(self, step: StepInfo) -> None:
-        """Called once before the layers of a forward step."""
-        self.step = step
+    def begin(self, info: StepInfo) -> None:
+        """Called once before the layers of a forward step: builds :attr:`step`."""
+        self.step = self.plan(info)
+
+    def plan(self, info: StepInfo) -> Step:
+        """The step object for ``info``; strategies with more per-step state override it."""
+        return Step(info, *self._row_bounds(info))
+
+    def _row_bounds(self, info: StepInfo) -> tuple[torch.Tensor, torch.Tensor]:
+        """(start, end) (B,) on the device: tokens per row before and after the step (one
+        host-to-device copy per step)."""
+        device = info.positions.device
+        bounds = torch.tensor([self.lengths, info.num_new], dtype=torch.long).to(device)
+        return bounds[0], bounds[0] + bounds[1]
 
     @abstractmethod
     def attend(
@@ -152,7 +188,8 @@ class KVCache(ABC):
     def end(self) -> None:
         """Called once after the layers: the step's real tokens now count as stored."""
         assert self.step is not None
-        self.lengths = [n + k for n, k in zip(self.lengths, self.step.num_new, strict=True)]
+        new = self.step.info.num_new
+        self.lengths = [n + k for n, k in zip(self.lengths, new, strict=True)]
         self.step = None
 
     # ---- accounting ----------------------------------------------------------------------

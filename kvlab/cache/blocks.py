@@ -1,10 +1,9 @@
 """The block manager behind ``paged``: fixed-size blocks with reference counts, a free list,
 and an index of blocks by the hash of their token chain so that sequences with a common
-prefix share blocks (vLLM, Kwon et al., arXiv 2309.06180; nano-vllm's BlockManager)."""
+prefix share blocks (vLLM, Kwon et al., arXiv 2309.06180; nano-vllm's BlockManager).
+Every operation costs O(1) per block it touches, never O(pool)."""
 
 from __future__ import annotations
-
-from collections import deque
 
 from kvlab.cache.base import CacheFull
 
@@ -14,22 +13,31 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.free: deque[int] = deque(range(num_blocks))
+        self.free: dict[int, None] = dict.fromkeys(range(num_blocks))  # ordered set
         self.refs = [0] * num_blocks
         self.fill = [0] * num_blocks  # token slots written
         self.key_of: list[tuple | None] = [None] * num_blocks
         self.by_key: dict[tuple, int] = {}
+        self.used = 0  # blocks with refs > 0
+
+    def ensure_free(self, needed: int) -> None:
+        """Raise :class:`CacheFull` unless ``needed`` blocks can be taken (checked before a
+        step changes anything, so a step that does not fit leaves no trace)."""
+        if needed > len(self.free):
+            raise CacheFull(
+                f"paged cache: a step needs {needed} free blocks of {self.block_size} tokens, "
+                f"{len(self.free)} of {self.num_blocks} are free; raise "
+                "cache.options.num_blocks or lower the batch"
+            )
 
     def take(self) -> int:
         """A fresh block (ref 1); a freed block keeps its prefix entry until taken again."""
-        if not self.free:
-            raise CacheFull(
-                f"paged cache: all {self.num_blocks} blocks of {self.block_size} tokens are in "
-                "use; raise cache.options.num_blocks or lower the batch"
-            )
-        block = self.free.popleft()
+        self.ensure_free(1)
+        block = next(iter(self.free))
+        del self.free[block]
         self.forget(block)
         self.refs[block], self.fill[block] = 1, 0
+        self.used += 1
         return block
 
     def lookup(self, key: tuple) -> int | None:
@@ -38,7 +46,8 @@ class BlockPool:
         if block is None:
             return None
         if self.refs[block] == 0:
-            self.free.remove(block)  # a cached block back from the free list
+            del self.free[block]  # a cached block back from the free list
+            self.used += 1
         self.refs[block] += 1
         return block
 
@@ -58,21 +67,10 @@ class BlockPool:
     def release(self, block: int) -> None:
         self.refs[block] -= 1
         if self.refs[block] == 0:
-            self.free.append(block)
-
-    def snapshot(self) -> tuple:
-        """Everything a failed step could have changed, for :meth:`restore`."""
-        return (
-            deque(self.free),
-            list(self.refs),
-            list(self.fill),
-            list(self.key_of),
-            dict(self.by_key),
-        )
-
-    def restore(self, state: tuple) -> None:
-        self.free, self.refs, self.fill, self.key_of, self.by_key = state
+            self.free[block] = None
+            self.used -= 1
 
     @property
     def in_use(self) -> list[int]:
+        """Blocks with a reference (O(pool): for memory reports, not steps)."""
         return [b for b, r in enumerate(self.refs) if r > 0]

@@ -1,9 +1,15 @@
-"""Asymmetric min/max integer quantization with real bit-packing, shared by the quantized
-KV strategies (KIVI, Liu et al., arXiv 2402.02750).
+"""Asymmetric min/max integer quantization of keys and values, and how the codes are stored
+(KIVI, Liu et al., arXiv 2402.02750; HF QuantizedCache's per-token layout).
 
-Callers choose the axis a group spans (KIVI: keys per channel over a group of tokens,
-values per token over a group of channels). Codes are packed 8 / bits to a byte along the
-last axis.
+Arithmetic is fp32 whatever the model dtype (in bf16, ``(x - low) / scale`` is off by about
+one code at 8 bits); scale and zero are stored in the model dtype. Codes of one token are
+packed into uint32 words (held as int32), planar: word j holds the codes of channels
+j, j + W, j + 2W, ... (W = D * bits / 32) at bit offsets 0, bits, 2 bits, ..., so a kernel
+unpacks a row with contiguous loads and shifts. Two axes of grouping exist:
+- **token codes**: each token has a scale and zero per ``group`` channels (values in KIVI;
+  keys and values in HF's QuantizedCache and in ``kv_bits`` storage);
+- **channel codes**: each channel has a scale and zero per ``group`` consecutive tokens
+  (KIVI's keys), so outlier channels keep their own range.
 """
 
 from __future__ import annotations
@@ -13,43 +19,50 @@ from dataclasses import dataclass
 import torch
 
 BITS = (2, 4, 8)
+KEY_AXES = ("channel", "token")
 
 
-def quantize(
+def min_max_quantize(
     x: torch.Tensor, bits: int, group_dim: int = -1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Quantize x over groups along ``group_dim``: codes packed along the last axis
-    (..., N*bits/8) uint8, and scale, zero (size 1 along ``group_dim``) in x's dtype, with
-    ``x ≈ codes * scale + zero``. Grouping and packing axes are independent, so keys
-    grouped over tokens still pack along channels and dequantize without a transpose.
-
-    A group whose values are all equal gets scale 0 and is reproduced exactly by its zero.
-    """
+    """Codes (uint8, x's shape) with scale and zero (size 1 along ``group_dim``, x's dtype)
+    such that ``x ≈ codes * scale + zero``, computed in fp32. A group whose values are all
+    equal gets scale 0 and is reproduced exactly by its zero."""
     levels = 2**bits - 1
-    low = x.amin(dim=group_dim, keepdim=True)
-    scale = (x.amax(dim=group_dim, keepdim=True) - low) / levels
+    xf = x.float()
+    low = xf.amin(dim=group_dim, keepdim=True)
+    scale = (xf.amax(dim=group_dim, keepdim=True) - low) / levels
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # no 0/0 on flat groups
-    codes = ((x - low) / safe).round_().clamp_(0, levels).to(torch.uint8)
-    return pack(codes, bits), scale, low
+    codes = ((xf - low) / safe).round_().clamp_(0, levels).to(torch.uint8)
+    return codes, scale.to(x.dtype), low.to(x.dtype)
 
 
-def dequantize(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    bits: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Inverse of :func:`quantize` (up to rounding): (..., G) in the scale's dtype, written
-    into ``out`` (any strides) when given."""
-    codes = unpack(packed, bits).to(scale.dtype)
-    if out is None:
-        return torch.addcmul(zero, codes, scale)
-    return out.copy_(zero).addcmul_(codes, scale)
+def words_per_row(dim: int, bits: int) -> int:
+    """uint32 words holding ``dim`` codes of ``bits`` bits."""
+    if (dim * bits) % 32:
+        raise ValueError(f"head_dim={dim} x {bits} bits is not a whole number of 32-bit words")
+    return dim * bits // 32
+
+
+def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes (..., D) → planar int32 words (..., D * bits / 32)."""
+    width = words_per_row(codes.shape[-1], bits)
+    planes = codes.to(torch.int64).view(*codes.shape[:-1], 32 // bits, width)  # (..., P, W)
+    shifts = torch.arange(0, 32, bits, device=codes.device)[:, None]  # (P, 1)
+    words = (planes << shifts).sum(dim=-2)  # disjoint bits: the sum is an OR, < 2**32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_words`: (..., W) int32 → (..., W * 32 / bits) int64 codes."""
+    shifts = torch.arange(0, 32, bits, device=words.device)[:, None]  # (P, 1)
+    planes = (words.to(torch.int64)[..., None, :] >> shifts) & (2**bits - 1)  # (..., P, W)
+    return planes.flatten(-2)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes < 2**bits (..., N) → (..., N * bits / 8) bytes, low bits first."""
+    """uint8 codes < 2**bits (..., N) → (..., N * bits / 8) bytes, low bits first (the
+    row-packed int4 weight layout of :mod:`kvlab.quant.rtn`)."""
     if bits == 8:
         return codes
     per_byte = 8 // bits
@@ -67,10 +80,60 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.flatten(-2)
 
 
+@dataclass(frozen=True)
+class TokenCodes:
+    """Per-token codes: a scale and zero per ``group`` channels of each row (..., D)."""
+
+    bits: int
+    group: int
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (..., D) → words (..., W), scale and zero (..., D / group)."""
+        dim = x.shape[-1]
+        if dim % self.group:
+            raise ValueError(f"a group of {self.group} channels must divide head_dim={dim}")
+        grouped = x.reshape(*x.shape[:-1], dim // self.group, self.group)
+        codes, scale, zero = min_max_quantize(grouped, self.bits)
+        return pack_words(codes.flatten(-2), self.bits), scale[..., 0], zero[..., 0]
+
+    def decode(self, words, scale, zero, dtype=torch.float32) -> torch.Tensor:
+        """(..., D) in ``dtype`` (computed in fp32)."""
+        codes = unpack_words(words, self.bits).float()
+        rows = codes.view(*codes.shape[:-1], scale.shape[-1], self.group)
+        return (rows * scale.float()[..., None] + zero.float()[..., None]).flatten(-2).to(dtype)
+
+
+@dataclass(frozen=True)
+class ChannelCodes:
+    """Per-channel codes over ``group`` consecutive tokens (KIVI keys): x (..., n, D) with
+    n a multiple of ``group``; scale and zero (..., n / group, D)."""
+
+    bits: int
+    group: int
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        *lead, tokens, dim = x.shape
+        grouped = x.reshape(*lead, tokens // self.group, self.group, dim)  # (..., n/G, G, D)
+        codes, scale, zero = min_max_quantize(grouped, self.bits, group_dim=-2)
+        words = pack_words(codes.reshape(*lead, tokens, dim), self.bits)
+        return words, scale[..., 0, :], zero[..., 0, :]
+
+    def decode(self, words, scale, zero, dtype=torch.float32) -> torch.Tensor:
+        codes = unpack_words(words, self.bits).float()  # (..., n, D)
+        *lead, tokens, dim = codes.shape
+        grouped = codes.view(*lead, tokens // self.group, self.group, dim)
+        out = grouped * scale.float()[..., None, :] + zero.float()[..., None, :]
+        return out.reshape(*lead, tokens, dim).to(dtype)
+
+
 @dataclass
 class CodecOptions:
-    """Options of strategies whose storage can be quantized per token: ``kv_bits=0`` keeps
-    K/V exactly; 8/4/2 store codes with a scale and zero per ``kv_group_size`` channels."""
+    """Options of strategies whose storage can be quantized per token (``paged``,
+    ``sliding``): ``kv_bits=0`` keeps K/V exactly; 8/4/2 store every token's keys and
+    values as token codes with a scale and zero per ``kv_group_size`` channels — HF
+    QuantizedCache's layout, no full-precision residual, the step's own tokens read back
+    through storage too. (``int8``/``int4``/``int2`` are KIVI: keys per channel and an
+    exact residual; report labels name the difference.)"""
 
     kv_bits: int = 0
     kv_group_size: int = 32
@@ -81,49 +144,13 @@ class CodecOptions:
         if self.kv_group_size < 1:
             raise ValueError(f"cache.options.kv_group_size={self.kv_group_size} must be >= 1")
 
-    def codec(self, head_dim: int, dtype: torch.dtype) -> TokenCodec:
+    def token_codes(self, head_dim: int) -> TokenCodes | None:
+        """The codec of the stored rows, or None when they are stored exactly."""
         if not self.kv_bits:
-            return TokenCodec(head_dim, dtype)
-        return QuantizedTokenCodec(head_dim, dtype, self.kv_bits, self.kv_group_size)
-
-
-class TokenCodec:
-    """How one key or value vector (..., D) is stored: here exactly, as one component."""
-
-    def __init__(self, head_dim: int, dtype: torch.dtype):
-        self.head_dim, self.dtype = head_dim, dtype
-
-    def layouts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """(trailing shape, dtype) of each stored component."""
-        return [((self.head_dim,), self.dtype)]
-
-    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [x]
-
-    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        return parts[0]
-
-
-class QuantizedTokenCodec(TokenCodec):
-    """Per-token asymmetric quantization over groups of channels (HF QuantizedCache style)."""
-
-    def __init__(self, head_dim: int, dtype: torch.dtype, bits: int, group: int):
-        if head_dim % group:
-            raise ValueError(f"cache.options.kv_group_size={group} must divide head_dim={head_dim}")
-        super().__init__(head_dim, dtype)
-        self.bits, self.group = bits, group
-
-    def layouts(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        groups = self.head_dim // self.group
-        return [
-            ((groups, self.group * self.bits // 8), torch.uint8),
-            ((groups, 1), self.dtype),
-            ((groups, 1), self.dtype),
-        ]
-
-    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
-        grouped = x.reshape(*x.shape[:-1], self.head_dim // self.group, self.group)
-        return list(quantize(grouped, self.bits))
-
-    def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        return dequantize(*parts, self.bits).flatten(-2)  # (..., D)
+            return None
+        if head_dim % self.kv_group_size:
+            raise ValueError(
+                f"cache.options.kv_group_size={self.kv_group_size} must divide head_dim={head_dim}"
+            )
+        words_per_row(head_dim, self.kv_bits)
+        return TokenCodes(self.kv_bits, self.kv_group_size)

@@ -148,21 +148,22 @@ class CompressedCache(KVCache):
             self.queries[layer] = tensor.index_select(0, index)
 
     # ---- one step --------------------------------------------------------------------
-    def begin(self, step: StepInfo) -> None:
-        super().begin(step)
+    def begin(self, info: StepInfo) -> None:
+        super().begin(info)
         if self.window:
-            self.window.begin(step)
+            self.window.begin(info)
             self._window_visible = self.window.visible()
         self._visible = {
             ratio: visible_entries(
-                step.positions, self._entries_read(ratio), ratio, self.options.entries_behind()
+                info.positions, self._entries_read(ratio), ratio, self.options.entries_behind()
             )
             for ratio in {pool.ratio for pool in self.pools.values()}
         }
 
     def _entries_read(self, ratio: int) -> int:
         assert self.step is not None
-        return max((n + k) // ratio for n, k in zip(self.lengths, self.step.num_new, strict=True))
+        pairs = zip(self.lengths, self.step.info.num_new, strict=True)
+        return max((n + k) // ratio for n, k in pairs)
 
     def attend(self, layer, q, k, v, k_raw):
         pool = self.pools.get(layer)
@@ -192,7 +193,7 @@ class CompressedCache(KVCache):
     def _emit(self, layer: int, pool: LayerPooling, q, k_raw, v) -> None:
         """Pool the windows this step closes into entries, then buffer the step's tokens."""
         assert self.step is not None
-        for row, (n0, n) in enumerate(zip(self.lengths, self.step.num_new, strict=True)):
+        for row, (n0, n) in enumerate(zip(self.lengths, self.step.info.num_new, strict=True)):
             first, last = n0 // pool.ratio, (n0 + n) // pool.ratio
             new = (k_raw[row, :, :n], v[row, :, :n], q[row, :, :n])  # (H_kv | H, n, D)
             if last > first:
@@ -208,7 +209,7 @@ class CompressedCache(KVCache):
             q_seq = self._ring_read(self.queries[layer][row], q_start, n0)
             queries = (torch.cat([q_seq, new[2]], dim=1), q_start)
         keys, values = compress_windows(
-            k_raw, v, start, first, count, pool, self.step.rope.inv_freq, queries
+            k_raw, v, start, first, count, pool, self.step.info.rope.inv_freq, queries
         )
         self.entries[layer][0, row, :, first : first + count] = keys
         self.entries[layer][1, row, :, first : first + count] = values

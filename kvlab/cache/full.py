@@ -1,31 +1,74 @@
 """``full``: the exact, contiguous KV cache (every key and value kept, nothing approximated).
 
-One preallocated tensor per batch, (layers, k/v, B, H_kv, max_tokens, D); each step writes
-in place and attention reads a contiguous prefix, the plain path of gpt-fast.
+Per layer one key and one value tensor (B, H_kv, capacity, D), preallocated to the run's
+capacity and written by index at each row's length, as gpt-fast does; static shapes, so a
+decode step compiles once. Decode reads the stored rows in place (the decode kernel);
+multi-token steps run SDPA over the stored prefix under one mask from :mod:`masks`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import KVCache, StepInfo, nbytes, register, sdpa
+from kvlab.cache.base import KVCache, Step, StepInfo, nbytes, register, sdpa
+from kvlab.cache.masks import slot_positions, visible
+from kvlab.kernels import Segment, Stored, decode_attention
 
 
-def step_mask(lengths: list[int], steps: int, device: torch.device) -> torch.Tensor | None:
-    """Boolean mask (B, 1, T, L) letting query i of row b see slots ``<= lengths[b] + i``.
+@dataclass
+class ContiguousStep(Step):
+    """``slots`` (B, T): where each new token is written (its index in the row); ``rows``
+    (B, 1): each row's own block (the decode kernel's block table); ``read``: stored slots
+    a multi-token step attends over; ``mask`` (B, 1, T, read), or None for plain causal
+    attention."""
 
-    Returns None where SDPA needs no mask: a single decode token per row at equal lengths.
-    """
-    if steps == 1 and len(set(lengths)) == 1:
-        return None
-    total = max(lengths) + steps
-    slots = torch.arange(total, device=device)  # (L,)
-    last_visible = torch.tensor(lengths, device=device)[:, None] + torch.arange(
-        steps, device=device
-    )
-    return (slots[None, None, :] <= last_visible[:, :, None])[:, None]  # (B, 1, T, L)
+    slots: torch.Tensor
+    rows: torch.Tensor
+    origin: torch.Tensor  # (B,) zeros: every stored token is visible to a decode query
+    read: int = 0
+    mask: torch.Tensor | None = None
+
+
+def contiguous_step(cache: KVCache, info: StepInfo, capacity: int) -> ContiguousStep:
+    """Step metadata of a contiguous store of ``capacity`` slots per row."""
+    start, end = cache._row_bounds(info)
+    steps, batch = info.steps, len(cache.lengths)
+    if max(cache.lengths) + steps > capacity:
+        raise ValueError(
+            f"a step of {steps} tokens after {max(cache.lengths)} stored exceeds the "
+            f"{capacity} slots allocated; allocate(batch, max_tokens) with more tokens"
+        )
+    slots = slot_positions(start, steps)  # (B, T)
+    rows = torch.arange(batch, device=start.device)[:, None]  # (B, 1)
+    origin = torch.zeros_like(start)
+    if steps == 1:
+        return ContiguousStep(info, start, end, slots, rows, origin)
+    read = max(cache.lengths) + steps
+    first_prefill = max(cache.lengths) == 0
+    mask = None if first_prefill else visible(slots, torch.arange(read, device=start.device))
+    return ContiguousStep(info, start, end, slots, rows, origin, read, mask)
+
+
+def write_rows(store: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """Write new (B, H, T, E) at slots (B, T) of store (B, H, S, E), in place."""
+    batch, heads, steps, width = new.shape
+    index = slots[:, None, :, None].expand(batch, heads, steps, width)
+    store.scatter_(2, index, new)
+
+
+def decode_output(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(B, H_kv, G, D) kernel output as the (B, H, 1, D) attention output."""
+    return out.reshape(q.shape[0], q.shape[1], 1, out.shape[-1])
+
+
+def grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """One decode query per row (B, H, 1, D) as (B, H_kv, G, D): query head h serves KV
+    head h // G."""
+    batch, heads, _, dim = q.shape
+    return q.reshape(batch, kv_heads, heads // kv_heads, dim)
 
 
 @register("full")
@@ -34,61 +77,57 @@ class FullCache(KVCache):
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
-        self.kv: torch.Tensor | None = None
-        self._mask: torch.Tensor | None = None
-        self._causal = False
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
 
     @staticmethod
     def _shape(spec, batch_size: int, max_tokens: int) -> tuple[int, ...]:
-        return (spec.num_layers, 2, batch_size, spec.num_kv_heads, max_tokens, spec.head_dim)
+        return (batch_size, spec.num_kv_heads, max_tokens, spec.head_dim)
 
     @classmethod
     def planned_bytes(cls, spec, options, batch_size, max_tokens):
-        return {"kv": nbytes(cls._shape(spec, batch_size, max_tokens), spec.dtype)}
+        per_layer = nbytes(cls._shape(spec, batch_size, max_tokens), spec.dtype)
+        return {"kv": 2 * spec.num_layers * per_layer}
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)
-        shape = self._shape(self.spec, batch_size, max_tokens)
-        self.kv = torch.zeros(shape, dtype=self.spec.dtype, device=self.spec.device)
+        shape, s = self._shape(self.spec, batch_size, max_tokens), self.spec
+        self.keys = [
+            torch.zeros(shape, dtype=s.dtype, device=s.device) for _ in range(s.num_layers)
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
 
     def free(self, rows: Sequence[int]) -> None:
-        assert self.kv is not None
         index = self._keep_index(rows)
         super().free(rows)
-        self.kv = self.kv.index_select(2, index)  # a smaller tensor: the freed rows' memory goes
+        # smaller tensors: the freed rows' memory goes
+        self.keys = [k.index_select(0, index) for k in self.keys]
+        self.values = [v.index_select(0, index) for v in self.values]
 
-    def begin(self, step: StepInfo) -> None:
-        super().begin(step)
-        steps = step.positions.shape[1]
-        self._causal = steps > 1 and max(self.lengths) == 0
-        self._mask = None if self._causal else step_mask(self.lengths, steps, self.spec.device)
+    def plan(self, info: StepInfo) -> ContiguousStep:
+        return contiguous_step(self, info, self.keys[0].shape[2])
 
     def attend(self, layer, q, k, v, k_raw):
-        assert self.kv is not None, "allocate() must be called before attend()"
-        steps = q.shape[2]
-        self._write(self.kv[layer, 0], k)
-        self._write(self.kv[layer, 1], v)
-        total = max(self.lengths) + steps
-        keys = self.kv[layer, 0, :, :, :total]  # (B, H_kv, L, D)
-        values = self.kv[layer, 1, :, :, :total]  # (B, H_kv, L, D)
-        return sdpa(q, keys, values, mask=self._mask, causal=self._causal)
-
-    def _write(self, store: torch.Tensor, new: torch.Tensor) -> None:
-        """Write new (B, H_kv, T, D) at each row's current length in store (B, H_kv, S, D)."""
-        steps = new.shape[2]
-        if len(set(self.lengths)) == 1:
-            start = self.lengths[0]
-            store[:, :, start : start + steps] = new
-            return
-        for b, start in enumerate(self.lengths):
-            store[b, :, start : start + steps] = new[b]
+        step = self.step
+        keys, values = self.keys[layer], self.values[layer]
+        write_rows(keys, step.slots, k)
+        write_rows(values, step.slots, v)
+        if step.decode:
+            segment = Segment(
+                grouped(q, keys.shape[1]), Stored(keys), Stored(values), step.rows,
+                step.origin, step.end,
+            )  # fmt: skip
+            out = decode_attention([segment], q.shape[-1] ** -0.5, q.dtype)
+            return decode_output(out, q)
+        read = step.read
+        causal = step.mask is None
+        return sdpa(q, keys[:, :, :read], values[:, :, :read], mask=step.mask, causal=causal)
 
     def tensors(self) -> Iterable[torch.Tensor]:
-        return [] if self.kv is None else [self.kv]
+        return [*self.keys, *self.values]
 
     def used_bytes(self) -> int:
-        capacity = 0 if self.kv is None else self.kv.shape[2] * self.kv.shape[4]  # B * slots
-        if capacity == 0:
+        if not self.keys:
             return 0
-        held = self.kv.numel() * self.kv.element_size()
-        return held * sum(self.lengths) // capacity
+        per_token = 2 * self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim
+        return per_token * self.keys[0].element_size() * sum(self.lengths)

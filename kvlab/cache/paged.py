@@ -1,12 +1,13 @@
 """``paged``: PagedAttention's KV layout (vLLM, Kwon et al., arXiv 2309.06180).
 
-K/V live in a pool of fixed-size blocks; each sequence has a block table and takes blocks
-as it grows, returning them when it finishes. Blocks are indexed by the hash chain of their
-tokens, so a prompt that starts like an earlier one reuses its blocks (prefix sharing), and
-a block shared by several sequences is copied before one of them writes into it. Attention
-gathers a sequence's blocks in order (no fused paged kernel in eager PyTorch); exact, or
-quantized per token with ``kv_bits`` (every token, the step's own included, is read back
-from what the cache stores).
+K/V live in a pool of fixed-size blocks per layer; each sequence has a block table and takes
+blocks as it grows, returning them when it finishes. Blocks are indexed by the hash chain
+of their tokens, so a prompt that starts like an earlier one reuses its blocks (prefix
+sharing), and a block shared by several sequences is copied before one of them writes into
+it. The block table lives on the device and changes only where a step takes or copies a
+block; decode reads exactly the blocks in each row's table, in place (the decode kernel).
+Exact, or quantized per token with ``kv_bits`` (every token, the step's own included, is
+read back from what the cache stores).
 """
 
 from __future__ import annotations
@@ -16,18 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import (
-    CacheFull,
-    CacheOptions,
-    KVCache,
-    MemoryReport,
-    StepInfo,
-    register,
-    sdpa,
-)
+from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, Step, StepInfo, register, sdpa
 from kvlab.cache.blocks import BlockPool
 from kvlab.cache.codec import CodecOptions
-from kvlab.cache.full import step_mask
+from kvlab.cache.full import decode_output, grouped
+from kvlab.cache.masks import visible
+from kvlab.kernels import Segment, Stored, decode_attention
 
 
 @dataclass
@@ -44,38 +39,50 @@ class PagedOptions(CodecOptions, CacheOptions):
             raise ValueError(f"cache.options.num_blocks={self.num_blocks} must be >= 0 (0: auto)")
 
 
+@dataclass
+class PagedStep(Step):
+    """``blocks``/``slots`` (B, T): where each new token is written (the trash block for
+    padding and for tokens whose shared block holds them already); ``read`` and ``mask``
+    for multi-token steps, which gather the first ``read // block_size`` table entries."""
+
+    blocks: torch.Tensor
+    slots: torch.Tensor
+    origin: torch.Tensor
+    read: int = 0
+    mask: torch.Tensor | None = None
+
+
 @register("paged")
 class PagedCache(KVCache):
-    """Block pool (L, 2, N, block, H_kv, ...) per stored component + per-row block tables.
-    With ``kv_bits`` the components are codes, scales and zeros (per-token quantization)."""
+    """Per layer a block pool (N + 1, H_kv, block, E) per stored component (+1: the trash
+    block padding writes into) and per-row block tables, on the host and on the device."""
 
     Options = PagedOptions
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
         self.pool: BlockPool | None = None
-        self.kv: list[torch.Tensor] = []  # one pool per codec component
-        self.table = torch.zeros(0, 0, dtype=torch.long)  # (B, blocks), rebuilt every step
+        self.keys: list[list[torch.Tensor]] = []  # per layer: [data(, scale, zero)]
+        self.values: list[list[torch.Tensor]] = []
+        self.table = torch.zeros(0, 0, dtype=torch.long)  # (B, blocks) on the device
         self.tables: list[list[int]] = []
         self.tokens: list[list[int]] = []  # token ids per row, for the prefix hash chain
         self.max_tokens = 0
-
-    @classmethod
-    def planned_bytes(cls, spec, options, batch_size, max_tokens):
-        """The pool ``allocate`` makes, plus the block table steps rebuild (int64)."""
-        table = batch_size * -(-max_tokens // options.block_size) * torch.long.itemsize
-        return super().planned_bytes(spec, options, batch_size, max_tokens) | {"table": table}
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         for row in range(len(self.tables)):
             self._release_row(row)
         super().allocate(batch_size, max_tokens)
         o = self.options
-        needed = batch_size * -(-max_tokens // o.block_size) + batch_size  # + copy-on-write
-        if not self.kv or (o.num_blocks == 0 and needed > self.pool.num_blocks):
+        per_row = -(-max_tokens // o.block_size)
+        needed = batch_size * per_row + batch_size  # + copy-on-write
+        if not self.keys or (o.num_blocks == 0 and needed > self.pool.num_blocks):
             self._make_pool(o.num_blocks or needed)
         self.tables = [[] for _ in range(batch_size)]
         self.tokens = [[] for _ in range(batch_size)]
+        self.table = torch.full(
+            (batch_size, per_row), self.pool.num_blocks, device=self.spec.device
+        )
         self.max_tokens = max_tokens
 
     def _make_pool(self, blocks: int) -> None:
@@ -83,19 +90,26 @@ class PagedCache(KVCache):
         the prefix index starts empty)."""
         s, o = self.spec, self.options
         self.pool = BlockPool(blocks, o.block_size)
-        self.codec = o.codec(s.head_dim, s.dtype)
-        shape = (s.num_layers, 2, blocks, o.block_size, s.num_kv_heads)
-        self.kv = [
-            torch.zeros(*shape, *trailing, dtype=dtype, device=s.device)
-            for trailing, dtype in self.codec.layouts()
-        ]
+        self.codes = o.token_codes(s.head_dim)
+        lead = (blocks + 1, s.num_kv_heads, o.block_size)
+        if self.codes is None:
+            layout = [((*lead, s.head_dim), s.dtype)]
+        else:
+            groups = s.head_dim // self.codes.group
+            layout = [((*lead, s.head_dim * self.codes.bits // 32), torch.int32)]
+            layout += [((*lead, groups), s.dtype)] * 2
+        make = lambda: [torch.zeros(shape, dtype=t, device=s.device) for shape, t in layout]  # noqa: E731
+        self.keys = [make() for _ in range(s.num_layers)]
+        self.values = [make() for _ in range(s.num_layers)]
 
     def free(self, rows: Sequence[int]) -> None:
+        index = self._keep_index(rows)
         for row in rows:
             self._release_row(row)
         drop = set(rows)
         self.tables = [t for r, t in enumerate(self.tables) if r not in drop]
         self.tokens = [t for r, t in enumerate(self.tokens) if r not in drop]
+        self.table = self.table.index_select(0, index)
         super().free(rows)
 
     def _release_row(self, row: int) -> None:
@@ -104,64 +118,81 @@ class PagedCache(KVCache):
         self.tables[row] = []
 
     # ---- planning a step: blocks to take, share or copy; where each new token goes --------
-    def begin(self, step: StepInfo) -> None:
+    def plan(self, info: StepInfo) -> PagedStep:
         """Place the step's tokens; a step that does not fit changes nothing and raises
         :class:`CacheFull`, so the engine can preempt a sequence and retry."""
-        ids = step.ids.tolist() if step.ids is not None else None
-        saved = (
-            self.pool.snapshot(),
-            [list(t) for t in self.tables],
-            [list(t) for t in self.tokens],
-        )
-        targets: list[tuple[int, int, int, int]] = []  # (row, step index, block, slot)
-        try:
-            for row, count in enumerate(step.num_new):
-                new_ids = ids[row][:count] if ids is not None else [None] * count
-                targets += self._place(row, new_ids)
-        except CacheFull:
-            self.pool.restore(saved[0])
-            self.tables, self.tokens = saved[1], saved[2]
-            raise
-        super().begin(step)
-        device = self.spec.device
-        columns = list(zip(*targets, strict=True)) if targets else [(), (), (), ()]
-        self._src_rows, self._src_steps, self._dst_blocks, self._dst_slots = (
-            torch.tensor(col, dtype=torch.long, device=device) for col in columns
-        )
-        width = max(map(len, self.tables))
-        padded = [t + [0] * (width - len(t)) for t in self.tables]
-        self.table = torch.tensor(padded, dtype=torch.long, device=device)  # (B, blocks)
-        steps = step.positions.shape[1]
-        self._causal = steps > 1 and max(self.lengths) == 0
-        self._mask = None if self._causal else step_mask(self.lengths, steps, device)
+        self.pool.ensure_free(self._blocks_needed(info.num_new))
+        sharing = self.options.prefix_sharing and info.ids is not None
+        ids = info.ids.tolist() if sharing else None
+        updates, skipped = [], []
+        for row, count in enumerate(info.num_new):
+            new_ids = ids[row][:count] if ids is not None else [None] * count
+            changed, shared = self._place(row, new_ids)
+            updates += [(row, index, self.tables[row][index]) for index in changed]
+            skipped += [(row, i) for i in shared]
+        start, end = self._row_bounds(info)
+        self._update_table(updates)
+        return self._step(info, start, end, skipped)
 
-    def _place(self, row: int, new_ids: list) -> list[tuple[int, int, int, int]]:
-        """Blocks for the new tokens of ``row``; returns the slots that must be written."""
+    def _blocks_needed(self, num_new: list[int]) -> int:
+        """Blocks a step may take at most: the rows' new blocks and copy-on-write copies."""
+        size, needed = self.options.block_size, 0
+        for row, count in enumerate(num_new):
+            length, table = self.lengths[row], self.tables[row]
+            needed += max(0, -(-(length + count) // size) - len(table))
+            partial = length % size and count and table and self.pool.refs[table[-1]] > 1
+            needed += int(bool(partial))
+        return needed
+
+    def _step(self, info: StepInfo, start, end, skipped: list[tuple[int, int]]) -> PagedStep:
+        size, device = self.options.block_size, start.device
+        positions = start[:, None] + torch.arange(info.steps, device=device)  # (B, T)
+        index = (positions // size).clamp(max=self.table.shape[1] - 1)
+        blocks = self.table.gather(1, index)
+        write = torch.arange(info.steps, device=device)[None] < (end - start)[:, None]
+        if skipped:
+            rows, steps = torch.tensor(skipped, device=device).T
+            write[rows, steps] = False
+        blocks = torch.where(write, blocks, self.pool.num_blocks)  # the trash block
+        step = PagedStep(info, start, end, blocks, positions % size, torch.zeros_like(start))
+        if info.steps > 1:
+            step.read = max(self.lengths) + info.steps
+            step.mask = visible(positions, torch.arange(step.read, device=device))
+        return step
+
+    def _update_table(self, updates: list[tuple[int, int, int]]) -> None:
+        """Write the table entries the step changed, in one indexed copy."""
+        if updates:
+            rows, columns, blocks = torch.tensor(updates, device=self.spec.device).T
+            self.table[rows, columns] = blocks
+
+    def _place(self, row: int, new_ids: list) -> tuple[list[int], list[int]]:
+        """Blocks for the new tokens of ``row``: the table indices it changed, and the step
+        indices of tokens that a shared block holds already (not to be written)."""
         size, start = self.options.block_size, self.lengths[row]
         table = self.tables[row]
         self.tokens[row] += new_ids
         end = start + len(new_ids)
-        fresh: set[int] = set()  # table indices appended in this step
-        shared: set[int] = set()  # ...of which taken over from another sequence
-        writes = []
+        changed, shared, skipped = [], set(), []
         for i in range(len(new_ids)):
             index, slot = divmod(start + i, size)
             if index == len(table):
                 block, reused = self._next_block(row, index, end, first_step=start == 0)
                 table.append(block)
-                fresh.add(index)
+                changed.append(index)
                 if reused:
                     shared.add(index)
             if index in shared:
-                continue  # the content is there already
-            if index not in fresh:
+                skipped.append(i)  # the content is there already
+                continue
+            if index not in changed:
                 if self.pool.refs[table[index]] > 1:
                     table[index] = self._copy_on_write(table[index])
+                    changed.append(index)
                 self.pool.forget(table[index])  # its content is about to change
-            writes.append((row, i, table[index], slot))
             self.pool.fill[table[index]] = max(self.pool.fill[table[index]], slot + 1)
         self._index_completed(row, start, end)
-        return writes
+        return changed, skipped
 
     def _next_block(self, row: int, index: int, end: int, first_step: bool) -> tuple[int, bool]:
         """Block ``index`` of ``row``: an indexed block with the same token chain if there is
@@ -203,37 +234,56 @@ class PagedCache(KVCache):
     def _copy_on_write(self, block: int) -> int:
         """A private copy of a shared block, for the row about to write into it."""
         copy = self.pool.take()
-        for component in self.kv:
-            component[:, :, copy] = component[:, :, block]
+        for layer in self.keys + self.values:
+            for component in layer:
+                component[copy] = component[block]
         self.pool.fill[copy] = self.pool.fill[block]
         self.pool.release(block)
         return copy
 
     # ---- the per-layer work -----------------------------------------------------------
     def attend(self, layer, q, k, v, k_raw):
-        rows, steps = self._src_rows, self._src_steps
-        encoded = zip(self.codec.encode(k), self.codec.encode(v), strict=True)
-        for component, (k_part, v_part) in zip(self.kv, encoded, strict=True):
-            pool = component[layer]  # (2, N, block, H_kv, ...)
-            pool[0, self._dst_blocks, self._dst_slots] = k_part[rows, :, steps]
-            pool[1, self._dst_blocks, self._dst_slots] = v_part[rows, :, steps]
-        total = max(self.lengths) + q.shape[2]
-        parts = [c[layer][:, self.table].flatten(2, 3)[:, :, :total] for c in self.kv]
-        keys, values = self.codec.decode(parts).transpose(2, 3)  # (B, H_kv, L, D) each
-        # rows at different lengths adding padded steps can ask past the widest block table;
-        # those slots are seen only by padding queries, so the mask drops them
-        mask = None if self._mask is None else self._mask[..., : keys.shape[2]]
-        return sdpa(q, keys, values, mask=mask, causal=self._causal)
+        step = self.step
+        self._write(self.keys[layer], k)
+        self._write(self.values[layer], v)
+        if step.decode:
+            segment = Segment(
+                grouped(q, self.spec.num_kv_heads), self._stored(self.keys[layer]),
+                self._stored(self.values[layer]), self.table, step.origin, step.end,
+            )  # fmt: skip
+            return decode_output(decode_attention([segment], q.shape[-1] ** -0.5, q.dtype), q)
+        keys, values = self._gathered(self.keys[layer]), self._gathered(self.values[layer])
+        return sdpa(q, keys, values, mask=step.mask)
+
+    def _write(self, parts: list[torch.Tensor], new: torch.Tensor) -> None:
+        """New (B, H_kv, T, D) rows into their blocks and slots (codes when quantized)."""
+        encoded = [new] if self.codes is None else self.codes.encode(new)
+        for pool, value in zip(parts, encoded, strict=True):
+            pool[self.step.blocks, :, self.step.slots] = value.transpose(1, 2)
+
+    def _gathered(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The first ``read`` tokens of every row, through its table: (B, H_kv, read, D)."""
+        size = self.options.block_size
+        used = self.table[:, : -(-self.step.read // size)]  # (B, n)
+        taken = [p[used].transpose(1, 2).flatten(2, 3) for p in parts]  # (B, H, n*size, E)
+        rows = taken[0] if self.codes is None else self.codes.decode(*taken, dtype=self.spec.dtype)
+        return rows[:, :, : self.step.read]
+
+    def _stored(self, parts: list[torch.Tensor]) -> Stored:
+        if self.codes is None:
+            return Stored(parts[0])
+        return Stored(parts[0], "token_codes", self.codes.bits, self.codes.group, *parts[1:])
 
     # ---- accounting ---------------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:
-        return [*self.kv, self.table]
+        return [*(t for layer in self.keys + self.values for t in layer), self.table]
 
     def _block_bytes(self) -> int:
-        return sum(c.numel() * c.element_size() for c in self.kv) // self.pool.num_blocks
+        pool = sum(t.numel() * t.element_size() for layer in self.keys + self.values for t in layer)
+        return pool // (self.pool.num_blocks + 1)
 
     def used_bytes(self) -> int:
-        if not self.kv:
+        if not self.keys:
             return 0
         per_slot = self._block_bytes() // self.options.block_size
         table = self.table.numel() * self.table.element_size()
@@ -243,7 +293,7 @@ class PagedCache(KVCache):
         """Also: blocks in use, waste inside them, sharing, and what a contiguous cache
         preallocated to the maximum length would reserve for the same rows."""
         report = super().memory()
-        if not self.kv:
+        if not self.keys:
             return report
         in_use, block_bytes = self.pool.in_use, self._block_bytes()
         per_slot = block_bytes // self.options.block_size

@@ -2,8 +2,12 @@
 
 Keys are quantized per channel (a group of G tokens shares a scale and zero per channel) or
 per token as Hugging Face's QuantizedCache does; values per token (groups of G channels).
-The most recent ``residual`` tokens stay in full precision and are quantized a group at a
-time as they fill. Attention dequantizes what is kept; a step's own new tokens are exact.
+Row b keeps its tokens [0, nq) as codes, nq = max(0, (length - residual) // G) * G, and the
+rest exactly in a ring of ``residual + G`` slots (position p at slot p % ring), so a group
+is quantized once all its tokens are known and the ``residual`` most recent stay exact.
+Decode reads the codes in place (scales folded per row in the decode kernel, never a
+dequantized history) plus the exact ring; multi-token steps dequantize and run SDPA (they
+are compute-bound). A step's own new tokens are exact.
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import CacheOptions, KVCache, StepInfo, register, sdpa
-from kvlab.cache.codec import BITS, dequantize, quantize
-
-KEY_AXES = ("channel", "token")
+from kvlab.cache.base import CacheOptions, KVCache, Step, StepInfo, nbytes, register, sdpa
+from kvlab.cache.codec import BITS, KEY_AXES, ChannelCodes, TokenCodes, words_per_row
+from kvlab.cache.full import decode_output, grouped, write_rows
+from kvlab.cache.masks import visible
+from kvlab.kernels import Segment, Stored, decode_attention
 
 
 @dataclass
@@ -37,218 +42,257 @@ class QuantizedOptions(CacheOptions):
             raise ValueError(f"cache.options.key_axis={self.key_axis!r}; allowed: {KEY_AXES}")
 
 
-class TokenGroupStore:
-    """Quantized rows of tokens, grouped over channels: codes (L, B, H, S, D/G, G*b/8)."""
+@dataclass
+class KiviStep(Step):
+    """``nq``/``nq_after`` (B,): tokens held as codes before / after the step; ``groups``
+    (B, M): the group indices this step quantizes (the trash group where a row has fewer
+    than M); ``sources`` (B, M * G): their tokens' positions; ``ring_slots`` (B, T): ring
+    slot of each new token (trash: padding, or quantized within the step); ``mask`` over
+    [codes | ring | new] for multi-token steps; ``read``: code slots those read."""
 
-    def __init__(self, layers, batch, heads, slots, dim, group, bits, dtype, device):
-        if dim % group:
-            raise ValueError(f"cache.options.group_size={group} must divide head_dim={dim}")
-        self.group, self.bits = group, bits
-        lead = (layers, batch, heads, slots, dim // group)
-        self._allocate(lead, (group * bits // 8,), (1,), dtype, device)
-
-    def _allocate(self, lead, codes_tail, scale_tail, dtype, device) -> None:
-        self.codes = torch.zeros(*lead, *codes_tail, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(*lead, *scale_tail, dtype=dtype, device=device)
-        self.zero = torch.zeros(*lead, *scale_tail, dtype=dtype, device=device)
-
-    def _put(self, layer: int, row: int, lo: int, hi: int, encoded: tuple) -> None:
-        """Store (codes, scale, zero) at slots lo..hi of ``row``."""
-        for store, value in zip(self.tensors(), encoded, strict=True):
-            store[layer, row, :, lo:hi] = value
-
-    def _dequantize_into(self, layer: int, slots: int, target: torch.Tensor) -> None:
-        """Dequantize the first ``slots`` slots of every row of ``layer`` into ``target``."""
-        codes, scale, zero = (t[layer, :, :, :slots] for t in self.tensors())
-        dequantize(codes, scale, zero, self.bits, out=target)
-
-    def write(self, layer: int, row: int, start: int, x: torch.Tensor) -> None:
-        """Quantize x (H, n, D) into token slots start..start+n of ``row``."""
-        heads, n, _ = x.shape
-        encoded = quantize(x.reshape(heads, n, -1, self.group), self.bits)
-        self._put(layer, row, start, start + n, encoded)
-
-    def read(self, layer: int, count: int, out: torch.Tensor) -> None:
-        """Dequantize the first ``count`` tokens of every row into out (B, H, count, D)."""
-        batch, heads, _, dim = out.shape
-        target = out.view(batch, heads, count, dim // self.group, self.group)
-        self._dequantize_into(layer, count, target)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scale, self.zero]
-
-
-class ChannelGroupStore(TokenGroupStore):
-    """Groups of G tokens sharing a scale per channel, stored token-major and packed along
-    channels: codes (L, B, H, S/G, G, D*b/8), scale and zero (L, B, H, S/G, 1, D)."""
-
-    def __init__(self, layers, batch, heads, slots, dim, group, bits, dtype, device):
-        self.group, self.bits = group, bits
-        lead = (layers, batch, heads, slots // group)
-        self._allocate(lead, (group, dim * bits // 8), (1, dim), dtype, device)
-
-    def write(self, layer: int, row: int, start: int, x: torch.Tensor) -> None:
-        heads, n, dim = x.shape  # n and start are multiples of the group size
-        grouped = x.reshape(heads, n // self.group, self.group, dim)  # (H, n/G, G, D)
-        encoded = quantize(grouped, self.bits, group_dim=-2)  # over the G tokens
-        self._put(layer, row, start // self.group, (start + n) // self.group, encoded)
-
-    def read(self, layer: int, count: int, out: torch.Tensor) -> None:
-        batch, heads, _, dim = out.shape
-        groups = count // self.group
-        target = out.view(batch, heads, groups, self.group, dim)  # (B, H, n/G, G, D)
-        self._dequantize_into(layer, groups, target)
+    nq: torch.Tensor
+    nq_after: torch.Tensor
+    groups: torch.Tensor
+    sources: torch.Tensor
+    ring_slots: torch.Tensor
+    rows: torch.Tensor
+    origin: torch.Tensor
+    mask: torch.Tensor | None = None
+    read: int = 0
+    quantizes: bool = True
 
 
 class QuantizedCache(KVCache):
-    """KIVI storage: quantized groups + a full-precision tail of recent tokens per row."""
+    """Per layer: key and value codes (B, H_kv, S, W) int32 with their scales and zeros,
+    and an exact ring (B, H_kv, residual + G + 1, D) of keys and values (+1: trash)."""
 
     Options = QuantizedOptions
 
-    def __init__(self, spec, options=None):
-        super().__init__(spec, options)
-        self.quantized: list[int] = []  # tokens per row in the quantized stores
-        self.tail_len: list[int] = []  # tokens per row in the full-precision tail
-        self._plan: list[int] = []
+    # ---- layout ------------------------------------------------------------------------
+    @classmethod
+    def _layout(cls, spec, options, batch_size: int, max_tokens: int) -> dict[str, tuple]:
+        """name -> (shape, dtype) of one layer's tensors."""
+        o, dim, lead = options, spec.head_dim, (batch_size, spec.num_kv_heads)
+        group = o.group_size
+        slots = -(-max_tokens // group) * group + group  # + one trash group
+        words = words_per_row(dim, o.bits)
+        if dim % group:  # value groups (and per-token key groups) span channels
+            raise ValueError(f"cache.options.group_size={group} must divide head_dim={dim}")
+        key_rows = (slots // group, dim) if o.key_axis == "channel" else (slots, dim // group)
+        return {
+            "key_codes": ((*lead, slots, words), torch.int32),
+            "key_scale": ((*lead, *key_rows), spec.dtype),
+            "key_zero": ((*lead, *key_rows), spec.dtype),
+            "value_codes": ((*lead, slots, words), torch.int32),
+            "value_scale": ((*lead, slots, dim // group), spec.dtype),
+            "value_zero": ((*lead, slots, dim // group), spec.dtype),
+            "ring": ((2, *lead, o.residual + group + 1, dim), spec.dtype),
+        }
+
+    @classmethod
+    def planned_bytes(cls, spec, options, batch_size, max_tokens):
+        layout = cls._layout(spec, options, batch_size, max_tokens)
+        per_layer = {name: nbytes(*shape_dtype) for name, shape_dtype in layout.items()}
+        codes = sum(v for k, v in per_layer.items() if k != "ring")
+        return {"codes": spec.num_layers * codes, "ring": spec.num_layers * per_layer["ring"]}
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)
         s, o = self.spec, self.options
-        slots = -(-max_tokens // o.group_size) * o.group_size
-        args = (
-            s.num_layers,
-            batch_size,
-            s.num_kv_heads,
-            slots,
-            s.head_dim,
-            o.group_size,
-            o.bits,
-            s.dtype,
-            s.device,
+        layout = self._layout(s, o, batch_size, max_tokens)
+        self.store = {
+            name: [torch.zeros(shape, dtype=dtype, device=s.device) for _ in range(s.num_layers)]
+            for name, (shape, dtype) in layout.items()
+        }
+        self.ring_size = o.residual + o.group_size
+        self.trash_group = layout["key_codes"][0][2] // o.group_size - 1
+        group, bits = o.group_size, o.bits
+        self.key_codec = (
+            ChannelCodes(bits, group) if o.key_axis == "channel" else TokenCodes(bits, group)
         )
-        key_store = ChannelGroupStore if o.key_axis == "channel" else TokenGroupStore
-        self.keys, self.values = key_store(*args), TokenGroupStore(*args)
-        tail_shape = (
-            s.num_layers,
-            2,
-            batch_size,
-            s.num_kv_heads,
-            o.residual + o.group_size,
-            s.head_dim,
-        )
-        self.tail = torch.zeros(tail_shape, dtype=s.dtype, device=s.device)
-        # one layer's dequantized keys and values, reused by every layer: attention reads
-        # [dequantized | tail | new] from here without concatenating
-        work_shape = (2, batch_size, s.num_kv_heads, slots + tail_shape[4], s.head_dim)
-        self.workspace = torch.zeros(work_shape, dtype=s.dtype, device=s.device)
-        self.quantized, self.tail_len = [0] * batch_size, [0] * batch_size
+        self.value_codec = TokenCodes(bits, group)
 
     def free(self, rows: Sequence[int]) -> None:
         index = self._keep_index(rows)
-        keep = index.tolist()
         super().free(rows)
-        for store in (self.keys, self.values):
-            store.codes, store.scale, store.zero = (
-                t.index_select(1, index) for t in store.tensors()
+        for name, layers in self.store.items():
+            axis = 1 if name == "ring" else 0
+            self.store[name] = [t.index_select(axis, index) for t in layers]
+
+    # ---- planning a step ---------------------------------------------------------------
+    def quantized_tokens(self, length: torch.Tensor) -> torch.Tensor:
+        """Tokens held as codes for a row of ``length`` tokens (a multiple of G)."""
+        group = self.options.group_size
+        return (length - self.options.residual).clamp(min=0) // group * group
+
+    def plan(self, info: StepInfo) -> KiviStep:
+        start, end = self._row_bounds(info)
+        group, ring, device = self.options.group_size, self.ring_size, start.device
+        if max(self.lengths) + info.steps > self.trash_group * group:
+            raise ValueError(
+                f"a step of {info.steps} tokens after {max(self.lengths)} stored exceeds the "
+                f"{self.trash_group * group} slots allocated"
             )
-        self.tail = self.tail.index_select(2, index)
-        self.workspace = self.workspace.index_select(1, index)
-        self.quantized = [self.quantized[b] for b in keep]
-        self.tail_len = [self.tail_len[b] for b in keep]
+        nq, nq_after = self.quantized_tokens(start), self.quantized_tokens(end)
+        count = self._groups_closing(info)
+        first = nq // group  # (B,)
+        index = torch.arange(count, device=device)  # (M,)
+        groups = torch.where(
+            index[None] < ((nq_after - nq) // group)[:, None],
+            first[:, None] + index,
+            self.trash_group,
+        )  # (B, M)
+        sources = nq[:, None] + torch.arange(count * group, device=device)[None]  # (B, M*G)
+        positions = start[:, None] + torch.arange(info.steps, device=device)  # (B, T)
+        in_ring = (positions < end[:, None]) & (positions >= nq_after[:, None])
+        ring_slots = torch.where(in_ring, positions % ring, ring)  # trash: slot `ring`
+        rows = torch.arange(len(self.lengths), device=device)[:, None]
+        step = KiviStep(
+            info, start, end, nq, nq_after, groups, sources, ring_slots, rows, torch.zeros_like(nq)
+        )
+        step.quantizes = self.static or self._any_group_closes(info)
+        if info.steps > 1:
+            step.read = self._host_quantized(max(self.lengths))
+            step.mask = self._prefill_mask(step)
+        return step
 
-    def begin(self, step: StepInfo) -> None:
-        super().begin(step)
-        o = self.options
-        combined = [t + n for t, n in zip(self.tail_len, step.num_new, strict=True)]
-        self._plan = [max(0, (c - o.residual) // o.group_size) * o.group_size for c in combined]
-        self._mask = self._step_mask(step.positions.shape[1])
+    def _host_quantized(self, length: int) -> int:
+        """:meth:`quantized_tokens` of a host length."""
+        group = self.options.group_size
+        return max(0, length - self.options.residual) // group * group
 
-    def _step_mask(self, steps: int) -> torch.Tensor | None:
-        """(B, 1, T, L) over [dequantized | tail | new]; None when nothing needs masking
-        (one query per row at equal lengths, or a first prefill: plain causal attention)."""
-        nq, nt = max(self.quantized), max(self.tail_len)
-        uniform = len(set(self.quantized)) == 1 and len(set(self.tail_len)) == 1
-        if uniform and (steps == 1 or nq + nt == 0):
-            return None
-        device = self.spec.device
-        slots_q, slots_t = torch.arange(nq, device=device), torch.arange(nt, device=device)
-        past = torch.cat(
-            [
-                slots_q[None] < torch.tensor(self.quantized, device=device)[:, None],
-                slots_t[None] < torch.tensor(self.tail_len, device=device)[:, None],
-            ],
-            dim=1,
-        )  # (B, nq + nt)
-        causal = torch.ones(steps, steps, dtype=torch.bool, device=device).tril()  # (T, T)
-        batch = len(self.lengths)
-        mask = torch.cat(
-            [past[:, None].expand(batch, steps, -1), causal.expand(batch, steps, steps)], dim=-1
-        )  # (B, T, L)
-        return mask[:, None]
+    def _groups_closing(self, info: StepInfo) -> int:
+        """M: groups a row can close in this step, ceil(T / G) (1 in decode: static)."""
+        return -(-info.steps // self.options.group_size)
 
+    def _any_group_closes(self, info: StepInfo) -> bool:
+        """Host check: does some row quantize a group (lengths are host state)?"""
+        pairs = zip(self.lengths, info.num_new, strict=True)
+        return any(self._host_quantized(n + k) > self._host_quantized(n) for n, k in pairs)
+
+    def _prefill_mask(self, step: KiviStep) -> torch.Tensor:
+        """(B, 1, T, read + ring + 1 + T) over [codes | ring | new] by the positions held."""
+        device = step.start.device
+        codes = torch.arange(step.read, device=device)
+        codes = torch.where(codes[None] < step.nq[:, None], codes[None], -1)  # (B, read)
+        slots = torch.arange(self.ring_size + 1, device=device)
+        top = step.start[:, None] - 1
+        held = top - (top - slots[None]) % self.ring_size  # newest position at each slot
+        held = torch.where((held >= step.nq[:, None]) & (slots[None] < self.ring_size), held, -1)
+        positions = step.start[:, None] + torch.arange(step.info.steps, device=device)
+        return visible(positions, torch.cat([codes, held, positions], dim=1))
+
+    # ---- one layer -------------------------------------------------------------------
     def attend(self, layer, q, k, v, k_raw):
-        nq, nt, steps = max(self.quantized), max(self.tail_len), q.shape[2]
-        if nq + nt == 0:  # nothing kept yet: the step attends to itself only
-            out = sdpa(q, k, v, mask=self._mask, causal=self._mask is None and steps > 1)
-        else:
-            work = self.workspace[:, :, :, : nq + nt + steps]  # (2, B, H_kv, L, D)
-            if nq:
-                self.keys.read(layer, nq, work[0, :, :, :nq])
-                self.values.read(layer, nq, work[1, :, :, :nq])
-            work[:, :, :, nq : nq + nt] = self.tail[layer, :, :, :, :nt]
-            work[0, :, :, nq + nt :], work[1, :, :, nq + nt :] = k, v
-            out = sdpa(q, work[0], work[1], mask=self._mask)
-        self._keep(layer, k, v)
+        step = self.step
+        if step.decode:
+            self._write_ring(layer, k, v)
+            out = decode_attention(self._segments(layer, q), q.shape[-1] ** -0.5, q.dtype)
+            self._quantize_closed(layer, None, None)
+            return decode_output(out, q)
+        keys, values = self._context(layer, k, v)
+        out = sdpa(q, keys, values, mask=step.mask)
+        self._quantize_closed(layer, k, v)
+        self._write_ring(layer, k, v)
         return out
 
-    def _keep(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append the step to each row's tail; quantize the groups that overflowed it."""
-        assert self.step is not None
-        for row, (n, to_quantize) in enumerate(zip(self.step.num_new, self._plan, strict=True)):
-            tail, start = self.tail[layer, :, row], self.tail_len[row]  # (2, H, R+G, D)
-            if not to_quantize:
-                tail[0, :, start : start + n], tail[1, :, start : start + n] = (
-                    k[row, :, :n],
-                    v[row, :, :n],
-                )
-                continue
-            both = torch.cat([tail[:, :, :start], torch.stack([k[row], v[row]])[:, :, :n]], dim=2)
-            self.keys.write(layer, row, self.quantized[row], both[0, :, :to_quantize])
-            self.values.write(layer, row, self.quantized[row], both[1, :, :to_quantize])
-            rest = both.shape[2] - to_quantize
-            tail[:, :, :rest] = both[:, :, to_quantize:]
+    def _segments(self, layer: int, q: torch.Tensor) -> list[Segment]:
+        step, st, o = self.step, self.store, self.options
+        queries = grouped(q, self.spec.num_kv_heads)
+        key_format = "channel_codes" if o.key_axis == "channel" else "token_codes"
+        keys = Stored(st["key_codes"][layer], key_format, o.bits, o.group_size,
+                      st["key_scale"][layer], st["key_zero"][layer])  # fmt: skip
+        values = Stored(st["value_codes"][layer], "token_codes", o.bits, o.group_size,
+                        st["value_scale"][layer], st["value_zero"][layer])  # fmt: skip
+        ring = st["ring"][layer]
+        exact = Segment(queries, Stored(ring[0]), Stored(ring[1]), step.rows, step.nq,
+                        step.end, ring=self.ring_size)  # fmt: skip
+        return [Segment(queries, keys, values, step.rows, step.origin, step.nq), exact]
 
-    def end(self) -> None:
-        assert self.step is not None
-        for row, (n, moved) in enumerate(zip(self.step.num_new, self._plan, strict=True)):
-            self.quantized[row] += moved
-            self.tail_len[row] += n - moved
-        super().end()
+    def _context(self, layer: int, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        """[codes dequantized | ring | new] (B, H_kv, L, D) for a multi-token step."""
+        st, read, dtype = self.store, self.step.read, self.spec.dtype
+        keys = self.key_codec.decode(
+            *(
+                st[n][layer][:, :, : self._rows(n, read)]
+                for n in ("key_codes", "key_scale", "key_zero")
+            ),
+            dtype=dtype,
+        )
+        values = self.value_codec.decode(
+            *(st[n][layer][:, :, :read] for n in ("value_codes", "value_scale", "value_zero")),
+            dtype=dtype,
+        )
+        ring = st["ring"][layer]
+        return torch.cat([keys, ring[0], k], dim=2), torch.cat([values, ring[1], v], dim=2)
 
+    def _rows(self, name: str, tokens: int) -> int:
+        """Rows of store ``name`` covering the first ``tokens`` token slots."""
+        per_group = name in ("key_scale", "key_zero") and self.options.key_axis == "channel"
+        return tokens // self.options.group_size if per_group else tokens
+
+    def _write_ring(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        ring = self.store["ring"][layer]
+        write_rows(ring[0], self.step.ring_slots, k)
+        write_rows(ring[1], self.step.ring_slots, v)
+
+    def _quantize_closed(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+        """Quantize the groups this step closes from the ring (tokens before the step) and
+        the new k/v (B, H_kv, T, D); in decode the new token is already in the ring. A row
+        that closes no group writes into the trash group."""
+        step = self.step
+        if not step.quantizes:
+            return
+        ring = self.store["ring"][layer]
+        keys, values = self._gather(ring[0], k), self._gather(ring[1], v)  # (B, H, M*G, D)
+        group = self.options.group_size
+        token_slots = step.groups[:, :, None] * group + torch.arange(group, device=keys.device)
+        token_slots = token_slots.flatten(1)  # (B, M * G)
+        key_rows = step.groups if self.options.key_axis == "channel" else token_slots
+        self._put("key", layer, self.key_codec.encode(keys), token_slots, key_rows)
+        self._put("value", layer, self.value_codec.encode(values), token_slots, token_slots)
+
+    def _gather(self, ring: torch.Tensor, new: torch.Tensor | None) -> torch.Tensor:
+        """Rows at positions ``step.sources`` (B, N): from the ring, or from ``new`` for
+        positions the step itself brings."""
+        step = self.step
+        batch, heads, _, dim = ring.shape
+        index = (step.sources % self.ring_size)[:, None, :, None].expand(batch, heads, -1, dim)
+        rows = ring.gather(2, index)
+        if new is None:
+            return rows
+        offset = (step.sources - step.start[:, None]).clamp(0, new.shape[2] - 1)
+        fresh = new.gather(2, offset[:, None, :, None].expand(batch, heads, -1, dim))
+        brought = (step.sources >= step.start[:, None])[:, None, :, None]
+        return torch.where(brought, fresh, rows)
+
+    def _put(self, kind: str, layer: int, encoded, token_slots, scale_rows) -> None:
+        words, scale, zero = encoded
+        write_rows(self.store[f"{kind}_codes"][layer], token_slots, words)
+        write_rows(self.store[f"{kind}_scale"][layer], scale_rows, scale)
+        write_rows(self.store[f"{kind}_zero"][layer], scale_rows, zero)
+
+    # ---- accounting ----------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:
-        if not self.quantized:
+        if not self.lengths:
             return []
-        return [*self.keys.tensors(), *self.values.tensors(), self.tail, self.workspace]
+        return [t for layers in self.store.values() for t in layers]
 
     def used_bytes(self) -> int:
-        if not self.quantized:
+        """Bytes holding tokens: the codes of quantized tokens and the exact tokens in the
+        ring (per-slot shares of each tensor)."""
+        if not self.lengths:
             return 0
+        quantized = [self._host_quantized(n) for n in self.lengths]
+        exact = [n - q for n, q in zip(self.lengths, quantized, strict=True)]
         used = 0
-        for store in (self.keys, self.values):
-            for t in store.tensors():  # token or group slots along dim 3, rows along dim 1
-                per_slot = t.numel() * t.element_size() // (t.shape[1] * t.shape[3])
-                slots = sum(n * t.shape[3] // self._slot_capacity() for n in self.quantized)
-                used += per_slot * slots
-        per_tail_slot = (
-            self.tail.numel()
-            * self.tail.element_size()
-            // (self.tail.shape[2] * self.tail.shape[4])
-        )
-        return used + per_tail_slot * sum(self.tail_len)
-
-    def _slot_capacity(self) -> int:
-        """Token capacity per row of the stores (their slot count maps onto it)."""
-        return self.values.codes.shape[3]
+        for name, layers in self.store.items():
+            t = layers[0]
+            slot_axis = 3 if name == "ring" else 2
+            per_slot = t.numel() * t.element_size() // (len(self.lengths) * t.shape[slot_axis])
+            held = sum(exact) if name == "ring" else sum(self._rows(name, n) for n in quantized)
+            used += per_slot * held * len(layers)
+        return used
 
 
 @register("int8")
@@ -262,7 +306,7 @@ class Int8Cache(QuantizedCache):
 
 @register("int4")
 class Int4Cache(QuantizedCache):
-    """KIVI with 4-bit codes, two per byte."""
+    """KIVI with 4-bit codes, eight per 32-bit word."""
 
     @dataclass
     class Options(QuantizedOptions):
@@ -271,7 +315,7 @@ class Int4Cache(QuantizedCache):
 
 @register("int2")
 class Int2Cache(QuantizedCache):
-    """KIVI with 2-bit codes, four per byte."""
+    """KIVI with 2-bit codes, sixteen per 32-bit word."""
 
     @dataclass
     class Options(QuantizedOptions):

@@ -1,15 +1,18 @@
 """``sliding``: attention sinks + a sliding window (StreamingLLM, Xiao et al., arXiv 2309.17453).
 
-Keeps the first ``sinks`` tokens and the ``window`` most recent ones in a ring of slots, so
-memory is bounded whatever the length. A query attends to the sinks and to the ``window``
-most recent tokens including itself, whether the prompt comes in one pass, in chunks or
-token by token (a band mask on multi-token steps), so ``window`` >= length is exactly ``full``.
+Keeps the first ``sinks`` tokens and the ``window`` most recent ones in a ring of slots per
+layer, so memory is bounded whatever the length. A query attends to the sinks and to the
+``window`` most recent tokens including itself, whether the prompt comes in one pass, in
+chunks or token by token, so ``window`` >= length is exactly ``full``. Decode writes the
+token, then reads every filled slot in place (the decode kernel); multi-token steps attend
+over [ring | new tokens] under the window mask of :mod:`masks`.
+
 ``positions="cache"`` gives tokens their positions within the cache, as StreamingLLM does,
 so distances never exceed ``sinks + window`` and generation can run past the trained
 context. RoPE scores depend only on query-key distance and the window is contiguous up to
-the query, so only distances to the sinks change: queries get a second copy rotated to their
-cache position, used against sink keys only (both copies side by side along the head axis,
-one SDPA call). With ``kv_bits`` the slots hold per-token quantized K/V.
+the query, so only distances to the sinks change: a second copy of the query, rotated to
+its cache position, is used against sink keys only. With ``kv_bits`` the slots hold
+per-token codes, read back quantized (the step's own tokens too).
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import CacheOptions, KVCache, StepInfo, nbytes, register, sdpa
-from kvlab.cache.codec import CodecOptions
+from kvlab.cache.base import CacheOptions, KVCache, Step, StepInfo, nbytes, register, sdpa
+from kvlab.cache.codec import CodecOptions, TokenCodes
+from kvlab.cache.full import decode_output, grouped, write_rows
+from kvlab.cache.masks import visible
+from kvlab.kernels import Segment, Stored, decode_attention
 from kvlab.models.rope import RotaryTables
 
 POSITIONS = ("original", "cache")
@@ -44,9 +50,29 @@ class SlidingOptions(CodecOptions, CacheOptions):
             raise ValueError(f"cache.options.window={self.window} must be >= 1")
 
 
+@dataclass
+class SlidingStep(Step):
+    """``slots`` (B, T): ring slot of each new token, or the trash slot when it is padding
+    or evicted within the step; ``positions`` (B, T) the new tokens' positions, with
+    ``kept`` (B, T) the ones still held after the step; ``filled`` (B,) slots holding a
+    token after the step; ``mask`` (B, 1, T, S + T) over [ring | new] for multi-token
+    steps (None: plain causal over the new tokens, nothing held yet); ``to_cache`` rotates
+    queries to their positions within the cache (``positions="cache"``)."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor
+    kept: torch.Tensor
+    filled: torch.Tensor
+    rows: torch.Tensor
+    origin: torch.Tensor
+    mask: torch.Tensor | None = None
+    to_cache: RotaryTables | None = None
+
+
 @register("sliding")
 class SlidingWindowCache(KVCache):
-    """Sinks + ring buffer; ``slot_pos`` records which position each slot holds (-1: empty)."""
+    """Per layer a ring of ``sinks + window`` slots (+1 trash slot that padding writes
+    into); ``slot_pos`` (B, slots) records which position each slot holds (-1: empty)."""
 
     Options = SlidingOptions
 
@@ -57,180 +83,183 @@ class SlidingWindowCache(KVCache):
 
     @classmethod
     def _layouts(cls, spec, options, batch_size, max_tokens) -> list[tuple[tuple, torch.dtype]]:
-        """(shape, dtype) of every tensor: the ring per codec component, then slot_pos."""
-        slots = min(options.sinks + options.window, max_tokens)
-        lead = (spec.num_layers, 2, batch_size, spec.num_kv_heads, slots)
-        ring = [
-            ((*lead, *tail), dtype)
-            for tail, dtype in options.codec(spec.head_dim, spec.dtype).layouts()
-        ]
+        """(shape, dtype) of every tensor of one layer's keys (or values), then slot_pos."""
+        slots = min(options.sinks + options.window, max_tokens) + 1  # + the trash slot
+        lead = (batch_size, spec.num_kv_heads, slots)
+        codes = options.token_codes(spec.head_dim)
+        if codes is None:
+            ring = [((*lead, spec.head_dim), spec.dtype)]
+        else:
+            words, scales = spec.head_dim * codes.bits // 32, spec.head_dim // codes.group
+            ring = [((*lead, words), torch.int32), ((*lead, scales), spec.dtype)]
+            ring.append(ring[-1])
         return [*ring, ((batch_size, slots), torch.long)]
 
     @classmethod
     def planned_bytes(cls, spec, options, batch_size, max_tokens):
         *ring, positions = cls._layouts(spec, options, batch_size, max_tokens)
-        return {"window": sum(nbytes(*r) for r in ring), "slot_positions": nbytes(*positions)}
+        window = 2 * spec.num_layers * sum(nbytes(*r) for r in ring)
+        return {"window": window, "slot_positions": nbytes(*positions)}
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)
         s, o = self.spec, self.options
-        self.slots = min(o.sinks + o.window, max_tokens)
-        self.codec = o.codec(s.head_dim, s.dtype)
+        self.codes: TokenCodes | None = o.token_codes(s.head_dim)
         *ring, (positions, _) = self._layouts(s, o, batch_size, max_tokens)
-        self.kv = [torch.zeros(shape, dtype=dtype, device=s.device) for shape, dtype in ring]
+        self.slots = positions[1] - 1  # ring slots, the trash slot excluded
+        make = lambda: [torch.zeros(shape, dtype=t, device=s.device) for shape, t in ring]  # noqa: E731
+        self.keys = [make() for _ in range(s.num_layers)]  # per layer: [data(, scale, zero)]
+        self.values = [make() for _ in range(s.num_layers)]
         self.slot_pos = torch.full(positions, -1, dtype=torch.long, device=s.device)
 
     def free(self, rows: Sequence[int]) -> None:
         index = self._keep_index(rows)
         super().free(rows)
-        self.kv = [component.index_select(2, index) for component in self.kv]
+        for store in (self.keys, self.values):
+            for layer, parts in enumerate(store):
+                store[layer] = [t.index_select(0, index) for t in parts]
         self.slot_pos = self.slot_pos.index_select(0, index)
 
-    def _slot(self, position: int) -> int:
-        sinks = self.options.sinks
-        return position if position < sinks else sinks + (position - sinks) % self.options.window
-
-    def _survivors(self, start: int, count: int) -> tuple[list[int], list[int]]:
-        """(indices within the step, slots) of the new tokens still kept after the step."""
+    # ---- planning a step -------------------------------------------------------------
+    def slot_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Ring slot of each position: sinks in place, the rest cycling over the window."""
         sinks, window = self.options.sinks, self.options.window
-        first_kept = max(start + count - window, start)  # older non-sink tokens get evicted
-        picks = [i for i in range(count) if start + i < sinks or start + i >= first_kept]
-        return picks, [self._slot(start + i) for i in picks]
+        return torch.where(positions < sinks, positions, sinks + (positions - sinks) % window)
 
-    def begin(self, step: StepInfo) -> None:
-        super().begin(step)
-        steps = step.positions.shape[1]
-        self._writes = [
-            self._survivors(n0, n) for n0, n in zip(self.lengths, step.num_new, strict=True)
-        ]
-        self._write_first = steps == 1  # decode: store, then attend over the slots alone
-        filled = [min(n, self.slots) for n in self.lengths]
-        if self._write_first:
-            filled = [
-                min(n + k, self.slots) for n, k in zip(self.lengths, step.num_new, strict=True)
-            ]
-        self._read = max(filled)
-        self._mask = self._decode_mask(filled) if self._write_first else self._band_mask(steps)
-        self._cache_rope = self._cache_rotation(step)
+    def plan(self, info: StepInfo) -> SlidingStep:
+        start, end = self._row_bounds(info)
+        steps, device = info.steps, start.device
+        index = torch.arange(steps, device=device)
+        positions = start[:, None] + index  # (B, T)
+        real = index[None] < (end - start)[:, None]
+        window, sinks = self.options.window, self.options.sinks
+        kept = real & ((positions < sinks) | (positions >= end[:, None] - window))
+        slots = torch.where(kept, self.slot_of(positions), self.slots)  # trash: self.slots
+        filled = end.clamp(max=self.slots)
+        rows = torch.arange(len(self.lengths), device=device)[:, None]
+        origin = torch.zeros_like(start)
+        step = SlidingStep(info, start, end, slots, positions, kept, filled, rows, origin)
+        step.to_cache = self._cache_rotation(info)
+        if steps > 1 and max(self.lengths) > 0 or steps > window:
+            keys = torch.cat([self.slot_pos, positions], dim=1)  # (B, S + 1 + T)
+            step.mask = visible(positions, keys, window, sinks)
+        return step
 
-    def _cache_rotation(self, step: StepInfo):
+    def _cache_rotation(self, info: StepInfo) -> RotaryTables | None:
         """Rotation from each query's position to its position within the cache (the
-        number of tokens it sees, minus one); None when no query is past the window."""
+        number of tokens it sees, minus one)."""
         if self.options.positions == "original":
             return None
         sinks, window = self.options.sinks, self.options.window
-        seen = step.positions + 1  # (B, T)
+        seen = info.positions + 1  # (B, T)
         in_cache = seen.clamp(max=sinks) + (seen - sinks).clamp(min=0, max=window) - 1
-        if bool((in_cache == step.positions).all()):
-            return None
-        rope = step.rope
-        return RotaryTables(rope.inv_freq, in_cache - step.positions, rope.dtype)
+        return RotaryTables(info.rope.inv_freq, in_cache - info.positions, info.rope.dtype)
 
-    def _decode_mask(self, filled: list[int]) -> torch.Tensor | None:
-        if len(set(filled)) == 1:
-            return None
-        slots = torch.arange(self._read, device=self.spec.device)
-        return (slots[None] < torch.tensor(filled, device=self.spec.device)[:, None])[:, None, None]
-
-    def _band_mask(self, steps: int) -> torch.Tensor | None:
-        """(B, 1, T, read + T): sinks and the last ``window`` positions, causally."""
-        sinks, window = self.options.sinks, self.options.window
-        pos = self.step.positions  # (B, T)
-        if self._read == 0 and steps <= window:
-            return None  # a first prefill that the window never cuts: plain causal attention
-        oldest = pos[:, :, None] - window  # (B, T, 1): positions <= this are out of the window
-        held = self.slot_pos[:, None, : self._read]  # (B, 1, read)
-        past = (held >= 0) & ((held < sinks) | (held > oldest))  # (B, T, read)
-        new = pos[:, None, :]  # (B, 1, T)
-        causal = torch.ones(steps, steps, dtype=torch.bool, device=pos.device).tril()
-        current = causal & ((new < sinks) | (new > oldest))  # (B, T, T)
-        return torch.cat([past, current], dim=-1)[:, None]
-
+    # ---- one layer -------------------------------------------------------------------
     def attend(self, layer, q, k, v, k_raw):
+        step = self.step
+        if step.decode:
+            self._write(layer, k, v)
+            segments = self._decode_segments(layer, q)
+            return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
         keys, values = self.context(layer, k, v)
-        new = 0 if self._write_first else q.shape[2]
-        return self._attention(q, keys, values, self._sink_keys(self._read, new))
+        return self._attention(q, keys, values, step.mask)
+
+    def _decode_segments(self, layer: int, q: torch.Tensor) -> list[Segment]:
+        """The filled slots in place; with cache positions, sinks and window as two
+        segments, the sinks seen by the query rotated to its cache position."""
+        step, keys, values = (
+            self.step,
+            self._stored(self.keys[layer]),
+            self._stored(self.values[layer]),
+        )
+        queries = grouped(q, self.spec.num_kv_heads)
+        if step.to_cache is None:
+            return [Segment(queries, keys, values, step.rows, step.origin, step.filled)]
+        sinks = step.filled.clamp(max=self.options.sinks)
+        moved = grouped(step.to_cache.rotate_heads_first(q), self.spec.num_kv_heads)
+        return [
+            Segment(moved, keys, values, step.rows, step.origin, sinks),
+            Segment(queries, keys, values, step.rows, sinks, step.filled),
+        ]
+
+    def _stored(self, parts: list[torch.Tensor]) -> Stored:
+        if self.codes is None:
+            return Stored(parts[0])
+        return Stored(parts[0], "token_codes", self.codes.bits, self.codes.group, *parts[1:])
 
     def context(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store the step's k/v (B, H_kv, T, D) for ``layer`` and return the keys and values
-        (B, H_kv, L, D) the step's queries see under :meth:`visible` (for strategies that
-        attend over a window together with other entries)."""
-        if self._write_first:  # decode: store, then read the slots alone
+        (B, H_kv, L, D) the step's queries see under :meth:`visible`: every ring slot after
+        the write (decode), or [ring before the write | new tokens as stored] (for
+        strategies that attend over a window together with other entries)."""
+        if self.step.decode:
             self._write(layer, k, v)
-            kept = self._kept(layer)  # (2, B, H_kv, S, D)
-            return kept[0], kept[1]
-        kept = self._kept(layer)
-        k_new, v_new = self._as_stored(k), self._as_stored(v)  # as decode would read them
-        keys, values = torch.cat([kept[0], k_new], dim=2), torch.cat([kept[1], v_new], dim=2)
+            return self._decoded(self.keys[layer]), self._decoded(self.values[layer])
+        keys = torch.cat([self._decoded(self.keys[layer]), self._as_stored(k)], dim=2)
+        values = torch.cat([self._decoded(self.values[layer]), self._as_stored(v)], dim=2)
         self._write(layer, k, v)  # after the read: cat copied what the slots held
         return keys, values
 
     def visible(self) -> torch.Tensor:
-        """(B, 1, T, L) boolean: which of :meth:`context`'s keys each query sees."""
-        if self._mask is not None:
-            return self._mask
-        steps = self.step.positions.shape[1]
-        total = self._read if self._write_first else self._read + steps
-        ones = torch.ones(steps, total, dtype=torch.bool, device=self.spec.device)
-        return ones.tril(total - steps)[None, None]
+        """(B, 1, T, L) boolean over :meth:`context`'s keys."""
+        step = self.step
+        if step.decode:  # every filled slot (the trash slot never is)
+            slots = torch.arange(self.slots + 1, device=step.start.device)
+            return (slots[None] < step.filled[:, None])[:, None, None]
+        if step.mask is not None:
+            return step.mask
+        ring = torch.full((self.slots + 1,), -1, device=step.start.device)  # nothing held yet
+        return visible(
+            step.positions, torch.cat([ring.expand(len(self.lengths), -1), step.positions], 1)
+        )
 
-    def _attention(self, q, keys, values, is_sink: torch.Tensor | None) -> torch.Tensor:
-        if is_sink is None:
-            return sdpa(
-                q, keys, values, mask=self._mask, causal=self._mask is None and q.shape[2] > 1
-            )
+    def _attention(self, q, keys, values, mask) -> torch.Tensor:
+        if mask is None:  # first prefill, nothing cut: the new tokens alone, causally
+            steps = q.shape[2]
+            return sdpa(q, keys[:, :, -steps:], values[:, :, -steps:], causal=True)
+        if self.step.to_cache is None:
+            return sdpa(q, keys, values, mask=mask)
         # [q at cache positions | q] . [k if sink else 0 | 0 if sink else k]
-        mask = self._mask if self._mask is not None else self._causal_mask(q, keys)
-        sink = is_sink[:, None, :, None]  # (B, 1, L, 1)
+        held = torch.cat([self.slot_pos, self.step.positions], dim=1)  # (B, L)
+        sink = ((held >= 0) & (held < self.options.sinks))[:, None, :, None]  # (B, 1, L, 1)
         keys_pair = torch.cat([keys * sink, keys * ~sink], dim=-1)  # (B, H_kv, L, 2D)
-        q_pair = torch.cat([self._cache_rope.rotate_heads_first(q), q], dim=-1)  # (B, H, T, 2D)
+        q_pair = torch.cat([self.step.to_cache.rotate_heads_first(q), q], dim=-1)
         return sdpa(q_pair, keys_pair, values, mask=mask, scale=q.shape[-1] ** -0.5)
 
-    def _causal_mask(self, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        steps, total = q.shape[2], keys.shape[2]
-        return torch.ones(steps, total, dtype=torch.bool, device=q.device).tril(total - steps)
-
-    def _sink_keys(self, kept: int, new: int) -> torch.Tensor | None:
-        """(B, kept + new): which keys are sinks; None when positions are original or no
-        query can be past the window (then cache and original positions coincide)."""
-        if self.options.positions == "original" or self._cache_rope is None:
-            return None
-        slots = torch.arange(kept, device=self.spec.device) < self.options.sinks  # (kept,)
-        new_is_sink = self.step.positions[:, :new] < self.options.sinks  # (B, new)
-        return torch.cat([slots.expand(new_is_sink.shape[0], -1), new_is_sink], dim=1)
+    def _decoded(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """A layer's ring as (B, H_kv, slots + 1, D) in the model dtype."""
+        if self.codes is None:
+            return parts[0]
+        return self.codes.decode(*parts, dtype=self.spec.dtype)
 
     def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
         """x after a round trip through storage (itself when storage is exact)."""
-        return self.codec.decode(self.codec.encode(x))
-
-    def _kept(self, layer: int) -> torch.Tensor:
-        """What the slots hold for ``layer``, decoded: (2, B, H_kv, S, D)."""
-        return self.codec.decode([c[layer, :, :, :, : self._read] for c in self.kv])
+        if self.codes is None:
+            return x
+        return self.codes.decode(*self.codes.encode(x), dtype=x.dtype)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        encoded = list(zip(self.codec.encode(k), self.codec.encode(v), strict=True))
-        for row, (picks, slots) in enumerate(self._writes):
-            if not picks:
-                continue
-            for component, (k_part, v_part) in zip(self.kv, encoded, strict=True):
-                component[layer, 0, row, :, slots] = k_part[row, :, picks]
-                component[layer, 1, row, :, slots] = v_part[row, :, picks]
+        for parts, new in ((self.keys[layer], k), (self.values[layer], v)):
+            encoded = [new] if self.codes is None else self.codes.encode(new)
+            for store, value in zip(parts, encoded, strict=True):
+                write_rows(store, self.step.slots, value)
 
     def end(self) -> None:
-        for row, ((picks, slots), start) in enumerate(zip(self._writes, self.lengths, strict=True)):
-            if picks:
-                self.slot_pos[row, slots] = torch.tensor(
-                    [start + i for i in picks], device=self.slot_pos.device
-                )
+        self.slot_pos.scatter_(1, self.step.slots, self.step.positions)
+        self.slot_pos[:, self.slots] = -1  # the trash slot holds nothing
         super().end()
 
+    # ---- accounting ----------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:
-        return [] if not self.lengths else [*self.kv, self.slot_pos]
+        if not self.lengths:
+            return []
+        return [*(t for layer in self.keys + self.values for t in layer), self.slot_pos]
 
     def used_bytes(self) -> int:
         if not self.lengths:
             return 0
-        kv_bytes = sum(c.numel() * c.element_size() for c in self.kv)
-        per_slot = kv_bytes // (len(self.lengths) * self.slots)
-        filled = int((self.slot_pos >= 0).sum())
+        ring = sum(t.numel() * t.element_size() for layer in self.keys + self.values for t in layer)
+        per_slot = ring // (len(self.lengths) * (self.slots + 1))
+        filled = sum(min(n, self.slots) for n in self.lengths)
         return per_slot * filled + self.slot_pos.numel() * self.slot_pos.element_size()

@@ -37,12 +37,16 @@ class GenerationConfig:
 
 @dataclass
 class GenerationStats:
-    """Timings (seconds) and KV memory of one generation, filled in while it runs."""
+    """Timings (seconds) and KV memory of one generation, filled in while it runs. The
+    first prefill round is the TTFT; prefill rounds after a preemption (recomputing the
+    evicted sequences) are prefill work too, counted in ``reprefill_s``, never as decode
+    steps."""
 
     prompt_tokens: int = 0
     ttft_s: float = 0.0
     step_s: list[float] = field(default_factory=list)  # one entry per decode step
     step_rows: list[int] = field(default_factory=list)  # sequences decoded in that step
+    reprefill_s: list[float] = field(default_factory=list)  # prefill rounds after the first
     kv_peak: MemoryReport = field(default_factory=lambda: MemoryReport(0, 0, 0))
     preemptions: int = 0  # sequences evicted by a full cache and recomputed later
 
@@ -98,12 +102,16 @@ class Generation:
             )
             start = now(device)
             try:
-                emitted = self._emit(engine.prefill(seqs, chunk))
+                logits = engine.prefill(seqs, chunk)
                 break
             except CacheFull as full:
                 self._preempt(waiting, full, free=False)
-        self._record(now(device) - start, len(seqs), first=not self._ttft_recorded)
-        self._ttft_recorded = True
+        self.stats.note_memory(engine.cache.memory())  # every row's prompt is stored now
+        emitted = self._emit(logits)
+        if self._ttft_recorded:
+            self.stats.reprefill_s.append(now(device) - start)
+        else:
+            self.stats.ttft_s, self._ttft_recorded = now(device) - start, True
         return emitted
 
     def _decode_step(self, waiting: list[int]) -> dict[int, int]:
@@ -115,7 +123,8 @@ class Generation:
                 break
             except CacheFull as full:
                 self._preempt(waiting, full, free=True)
-        self._record(now(device) - start, rows, first=False)
+        self.stats.step_s.append(now(device) - start)
+        self.stats.step_rows.append(rows)
         return emitted
 
     def _preempt(self, waiting: list[int], error: CacheFull, free: bool) -> None:
@@ -127,13 +136,6 @@ class Generation:
             self.engine.cache.free([len(self.active) - 1])
         waiting.insert(0, self.active.pop())
         self.stats.preemptions += 1
-
-    def _record(self, seconds: float, rows: int, first: bool) -> None:
-        if first:
-            self.stats.ttft_s = seconds
-        else:
-            self.stats.step_s.append(seconds)
-            self.stats.step_rows.append(rows)
 
     def _emit(self, logits: torch.Tensor) -> dict[int, int]:
         """Sample a token per active row, record it, and free rows that are done."""
@@ -157,12 +159,23 @@ class Generation:
 
 
 class Engine:
-    """Runs a :class:`Decoder` with one cache strategy instance."""
+    """Runs a :class:`Decoder` with one cache strategy instance. ``compile=True`` runs
+    every decode step under ``torch.compile`` (inductor on the CPU, CUDA graphs through
+    ``mode="reduce-overhead"`` on a GPU); the cache then keeps static shapes."""
 
-    def __init__(self, model: Decoder, cache: KVCache, eos_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        model: Decoder,
+        cache: KVCache,
+        eos_ids: Sequence[int] = (),
+        compile: bool = False,
+    ):
         self.model, self.cache = model, cache
         self.device = model.embed_tokens.weight.device
         self.eos_ids = frozenset(eos_ids or model.config.eos_token_ids)
+        self.compiled = compile
+        self._decode_layers = compiled_layers(model) if compile else None
+        cache.static = compile
 
     def stream(self, prompts: Sequence[Sequence[int]], cfg: GenerationConfig) -> Generation:
         """A generation to iterate over, step by step (tokens as they come)."""
@@ -185,24 +198,24 @@ class Engine:
         last = torch.empty(len(seqs), self.model.config.vocab_size, device=self.device)
         for begin in range(0, ids.shape[1], chunk):
             piece = ids[:, begin : begin + chunk]  # (B, C)
-            num_new = (lengths - begin).clamp(0, piece.shape[1])  # (B,)
+            num_new = [min(max(len(s) - begin, 0), piece.shape[1]) for s in seqs]
             positions = begin + torch.arange(piece.shape[1], device=self.device)
-            index = (num_new - 1).clamp(min=0)
-            logits = self.model(
-                piece, positions.expand_as(piece), self.cache, num_new.tolist(), index
-            )
+            index = (torch.tensor(num_new, device=self.device) - 1).clamp(min=0)
+            logits = self.model(piece, positions.expand_as(piece), self.cache, num_new, index)
             ends_here = (lengths > begin) & (lengths <= begin + piece.shape[1])
             last[ends_here] = logits[ends_here]
         return last
 
     @torch.inference_mode()
     def decode_step(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """One token per sequence; logits (B, V) for the next one."""
+        """One token per sequence; logits (B, V) for the next one. Its ids and positions go
+        to the device in one copy; the layers run compiled when the engine compiles."""
         if not self.cache.stores_past:
             return self._forward_whole(seqs)
-        ids = torch.tensor([[s[-1]] for s in seqs], device=self.device)  # (B, 1)
-        positions = torch.tensor([[len(s) - 1] for s in seqs], device=self.device)  # (B, 1)
-        return self.model(ids, positions, self.cache, None, torch.zeros_like(positions[:, 0]))
+        rows = torch.tensor([[s[-1], len(s) - 1] for s in seqs], device=self.device)  # (B, 2)
+        ids, positions = rows[:, :1], rows[:, 1:]  # (B, 1) each
+        logits = self.model(ids, positions, self.cache, layers=self._decode_layers)
+        return logits[:, 0]
 
     def _forward_whole(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
         """Recompute every token of every sequence (the no-cache baseline)."""
@@ -217,3 +230,10 @@ class Engine:
         width = max(map(len, seqs))
         rows = [list(s) + [0] * (width - len(s)) for s in seqs]
         return torch.tensor(rows, device=self.device)
+
+
+def compiled_layers(model: Decoder):
+    """``model.logits`` under ``torch.compile``: inductor on the CPU, and CUDA graphs
+    (``reduce-overhead``) on a GPU, where a decode step is launch-bound."""
+    mode = "reduce-overhead" if model.embed_tokens.weight.device.type == "cuda" else None
+    return torch.compile(model.logits, mode=mode, dynamic=False)

@@ -8,6 +8,7 @@ matmul each. Attention owns no cache: every layer hands q, k, v to the cache str
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -131,19 +132,34 @@ class Decoder(nn.Module):
         cache: KVCache,
         num_new: list[int] | None = None,
         logit_index: torch.Tensor | None = None,
+        layers: Callable | None = None,
     ) -> torch.Tensor:
         """ids, positions (B, T); ``num_new[b]`` real tokens in row b (default: all T).
 
         Returns logits (B, T, V), or (B, V) at ``logit_index[b]`` of each row when given,
         so prefill does not pay for the vocabulary projection of every prompt token.
+        The cache prepares the step's metadata once (``begin``) before ``layers`` run —
+        :meth:`logits`, or a compiled version of it (the engine's compiled decode step).
         """
         batch, steps = ids.shape
-        x = self.embed_tokens(ids)  # (B, T, hidden)
-        rope = RotaryTables(self.inv_freq, positions, x.dtype)
+        rope = RotaryTables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
         cache.begin(StepInfo(positions, num_new or [steps] * batch, rope, ids))
+        logits = (layers or self.logits)(ids, rope, cache, logit_index)
+        cache.end()
+        return logits
+
+    def logits(
+        self,
+        ids: torch.Tensor,
+        rope: RotaryTables,
+        cache: KVCache,
+        logit_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The layers of one step whose metadata the cache has prepared: no host state,
+        no Python loop over rows, so it compiles to one graph per shape."""
+        x = self.embed_tokens(ids)  # (B, T, hidden)
         for layer in self.layers:
             x = layer(x, rope, cache)
-        cache.end()
         if logit_index is not None:
-            x = x[torch.arange(batch, device=x.device), logit_index]  # (B, hidden)
+            x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, hidden)
         return self.lm_head(self.norm(x)).float()

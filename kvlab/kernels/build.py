@@ -1,0 +1,85 @@
+"""Build kvlab's C kernels once per machine and load them with ctypes.
+
+The source is compiled with the system C compiler for this CPU (``-march=native``: AVX2 on
+the AMD EPYCs here, AVX-512 on the Xeons) into ``$KVLAB_CACHE/kernels``, keyed by the
+source, the flags and the CPU's feature flags, so a cache shared between machines never
+loads code built for another CPU. OpenMP comes from the libgomp torch has already loaded.
+Without a compiler the kernels are unavailable and callers use their torch reference path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("decode_attention.c")
+# fast-math: vectorized expf from glibc's libmvec, reassociated reductions (the kernels use
+# a finite sentinel, not -inf, for "no score seen")
+FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffast-math"]
+LIBS = ["-lmvec", "-lm"]
+
+
+def _cpu_identity() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return os.uname().machine
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith(("flags", "Features")):
+            return line
+    return os.uname().machine
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _library_path(compiler: str) -> Path:
+    from kvlab.models.loading import cache_dir
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), compiler.encode()):
+        key.update(part)
+    key.update(_cpu_identity().encode())
+    return cache_dir() / "kernels" / f"decode_attention-{key.hexdigest()[:16]}.so"
+
+
+def _compile(compiler: str, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        partial = Path(tmp) / out.name
+        command = [compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBS]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
+        partial.replace(out)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built on first use; None (with one warning) where it
+    cannot be built or loaded, or when ``KVLAB_KERNELS=0``."""
+    if os.environ.get("KVLAB_KERNELS", "1") == "0":
+        return None
+    import torch  # noqa: F401  (its libgomp must be loaded first, so the kernels share it)
+
+    compiler = _compiler()
+    if compiler is None:
+        warnings.warn(
+            "kvlab: no C compiler found; CPU decode attention uses torch ops", stacklevel=2
+        )
+        return None
+    path = _library_path(compiler)
+    try:
+        if not path.exists():
+            _compile(compiler, path)
+        return ctypes.CDLL(str(path))
+    except (OSError, RuntimeError) as exc:
+        warnings.warn(f"kvlab: C kernels unavailable ({exc}); using torch ops", stacklevel=2)
+        return None

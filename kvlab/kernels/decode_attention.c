@@ -1,0 +1,290 @@
+/* kvlab's CPU decode attention: one query token per sequence over K/V as the cache stores
+ * them (fp32, bf16, or packed integer codes with scales), read in place through a block
+ * table, in chunks whose partial softmax results are merged at the end (flash-decoding,
+ * Dao et al. 2023). Quantized rows are dequantized one token at a time into a buffer that
+ * stays in L1, as llama.cpp's CPU flash attention does: the history is never
+ * materialised. Everything is computed in fp32.
+ *
+ * Addressing. Logical token t of row b (lo[b] <= t < hi[b]) sits at slot u = t % ring
+ * (ring > 0) or u = t; its block is table[b * table_stride + u / block_size] and its slot
+ * in the block u % block_size. Element i of head h of that token is at
+ *   data + block * s_block + h * s_head + slot * s_slot + i.
+ * Codes are uint32 words, planar: word j holds the codes of channels j, j + W, j + 2W, ...
+ * at bit offsets 0, bits, 2 bits, ... (W = D * bits / 32), so unpacking reads contiguous
+ * words. Token codes have a scale and zero per `group` channels of each token; channel
+ * codes (KIVI keys) one per channel for each `group` consecutive slots of a block.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_D 256
+#define EMPTY (-1e30f) /* max of no scores (the build is -ffast-math: no infinities) */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_TOKEN_CODES = 2, FMT_CHANNEL_CODES = 3 };
+
+typedef struct {
+  int32_t format, bits, group, scale_bf16;
+  const void *data;
+  int64_t s_block, s_head, s_slot;
+  const void *scale, *zero;
+  int64_t z_block, z_head, z_row;
+} Store;
+
+typedef struct {
+  const float *q; /* (B, H, G, D) contiguous */
+  Store k, v;
+  const int64_t *table;
+  int64_t table_stride, block_size, ring;
+  const int64_t *lo, *hi; /* (B,) */
+  int32_t B, H, G, D, chunk, n_chunks, partial_offset, partial_total;
+  float scale;
+  float *m, *l, *o; /* (B, H, P, G), (B, H, P, G), (B, H, P, G, D) with P = partial_total */
+} Job;
+
+static inline float bf16_to_f32(uint16_t x) {
+  uint32_t bits = (uint32_t)x << 16;
+  float out;
+  memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+static inline float scalar_at(const void *base, int bf16, int64_t i) {
+  return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+#define TILE 32
+
+/* Decode `count` consecutive slots of head h in `block` (within one scale row for channel
+ * codes): rows[i] points at slot + i as D floats, either into fp32 storage or into `tile`. */
+static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int count, int D,
+                      float *restrict tile, const float **rows) {
+  const int64_t at = block * s->s_block + h * s->s_head + slot * s->s_slot;
+  if (s->format == FMT_F32) {
+    for (int i = 0; i < count; i++) rows[i] = (const float *)s->data + at + i * s->s_slot;
+    return;
+  }
+  for (int i = 0; i < count; i++) rows[i] = tile + i * D;
+  if (s->format == FMT_BF16) {
+    for (int i = 0; i < count; i++) {
+      const uint16_t *p = (const uint16_t *)s->data + at + i * s->s_slot;
+      float *out = tile + i * D;
+      for (int d = 0; d < D; d++) out[d] = bf16_to_f32(p[d]);
+    }
+    return;
+  }
+  const int bits = s->bits, W = D * bits / 32, planes = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1u;
+  if (s->format == FMT_CHANNEL_CODES) { /* one scale row for the whole run */
+    float sc[MAX_D], ze[MAX_D];
+    const int64_t z_at = block * s->z_block + h * s->z_head + (slot / s->group) * s->z_row;
+    for (int d = 0; d < D; d++) {
+      sc[d] = scalar_at(s->scale, s->scale_bf16, z_at + d);
+      ze[d] = scalar_at(s->zero, s->scale_bf16, z_at + d);
+    }
+    for (int i = 0; i < count; i++) {
+      const uint32_t *w = (const uint32_t *)s->data + at + i * s->s_slot;
+      for (int k = 0; k < planes; k++) {
+        const int shift = k * bits;
+        const float *a = sc + k * W, *z = ze + k * W;
+        float *out = tile + i * D + k * W;
+        for (int j = 0; j < W; j++) out[j] = (float)((w[j] >> shift) & mask) * a[j] + z[j];
+      }
+    }
+    return;
+  }
+  const int groups = D / s->group;
+  for (int i = 0; i < count; i++) {
+    const uint32_t *w = (const uint32_t *)s->data + at + i * s->s_slot;
+    const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
+    float sc[MAX_D], ze[MAX_D];
+    for (int g = 0; g < groups; g++) {
+      const float a = scalar_at(s->scale, s->scale_bf16, z_at + g);
+      const float z = scalar_at(s->zero, s->scale_bf16, z_at + g);
+      for (int d = 0; d < s->group; d++) sc[g * s->group + d] = a, ze[g * s->group + d] = z;
+    }
+    for (int k = 0; k < planes; k++) {
+      const int shift = k * bits;
+      const float *a = sc + k * W, *z = ze + k * W;
+      float *out = tile + i * D + k * W;
+      for (int j = 0; j < W; j++) out[j] = (float)((w[j] >> shift) & mask) * a[j] + z[j];
+    }
+  }
+}
+
+/* The next run of logical tokens t.. (< end) that share a block (and a key scale row):
+ * sets block and slot, returns its length (<= TILE). */
+static int next_run(const Job *job, int b, int64_t t, int64_t end, int64_t *block,
+                    int64_t *slot) {
+  const int64_t u = job->ring > 0 ? t % job->ring : t;
+  const int64_t bs = job->block_size;
+  *block = job->table[b * job->table_stride + u / bs];
+  *slot = u % bs;
+  int64_t run = end - t;
+  if (run > bs - *slot) run = bs - *slot;
+  if (job->ring > 0 && run > job->ring - u) run = job->ring - u;
+  const Store *stores[2] = {&job->k, &job->v};
+  for (int i = 0; i < 2; i++) {
+    if (stores[i]->format != FMT_CHANNEL_CODES) continue;
+    const int64_t group = stores[i]->group;
+    if (run > group - *slot % group) run = group - *slot % group;
+  }
+  return (int)(run < TILE ? run : TILE);
+}
+
+/* scores[g][i] = scale * q_g . rows[i] for a run of n rows. */
+static void key_scores(const float *q, const float **rows, int n, int G, int D, float scale,
+                       float *scores, int stride) {
+  int i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (; i + 8 <= n; i += 8) { /* 8 tokens at once: independent FMA chains, one reduction */
+      for (int g = 0; g < G; g++) {
+        __m256 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + g * D + d);
+          for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[i + r] + d), a[r]);
+        }
+        const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+        const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+        const __m256 s03 = _mm256_hadd_ps(s01, s23), s47 = _mm256_hadd_ps(s45, s67);
+        const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(s03, s47, 0x20),
+                                          _mm256_permute2f128_ps(s03, s47, 0x31));
+        _mm256_storeu_ps(scores + g * stride + i, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+      }
+    }
+  }
+#endif
+  for (; i < n; i++)
+    for (int g = 0; g < G; g++) {
+      float acc = 0.f;
+      for (int d = 0; d < D; d++) acc += q[g * D + d] * rows[i][d];
+      scores[g * stride + i] = acc * scale;
+    }
+}
+
+/* out[g] += sum_i weights[g][i] * rows[i] for a run of n rows. */
+static void add_values(const float *weights, int stride, const float **rows, int n, int G,
+                       int D, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0 && G <= 8) {
+    for (int d = 0; d < D; d += 8) {
+      __m256 acc[8];
+      for (int g = 0; g < G; g++) acc[g] = _mm256_loadu_ps(out + g * D + d);
+      for (int i = 0; i < n; i++) {
+        const __m256 v = _mm256_loadu_ps(rows[i] + d);
+        for (int g = 0; g < G; g++)
+          acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g * stride + i]), v, acc[g]);
+      }
+      for (int g = 0; g < G; g++) _mm256_storeu_ps(out + g * D + d, acc[g]);
+    }
+    return;
+  }
+#endif
+  for (int i = 0; i < n; i++)
+    for (int g = 0; g < G; g++) {
+      const float w = weights[g * stride + i];
+      for (int d = 0; d < D; d++) out[g * D + d] += w * rows[i][d];
+    }
+}
+
+/* One chunk of one (row, KV head): partial max, sum of exponentials and weighted values of
+ * the G query heads of the group. */
+static void attend_chunk(const Job *job, int b, int h, int c) {
+  const int G = job->G, D = job->D;
+  const int64_t P = job->partial_total, p = job->partial_offset + c;
+  float *m = job->m + ((int64_t)(b * job->H + h) * P + p) * G;
+  float *l = job->l + ((int64_t)(b * job->H + h) * P + p) * G;
+  float *o = job->o + (((int64_t)(b * job->H + h) * P + p) * G) * D;
+  const int64_t t0 = job->lo[b] + (int64_t)c * job->chunk;
+  int64_t t1 = t0 + job->chunk;
+  if (t1 > job->hi[b]) t1 = job->hi[b];
+  for (int g = 0; g < G; g++) m[g] = EMPTY, l[g] = 0.f;
+  memset(o, 0, sizeof(float) * G * D);
+  if (t0 >= t1) return;
+  const int n = (int)(t1 - t0);
+  const float *q = job->q + (int64_t)(b * job->H + h) * G * D;
+  float scores[G * n];
+  float tile[TILE * D];
+  const float *rows[TILE];
+  int64_t block, slot;
+  for (int64_t t = t0; t < t1;) {
+    const int run = next_run(job, b, t, t1, &block, &slot);
+    load_rows(&job->k, block, h, slot, run, D, tile, rows);
+    key_scores(q, rows, run, G, D, job->scale, scores + (t - t0), n);
+    t += run;
+  }
+  for (int g = 0; g < G; g++) {
+    float top = EMPTY, sum = 0.f, *sg = scores + g * n;
+    for (int i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
+    for (int i = 0; i < n; i++) sum += (sg[i] = expf(sg[i] - top));
+    m[g] = top, l[g] = sum;
+  }
+  for (int64_t t = t0; t < t1;) {
+    const int run = next_run(job, b, t, t1, &block, &slot);
+    load_rows(&job->v, block, h, slot, run, D, tile, rows);
+    add_values(scores + (t - t0), n, rows, run, G, D, o);
+    t += run;
+  }
+}
+
+void kvlab_decode_partials(const Job *job) {
+  const int B = job->B, H = job->H, C = job->n_chunks;
+#pragma omp parallel for collapse(3) schedule(dynamic, 1)
+  for (int b = 0; b < B; b++)
+    for (int h = 0; h < H; h++)
+      for (int c = 0; c < C; c++) attend_chunk(job, b, h, c);
+}
+
+/* Merge P partials per (row, KV head, query head) into the attention output (B, H, G, D),
+ * fp32 or bf16 (out_bf16). Rows with nothing visible get zeros. */
+void kvlab_combine(const float *m, const float *l, const float *o, int64_t BH, int64_t P,
+                   int64_t G, int64_t D, void *out, int out_bf16) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < BH; r++) {
+    for (int64_t g = 0; g < G; g++) {
+      float top = EMPTY, den = 0.f, acc[MAX_D];
+      for (int64_t p = 0; p < P; p++) {
+        const float mp = m[(r * P + p) * G + g];
+        top = mp > top ? mp : top;
+      }
+      for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+      if (top > 0.5f * EMPTY) {
+        for (int64_t p = 0; p < P; p++) {
+          const float mp = m[(r * P + p) * G + g];
+          const float w = expf(mp - top);
+          den += w * l[(r * P + p) * G + g];
+          const float *op = o + ((r * P + p) * G + g) * D;
+          for (int64_t d = 0; d < D; d++) acc[d] += w * op[d];
+        }
+        for (int64_t d = 0; d < D; d++) acc[d] /= den;
+      }
+      const int64_t at = (r * G + g) * D;
+      if (out_bf16) {
+        uint16_t *dst = (uint16_t *)out + at;
+        for (int64_t d = 0; d < D; d++) {
+          uint32_t bits;
+          memcpy(&bits, &acc[d], sizeof(bits));
+          bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
+          dst[d] = (uint16_t)(bits >> 16);
+        }
+      } else {
+        memcpy((float *)out + at, acc, sizeof(float) * D);
+      }
+    }
+  }
+}
+
+/* Every job's partials (each job's m, l, o point at its slice of shared buffers with
+ * partial_total slots per (row, head)), then their merge into `out`. */
+void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16) {
+  for (int j = 0; j < n_jobs; j++) kvlab_decode_partials(&jobs[j]);
+  const Job *first = &jobs[0];
+  kvlab_combine(first->m, first->l, first->o, (int64_t)first->B * first->H,
+                first->partial_total, first->G, first->D, out, out_bf16);
+}
