@@ -119,12 +119,17 @@ def test_memory_report_counts_entries_buffer_and_window(tiny_llama):
     cache = build_cache("compressed", spec, options)
     run_logits(tiny_llama, cache, random_ids(tiny_llama, 128), 128)
     report = cache.memory()
-    assert report.held_bytes == sum(t.numel() * t.element_size() for t in cache.tensors())
     assert set(report.details) == {"window", "entries", "buffer", "queries"}
     assert sum(report.details.values()) == report.held_bytes
-    head = spec.num_kv_heads * spec.head_dim * 4  # fp32 bytes of one K or V row
-    assert report.details["entries"] == 2 * head * (128 // 4 + 128 // 16)
-    assert report.details["buffer"] == 2 * head * (8 + 16)
+    # by hand (one row, fp32): layer 0 is CSA (ratio 4, span 8), layer 1 HCA (ratio 16,
+    # span 16); every store has one trash slot that padding and non-closing rows write into
+    head = spec.num_kv_heads * spec.head_dim * 4  # bytes of one K or V row
+    assert report.details["entries"] == 2 * head * ((128 // 4 + 1) + (128 // 16 + 1))
+    assert report.details["buffer"] == 2 * head * ((8 + 1) + (16 + 1))
+    q_row = spec.num_heads * spec.head_dim * 4
+    assert report.details["queries"] == q_row * ((2 + 1) + (2 + 1))  # observe=2 queries
+    window_slots = 2 + 8 + 1  # sinks + window + trash, K and V per layer, int64 positions
+    assert report.details["window"] == 2 * 2 * head * window_slots + 8 * window_slots
     planned = type(cache).planned_bytes(spec, cache.options, 1, 128)
     assert sum(planned.values()) == report.held_bytes
     full = build_cache("full", spec)

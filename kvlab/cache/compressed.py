@@ -18,14 +18,17 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.cache import compressor
-from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, StepInfo, register
+from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, Step, StepInfo, register
 from kvlab.cache.compressor import calibration_defaults
+from kvlab.cache.full import write_rows
 from kvlab.cache.pooling import (
     GATES,
     LayerPooling,
     attend_entries,
-    compress_windows,
+    observed_positions,
+    pool_windows,
     visible_entries,
+    window_slots,
 )
 from kvlab.cache.sliding import SlidingOptions, SlidingWindowCache
 
@@ -121,17 +124,17 @@ class CompressedCache(KVCache):
     # ---- lifecycle -------------------------------------------------------------------
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)
-        s = self.spec
+        s, self.max_tokens = self.spec, max_tokens
         if self.window:
             self.window.allocate(batch_size, max_tokens)
         self.entries, self.raw, self.queries = {}, {}, {}
-        for layer, pool in self.pools.items():
-            head = (batch_size, s.num_kv_heads)
-            self.entries[layer] = self._zeros(2, *head, max_tokens // pool.ratio, s.head_dim)
-            self.raw[layer] = self._zeros(2, *head, min(pool.span, max_tokens), s.head_dim)
+        head = (batch_size, s.num_kv_heads)
+        for layer, pool in self.pools.items():  # every store + 1 trash slot
+            self.entries[layer] = self._zeros(2, *head, max_tokens // pool.ratio + 1, s.head_dim)
+            self.raw[layer] = self._zeros(2, *head, pool.span + 1, s.head_dim)
             if pool.gate == "attention":
-                observe = min(pool.observe, pool.ratio)
-                self.queries[layer] = self._zeros(batch_size, s.num_heads, observe, s.head_dim)
+                shape = (batch_size, s.num_heads, pool.observed + 1, s.head_dim)
+                self.queries[layer] = self._zeros(*shape)
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.spec.dtype, device=self.spec.device)
@@ -148,21 +151,58 @@ class CompressedCache(KVCache):
             self.queries[layer] = tensor.index_select(0, index)
 
     # ---- one step --------------------------------------------------------------------
-    def begin(self, info: StepInfo) -> None:
-        super().begin(info)
+    def plan(self, info: StepInfo) -> CompressedStep:
+        start, end = self._row_bounds(info)
         if self.window:
             self.window.begin(info)
-            self._window_visible = self.window.visible()
-        self._visible = {
-            ratio: visible_entries(
-                info.positions, self._entries_read(ratio), ratio, self.options.entries_behind()
-            )
-            for ratio in {pool.ratio for pool in self.pools.values()}
-        }
+        window = self.window.visible() if self.window else self._no_window(info)
+        plans = {}
+        for pool in self.pools.values():
+            key = (pool.ratio, pool.overlap, pool.observed)
+            if key not in plans:
+                plans[key] = self._pooling_plan(info, start, end, pool)
+        return CompressedStep(info, start, end, window, plans)
 
-    def _entries_read(self, ratio: int) -> int:
-        assert self.step is not None
-        pairs = zip(self.lengths, self.step.info.num_new, strict=True)
+    def _no_window(self, info: StepInfo) -> torch.Tensor:
+        batch, steps = info.positions.shape
+        return torch.zeros(batch, 1, steps, 0, dtype=torch.bool, device=info.positions.device)
+
+    def _pooling_plan(self, info: StepInfo, start, end, pool: LayerPooling) -> PoolingPlan:
+        """Which windows each row closes in this step (M per row, the rest into the trash
+        entry), where their tokens come from, and where the step's tokens are buffered."""
+        steps, device = info.steps, start.device
+        count = -(-steps // pool.ratio)  # windows a row can close: ceil(T / ratio)
+        first = start // pool.ratio
+        windows = first[:, None] + torch.arange(count, device=device)  # (B, M)
+        closes = windows < (end // pool.ratio)[:, None]
+        slots = window_slots(windows, pool)  # (B, M, span)
+        positions = start[:, None] + torch.arange(steps, device=device)  # (B, T)
+        real = positions < end[:, None]
+        plan = PoolingPlan(
+            windows=windows,
+            closes=closes,
+            slots=slots,
+            sources=_Sources(slots, start, pool.span, steps),
+            buffer_slots=torch.where(
+                real & (positions >= end[:, None] - pool.span), positions % pool.span, pool.span
+            ),  # fmt: skip
+        )
+        if pool.gate == "attention":
+            seen = observed_positions(slots, pool)  # (B, M, O)
+            plan.query_sources = _Sources(seen, start, pool.observed, steps)
+            keep = real & (positions >= end[:, None] - pool.observed)
+            plan.query_slots = torch.where(keep, positions % pool.observed, pool.observed)
+        read = self._entries_read(info, pool.ratio)
+        behind = self.options.entries_behind()
+        plan.visible = visible_entries(info.positions, read, pool.ratio, behind)
+        return plan
+
+    def _entries_read(self, info: StepInfo, ratio: int) -> int:
+        """Entries a step attends over: every stored one (static shapes), or those of the
+        longest row."""
+        if self.static:
+            return self.max_tokens // ratio + 1  # the trash entry is never visible
+        pairs = zip(self.lengths, info.num_new, strict=True)
         return max((n + k) // ratio for n, k in pairs)
 
     def attend(self, layer, q, k, v, k_raw):
@@ -170,12 +210,13 @@ class CompressedCache(KVCache):
         if pool is None:
             return self.window.attend(layer, q, k, v, k_raw)
         window = self._window_part(layer, k, v)
-        self._emit(layer, pool, q, k_raw, v)
-        count = self._visible[pool.ratio].shape[-1]
+        plan = self.step.plans[(pool.ratio, pool.overlap, pool.observed)]
+        self._pool(layer, pool, plan, q, k_raw, v)
+        count = plan.visible.shape[-1]
         stored = self.entries[layer][:, :, :, :count]  # (2, B, H_kv, N, D)
         return attend_entries(
             q,
-            (stored[0], stored[1], self._visible[pool.ratio]),
+            (stored[0], stored[1], plan.visible),
             window,
             pool.top_k,
             math.log(pool.ratio) if self.options.proportional else 0.0,
@@ -185,55 +226,28 @@ class CompressedCache(KVCache):
         """Keys, values (B, H_kv, L, D) and mask (B, 1, T, L) of the exact window (L = 0
         without one)."""
         if self.window:
-            return (*self.window.context(layer, k, v), self._window_visible)
-        batch, _, steps, _ = k.shape
-        none = torch.zeros(batch, 1, steps, 0, dtype=torch.bool, device=k.device)
-        return k[:, :, :0], v[:, :, :0], none
+            return (*self.window.context(layer, k, v), self.step.window)
+        return k[:, :, :0], v[:, :, :0], self.step.window
 
-    def _emit(self, layer: int, pool: LayerPooling, q, k_raw, v) -> None:
-        """Pool the windows this step closes into entries, then buffer the step's tokens."""
-        assert self.step is not None
-        for row, (n0, n) in enumerate(zip(self.lengths, self.step.info.num_new, strict=True)):
-            first, last = n0 // pool.ratio, (n0 + n) // pool.ratio
-            new = (k_raw[row, :, :n], v[row, :, :n], q[row, :, :n])  # (H_kv | H, n, D)
-            if last > first:
-                self._pool_row(layer, pool, row, n0, first, last - first, new)
-            self._buffer(layer, row, n0, *new)
-
-    def _pool_row(self, layer, pool, row, n0: int, first: int, count: int, new) -> None:
-        start = max(0, first * pool.ratio - (pool.ratio if pool.overlap else 0))
-        k_raw, v = self._with_buffered(self.raw[layer][:, row], start, n0, new[:2])
+    def _pool(self, layer: int, pool: LayerPooling, plan: PoolingPlan, q, k_raw, v) -> None:
+        """Pool the windows this step closes (every row at once; rows that close fewer
+        write into the trash entry), then buffer the step's raw keys, values (and queries)."""
+        raw = self.raw[layer]
+        keys, values = plan.sources.take(raw[0], k_raw), plan.sources.take(raw[1], v)
         queries = None
         if pool.gate == "attention":
-            q_start = max(0, n0 - self.queries[layer].shape[2])
-            q_seq = self._ring_read(self.queries[layer][row], q_start, n0)
-            queries = (torch.cat([q_seq, new[2]], dim=1), q_start)
-        keys, values = compress_windows(
-            k_raw, v, start, first, count, pool, self.step.info.rope.inv_freq, queries
+            queries = plan.query_sources.take(self.queries[layer], q)
+        pooled_keys, pooled_values = pool_windows(
+            keys, values, plan.slots, pool, self.step.info.rope.inv_freq, queries
         )
-        self.entries[layer][0, row, :, first : first + count] = keys
-        self.entries[layer][1, row, :, first : first + count] = values
-
-    def _with_buffered(self, ring, start: int, n0: int, new) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw keys and values (H_kv, S, D) of positions start..: buffered ones, then new."""
-        keys = torch.cat([self._ring_read(ring[0], start, n0), new[0]], dim=1)
-        values = torch.cat([self._ring_read(ring[1], start, n0), new[1]], dim=1)
-        return keys, values
-
-    @staticmethod
-    def _ring_read(ring: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        """Positions start..stop-1 of a ring (H, slots, D) holding position p at p % slots."""
-        slots = torch.arange(start, stop, device=ring.device) % ring.shape[1]
-        return ring[:, slots]
-
-    def _buffer(self, layer: int, row: int, n0: int, k_raw, v, q) -> None:
-        rings = [(self.raw[layer][0, row], k_raw), (self.raw[layer][1, row], v)]
-        if layer in self.queries:
-            rings.append((self.queries[layer][row], q))
-        for ring, new in rings:
-            keep = min(new.shape[1], ring.shape[1])
-            positions = torch.arange(n0 + new.shape[1] - keep, n0 + new.shape[1])
-            ring[:, positions.to(ring.device) % ring.shape[1]] = new[:, new.shape[1] - keep :]
+        trash = self.entries[layer].shape[3] - 1
+        index = torch.where(plan.closes, plan.windows, trash)  # (B, M)
+        write_rows(self.entries[layer][0], index, pooled_keys)
+        write_rows(self.entries[layer][1], index, pooled_values)
+        write_rows(raw[0], plan.buffer_slots, k_raw)
+        write_rows(raw[1], plan.buffer_slots, v)
+        if pool.gate == "attention":
+            write_rows(self.queries[layer], plan.query_slots, q)
 
     def end(self) -> None:
         if self.window:
@@ -255,8 +269,8 @@ class CompressedCache(KVCache):
         for layer, pool in self.pools.items():
             for store, filled in (
                 (self.entries, [n // pool.ratio for n in self.lengths]),
-                (self.raw, [min(n, self.raw[layer].shape[3]) for n in self.lengths]),
-                (self.queries, [min(n, pool.observe, pool.ratio) for n in self.lengths]),
+                (self.raw, [min(n, pool.span) for n in self.lengths]),
+                (self.queries, [min(n, pool.observed) for n in self.lengths]),
             ):
                 if layer in store:
                     used += _filled_bytes(store[layer], sum(filled), len(self.lengths))
@@ -282,3 +296,50 @@ def _filled_bytes(tensor: torch.Tensor, filled_slots: int, rows: int) -> int:
         return 0
     per_slot = tensor.numel() * tensor.element_size() // (rows * tensor.shape[slot_axis])
     return per_slot * filled_slots
+
+
+@dataclass
+class _Sources:
+    """Where the rows at ``positions`` (B, M, S) come from: a ring of ``ring`` slots
+    holding positions before the step (position p at p % ring), or the step's own new
+    tokens (position start + i)."""
+
+    positions: torch.Tensor
+    start: torch.Tensor
+    ring: int
+    steps: int
+
+    def take(self, ring: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """ring (B, H, ring + 1, D), new (B, H, T, D) -> (B, H, M, S, D)."""
+        batch, heads, _, dim = new.shape
+        flat = self.positions.flatten(1)  # (B, M*S)
+        shape = (batch, heads, flat.shape[1], dim)
+        old = ring.gather(2, (flat.clamp(min=0) % self.ring)[:, None, :, None].expand(shape))
+        offset = (flat - self.start[:, None]).clamp(0, self.steps - 1)
+        fresh = new.gather(2, offset[:, None, :, None].expand(shape))
+        brought = (flat >= self.start[:, None])[:, None, :, None]
+        return torch.where(brought, fresh, old).view(batch, heads, *self.positions.shape[1:], dim)
+
+
+@dataclass
+class PoolingPlan:
+    """One pooling geometry's step metadata: the M candidate ``windows`` (B, M) of each row,
+    which ``closes`` in this step, their ``slots`` (B, M, span) and where those come from;
+    where the new tokens (and queries) are buffered; the entries each query sees."""
+
+    windows: torch.Tensor
+    closes: torch.Tensor
+    slots: torch.Tensor
+    sources: _Sources
+    buffer_slots: torch.Tensor
+    query_sources: _Sources | None = None
+    query_slots: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
+
+
+@dataclass
+class CompressedStep(Step):
+    """The window's mask (B, 1, T, L) and a :class:`PoolingPlan` per pooling geometry."""
+
+    window: torch.Tensor = None
+    plans: dict = field(default_factory=dict)

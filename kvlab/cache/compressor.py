@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from kvlab.cache.base import CacheSpec
 from kvlab.cache.full import FullCache
-from kvlab.cache.pooling import LayerPooling, attend_entries, compress_windows, visible_entries
+from kvlab.cache.pooling import LayerPooling, attend_entries, bulk_windows, visible_entries
 
 if TYPE_CHECKING:
     from kvlab.cache.compressed import CompressedOptions
@@ -254,10 +254,10 @@ def _error(pool, sample, target, inv_freq, options: CompressedOptions) -> torch.
     q, k, v, k_raw = sample
     steps = q.shape[2]
     count = steps // pool.ratio
-    keys, values = compress_windows(k_raw[0], v[0], 0, 0, count, pool, inv_freq, (q[0], 0))
+    keys, values = bulk_windows(k_raw, v, q, count, pool, inv_freq)  # (1, H_kv, N, D)
     positions = torch.arange(steps)[None]
     visible = visible_entries(positions, count, pool.ratio, options.entries_behind())
-    entries = (keys[None], values[None], visible)
+    entries = (keys, values, visible)
     causal = torch.ones(steps, steps, dtype=torch.bool).tril()
     sinks = torch.arange(steps) < options.sinks
     band = (causal.triu(-(options.window - 1)) | (causal & sinks))[None, None]  # (1, 1, T, T)
