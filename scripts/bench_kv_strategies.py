@@ -1,20 +1,25 @@
-"""Every KV strategy on the default model: KV bytes, TTFT, ITL (ratios to ``full``) and
-greedy-token agreement with ``full``; Hugging Face's QuantizedCache (quanto) as a peer; and
-the paged cache's waste and prefix sharing on a batch of 16. Not a test: timings are noisy.
+"""Every KV strategy on the default model, side by side in one process: KV bytes, TTFT, ITL
+(ratios to ``full``), greedy-token agreement with ``full``, and how close decode comes to
+the memory-bandwidth roof; Hugging Face's DynamicCache and QuantizedCache (quanto int4) as
+peers; ``paged`` vs ``full`` decode throughput on a batch of 16 mixed lengths. Strategies
+run in interleaved rounds (every strategy once per round, medians over rounds) so a slow
+moment of the machine hits them all alike. Not a test: timings are noisy, read ratios.
 
     pip install -e '.[bench]'   # optimum-quanto, for the HF QuantizedCache peer
-    python scripts/bench_kv_strategies.py --prompt-len 4096 --new-tokens 128
+    python scripts/bench_kv_strategies.py --prompt-len 4096 --new-tokens 64 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 
 import torch
 
 import kvlab
 from kvlab.analysis.hf_baseline import tensor_bytes, timed_generate
+from kvlab.analysis.roofline import decode_roof
 from kvlab.cache import build_cache
 from kvlab.data import wikitext2_test_text
 from kvlab.engine import Engine, GenerationConfig
@@ -30,7 +35,6 @@ STRATEGIES = [
     ("int4", {"key_axis": "token"}),
     ("sliding", {"window": 1024}),
     ("sliding", {"window": 1024, "kv_bits": 4}),
-    ("gqa_shared", {"factor": 1}),
     ("gqa_shared", {"factor": 3}),
     ("paged", {}),
     ("paged", {"kv_bits": 4}),
@@ -45,27 +49,37 @@ def agreement(tokens: list[int], reference: list[int], count: int) -> tuple[int,
     return sum(a == b for a, b in pairs), first
 
 
+def label(name: str, options: dict) -> str:
+    return name + "".join(f" {k}={v}" for k, v in options.items())
+
+
 def kvlab_rows(model, prompt, args) -> list[dict]:
-    rows, reference = [], None
     chosen = [(n, o) for n, o in STRATEGIES if n == "full" or not args.only or n in args.only]
-    for name, options in chosen:
-        engine = Engine(model, build_cache(name, model.cache_spec(), options))
-        engine.generate([prompt[:64]], GenerationConfig(4, stop_on_eos=False))  # warm-up
-        run = engine.generate([prompt], GenerationConfig(args.new_tokens, stop_on_eos=False))
-        reference = reference or run.tokens[0]
-        equal, first = agreement(run.tokens[0], reference, args.agree_tokens)
-        rows.append(
-            dict(
-                strategy=name,
-                options=options,
-                kv_bytes=run.stats.kv_peak.held_bytes,
-                ttft_ms=run.stats.ttft_s * 1e3,
-                itl_ms_p50=percentile(run.stats.step_s, 50) * 1e3,
-                agree=equal,
-                first_diff=first,
-            )
-        )
-        print(rows[-1], flush=True)
+    cfg = GenerationConfig(args.new_tokens, stop_on_eos=False, prefill_chunk=args.chunk)
+    engines = {}
+    for name, options in chosen:  # warm-up, and compilation when asked
+        engine = Engine(model, build_cache(name, model.cache_spec(), options), compile=args.compile)
+        engine.generate([prompt[:600]], GenerationConfig(4, stop_on_eos=False, prefill_chunk=512))
+        engines[label(name, options)] = engine
+    runs: dict[str, list] = {key: [] for key in engines}
+    for round_ in range(args.rounds):
+        for key, engine in engines.items():
+            run = engine.generate([prompt], cfg)
+            runs[key].append(run)
+            itl = percentile(run.stats.step_s, 50) * 1e3
+            print(f"round {round_} {key:32s} ttft_ms={run.stats.ttft_s * 1e3:8.0f} "
+                  f"itl_ms_p50={itl:7.2f}", flush=True)  # fmt: skip
+    reference = runs["full"][0].tokens[0]
+    rows = []
+    for key, key_runs in runs.items():
+        equal, first = agreement(key_runs[0].tokens[0], reference, args.agree_tokens)
+        peak = key_runs[0].stats.kv_peak
+        rows.append(dict(
+            strategy=key, kv_bytes=peak.held_bytes, kv_used=peak.used_bytes,
+            ttft_ms=statistics.median(r.stats.ttft_s for r in key_runs) * 1e3,
+            itl_ms_p50=statistics.median(percentile(r.stats.step_s, 50) for r in key_runs) * 1e3,
+            agree=equal, first_diff=first,
+        ))  # fmt: skip
     return rows
 
 
@@ -79,41 +93,50 @@ def hf_rows(prompt, args) -> list[dict]:
             "the HF QuantizedCache peer needs optimum-quanto: "
             "pip install -e '.[bench]', or pass --skip-hf"
         )
-
     hf = AutoModelForCausalLM.from_pretrained(
         resolve_checkpoint("smollm2-135m"), dtype=torch.float32
     ).eval()
-    rows, reference = [], None
     quanto = dict(cache_implementation="quantized", cache_config={"backend": "quanto", "nbits": 4})
+    peers = {"hf DynamicCache": {}, "hf QuantizedCache quanto int4": quanto}
+    runs: dict[str, list] = {key: [] for key in peers}
     with torch.inference_mode():
-        for label, kwargs in (("hf DynamicCache", {}), ("hf QuantizedCache quanto int4", quanto)):
+        for kwargs in peers.values():
             timed_generate(hf, prompt[:64], 4, **kwargs)  # warm-up
-            ttft, itl, tokens, out = timed_generate(hf, prompt, args.new_tokens, **kwargs)
-            reference = reference or tokens
-            equal, first = agreement(tokens, reference, args.agree_tokens)
-            rows.append(
-                dict(
-                    strategy=label,
-                    options={},
-                    kv_bytes=tensor_bytes(out.past_key_values),
-                    ttft_ms=ttft * 1e3,
-                    itl_ms_p50=percentile(itl, 50) * 1e3,
-                    agree=equal,
-                    first_diff=first,
-                )
-            )
-            print(rows[-1], flush=True)
+        for _ in range(args.rounds):
+            for key, kwargs in peers.items():
+                runs[key].append(timed_generate(hf, prompt, args.new_tokens, **kwargs))
+                print(f"{key} itl_ms_p50={percentile(runs[key][-1][1], 50) * 1e3:.2f}", flush=True)
+    reference, rows = runs["hf DynamicCache"][0][2], []
+    for key, key_runs in runs.items():
+        equal, first = agreement(key_runs[0][2], reference, args.agree_tokens)
+        kv = tensor_bytes(key_runs[0][3].past_key_values)
+        rows.append(dict(
+            strategy=key, kv_bytes=kv, kv_used=kv,
+            ttft_ms=statistics.median(r[0] for r in key_runs) * 1e3,
+            itl_ms_p50=statistics.median(percentile(r[1], 50) for r in key_runs) * 1e3,
+            agree=equal, first_diff=first,
+        ))  # fmt: skip
     return rows
 
 
-def paged_batch(model, tokenizer, args) -> None:
-    """Waste of a batch of 16 mixed-length prompts; bytes saved by a shared prefix."""
+def batch_throughput(model, tokenizer, args) -> None:
+    """Decode tokens/s of ``paged`` and ``full`` on the same 16 prompts of mixed lengths,
+    and paged's waste and prefix sharing."""
     rng = random.Random(0)
     lengths = [rng.randint(args.batch_min, args.batch_max) for _ in range(16)]
     windows = text_windows(tokenizer, wikitext2_test_text(), max(*lengths, 1024 + 64), 16)
     prompts = [w[:n] for w, n in zip(windows, lengths, strict=True)]
-    cfg = GenerationConfig(args.batch_new_tokens, stop_on_eos=False)
-    for label, batch in (
+    cfg = GenerationConfig(args.batch_new_tokens, stop_on_eos=False, prefill_chunk=args.chunk)
+    engines = {n: Engine(model, build_cache(n, model.cache_spec())) for n in ("full", "paged")}
+    speeds: dict[str, list[float]] = {n: [] for n in engines}
+    for _ in range(args.rounds):
+        for name, engine in engines.items():
+            stats = engine.generate(prompts, cfg).stats
+            speeds[name].append(sum(stats.step_rows) / sum(stats.step_s))
+    for name, values in speeds.items():
+        print(f"batch of 16 ({min(lengths)}-{max(lengths)} tokens) {name}: "
+              f"decode_tok_s={statistics.median(values):.1f}", flush=True)  # fmt: skip
+    for label_, batch in (
         ("mixed lengths", prompts),
         ("shared 1024-token prefix", [windows[0][:1024] + w[:64] for w in windows]),
     ):
@@ -121,58 +144,60 @@ def paged_batch(model, tokenizer, args) -> None:
             cache = build_cache("paged", model.cache_spec(), {"prefix_sharing": sharing})
             report = Engine(model, cache).generate(batch, cfg).stats.kv_peak
             d = report.details
-            stored = report.used_bytes
             print(
-                f"paged {label:26s} sharing={sharing!s:5s} blocks_in_use={d['blocks_in_use']} "
-                f"in_use_bytes={d['in_use_bytes']} "
+                f"paged {label_:26s} sharing={sharing!s:5s} blocks_in_use={d['blocks_in_use']} "
                 f"waste={d['waste_bytes'] / d['in_use_bytes']:.2%} "
-                f"contiguous_bytes={d['contiguous_bytes']} "
-                f"contiguous_waste={1 - stored / d['contiguous_bytes']:.2%} "
+                f"contiguous_waste={1 - report.used_bytes / d['contiguous_bytes']:.2%} "
                 f"shared_saved_bytes={d['shared_saved_bytes']}",
                 flush=True,
             )
 
 
+def print_table(rows: list[dict], roof, args) -> None:
+    full = rows[0]
+    hf_full = next((r for r in rows if r["strategy"] == "hf DynamicCache"), None)
+    print(f"\nprompt_len={args.prompt_len} new_tokens={args.new_tokens} chunk={args.chunk} "
+          f"dtype=float32 threads={torch.get_num_threads()} compile={args.compile} "
+          f"rounds={args.rounds}; agreement over the first {args.agree_tokens} tokens")  # fmt: skip
+    print(f"{roof}\n")
+    print("| strategy | KV bytes | KV / full | TTFT ms | TTFT / full | ITL p50 ms | ITL / full "
+          "| roof ms | ITL / roof | tokens equal | first diff |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        base = hf_full if r["strategy"].startswith("hf") else full
+        floor = roof.itl_s(r["kv_used"]) * 1e3
+        print(
+            f"| {r['strategy']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base['kv_bytes']:.3f} | "
+            f"{r['ttft_ms']:.0f} | {r['ttft_ms'] / base['ttft_ms']:.2f} | "
+            f"{r['itl_ms_p50']:.2f} | {r['itl_ms_p50'] / base['itl_ms_p50']:.2f} | "
+            f"{floor:.2f} | {r['itl_ms_p50'] / floor:.2f} | {r['agree']}/{args.agree_tokens} | "
+            f"{r['first_diff']} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt-len", type=int, default=4096)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--agree-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk (0: one pass)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--agree-tokens", type=int, default=32)
+    ap.add_argument("--compile", action="store_true", help="compiled decode steps")
     ap.add_argument("--batch-min", type=int, default=128)
     ap.add_argument("--batch-max", type=int, default=1024)
     ap.add_argument("--batch-new-tokens", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument(
-        "--only",
-        type=lambda s: s.split(","),
-        default=[],
-        help="strategies to run besides full (the reference); also skips the rest",
-    )
+    ap.add_argument("--skip-batch", action="store_true")
+    ap.add_argument("--only", type=lambda s: s.split(","), default=[],
+                    help="strategies to run besides full (the reference)")  # fmt: skip
     args = ap.parse_args()
     model, tokenizer = kvlab.load_model("smollm2-135m")
     prompt = build_prompts(tokenizer, args.prompt_len, 1)[0]
     rows = kvlab_rows(model, prompt, args)
     rows += [] if args.skip_hf or args.only else hf_rows(prompt, args)
-    if not args.only or "paged" in args.only:
-        paged_batch(model, tokenizer, args)
-    full, hf_full = rows[0], next((r for r in rows if r["strategy"] == "hf DynamicCache"), None)
-    print(
-        f"\nprompt_len={args.prompt_len} new_tokens={args.new_tokens} dtype=float32 "
-        f"threads={torch.get_num_threads()}; agreement over the first {args.agree_tokens} tokens"
-    )
-    print(
-        "| strategy | options | KV bytes | KV / full | TTFT ms | ITL p50 ms | ITL / full "
-        "| tokens equal | first diff |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        base = hf_full if r["strategy"].startswith("hf") else full
-        print(
-            f"| {r['strategy']} | {r['options'] or ''} | {r['kv_bytes']:,} | "
-            f"{r['kv_bytes'] / base['kv_bytes']:.3f} | {r['ttft_ms']:.0f} | {r['itl_ms_p50']:.2f} "
-            f"| {r['itl_ms_p50'] / base['itl_ms_p50']:.2f} | {r['agree']}/{args.agree_tokens} "
-            f"| {r['first_diff']} |"
-        )
+    if not args.skip_batch and (not args.only or "paged" in args.only):
+        batch_throughput(model, tokenizer, args)
+    print_table(rows, decode_roof(model), args)
 
 
 if __name__ == "__main__":

@@ -124,3 +124,57 @@ def test_eval_lm_eval_runs_inside_a_kvlab_run(tmp_path):
     assert record["metrics"]["lambada_openai/items"] == 4
     assert 0 <= record["metrics"]["lambada_openai/acc"] <= 1
     assert (tmp_path / "lm_eval_results.json").exists()
+
+
+class _RecordingHook:
+    def __init__(self):
+        self.entries = []
+
+    def add_partial(self, kind, key, value):
+        self.entries.append((kind, key))
+
+
+def test_rolling_windows_are_not_cached_as_loglikelihood_entries(smollm2):
+    """lm-eval's ``--use_cache`` must see one ``loglikelihood_rolling`` entry per text, never
+    its windows as ``loglikelihood`` entries keyed (text, "") (the hf backend keys them None)."""
+    model, tokenizer = smollm2
+    lm = KvlabLM.from_loaded(
+        model, tokenizer, lambda: build_cache("full", model.cache_spec()), max_length=16
+    )
+    lm.cache_hook = _RecordingHook()
+    text = "The tower is 324 metres tall, about the same height as an 81-storey building."
+    (total,) = lm.loglikelihood_rolling([_Request(text)], disable_tqdm=True)
+    assert total < 0
+    assert lm.cache_hook.entries == [("loglikelihood_rolling", (text,))]
+
+
+def test_truncated_pairs_feed_at_most_max_length_positions(smollm2):
+    """The hf backend feeds (context + continuation)[-(max_length + 1):][:-1]: max_length
+    positions, never max_length + 1; and its log-likelihood equals one causal pass."""
+    model, tokenizer = smollm2
+    spec = model.cache_spec()
+    fed = []
+
+    class Recording(type(build_cache("full", spec))):
+        def begin(self, info):
+            fed.append(int(info.positions.max()) + 1)
+            super().begin(info)
+
+    lm = KvlabLM.from_loaded(model, tokenizer, lambda: Recording(spec), max_length=12)
+    context, continuation = list(range(100, 130)), [7, 8, 9, 10]
+    ((logprob, _),) = lm._loglikelihood_tokens([(("c", "x"), context, continuation)], True)
+    assert max(fed) == 12
+    window = (context + continuation)[-13:]  # what the hf backend scores
+    ((expected, _),) = continuation_logprobs(
+        model, build_cache("nocache", spec), [window[:-4]], [window[-4:]]
+    )
+    assert logprob == pytest.approx(expected, abs=1e-4)
+
+
+def test_generation_longer_than_max_length_is_refused(smollm2):
+    model, tokenizer = smollm2
+    lm = KvlabLM.from_loaded(
+        model, tokenizer, lambda: build_cache("full", model.cache_spec()), max_length=16
+    )
+    with pytest.raises(ValueError, match="max_gen_toks=16 must be less than max_length=16"):
+        lm.generate_until([_Request("Hello", {"until": ["\n"], "max_gen_toks": 16})])

@@ -110,3 +110,20 @@ def test_sequences_finishing_at_different_times_free_their_blocks(tiny_llama):
     assert run.stats.step_rows[0] == 2 and run.stats.step_rows[-1] == 1
     assert run.tokens[1] == engine.generate([other], GenerationConfig(6)).tokens[0]
     assert cache.pool.in_use == []
+
+
+def test_recomputation_after_preemption_is_prefill_time_not_decode(tiny_llama):
+    """A preempted sequence's re-prefill is counted as prefill work (never an ITL sample),
+    and the KV peak is taken after every prefill round too."""
+    from kvlab.engine.metrics import generation_metrics
+
+    prompts = [PREFIX, PREFIX[::-1]]
+    cache, engine = paged(tiny_llama, num_blocks=6, prefix_sharing=False)
+    run = engine.generate(prompts, CFG)
+    stats, metrics = run.stats, generation_metrics(run.stats)
+    assert stats.preemptions == 1 and len(stats.reprefill_s) == 1
+    assert metrics["reprefills"] == 1 and metrics["reprefill_ms"] > 0
+    # decode steps emitted every token but those the prefill rounds sampled: one per
+    # prompt in the first round, one for the recomputed sequence
+    assert sum(stats.step_rows) == sum(len(t) for t in run.tokens) - len(prompts) - 1
+    assert stats.kv_peak.tokens >= len(PREFIX) + len(PREFIX)  # both prompts were held at once

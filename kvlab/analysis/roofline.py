@@ -125,3 +125,39 @@ def roofline_rows(peaks: Peaks, dtype: str, prefill: PhaseCost, decode: PhaseCos
             "pct_peak_bandwidth": 100 * cost.bytes / seconds / peaks.bandwidth,
         })  # fmt: skip
     return rows
+
+
+@dataclass(frozen=True)
+class DecodeRoof:
+    """The least time a decode step can take on this machine: the bytes it must read
+    (every weight matrix once, plus the KV it attends) at the measured read bandwidth."""
+
+    weight_bytes_read: int
+    bandwidth: float
+    machine: str
+
+    def itl_s(self, kv_bytes_read: int) -> float:
+        return (self.weight_bytes_read + kv_bytes_read) / self.bandwidth
+
+    def __str__(self) -> str:
+        return (
+            f"decode roof: {self.weight_bytes_read / 1e6:.1f} MB of weights per step + the KV "
+            f"read, at {self.bandwidth / 1e9:.1f} GB/s (a streaming read of "
+            f"{cached_peaks().bandwidth_bytes >> 20} MiB on {self.machine})"
+        )
+
+
+def decode_roof(model: torch.nn.Module) -> DecodeRoof:
+    """Bytes a decode step reads from the model's own tensors: all it holds, except that
+    only one row of the embedding table is read (unless a plain tied head reads it all)."""
+    from kvlab.engine.metrics import weight_bytes
+
+    embedding = model.embed_tokens.weight
+    head_reads_embedding = getattr(model.lm_head, "weight", None) is embedding
+    held = weight_bytes(model)
+    row = embedding[0].numel() * embedding.element_size()
+    read = (
+        held if head_reads_embedding else held - embedding.numel() * embedding.element_size() + row
+    )
+    peaks = cached_peaks()
+    return DecodeRoof(read, peaks.bandwidth, peaks.machine)

@@ -32,6 +32,9 @@ def generation_metrics(stats: GenerationStats) -> dict[str, float | int]:
         "decode_tok_s": decoded / sum(stats.step_s) if stats.step_s else 0.0,
         "prompt_tokens": stats.prompt_tokens,
         "decode_steps": len(stats.step_s),
+        "preemptions": stats.preemptions,
+        "reprefill_ms": sum(stats.reprefill_s) * 1e3,  # recomputing preempted sequences
+        "reprefills": len(stats.reprefill_s),
         "kv_bytes": kv.held_bytes,
         "kv_bytes_used": kv.used_bytes,
         "kv_bytes_reserved": kv.reserved_bytes,

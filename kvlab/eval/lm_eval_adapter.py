@@ -101,20 +101,21 @@ class KvlabLM(TemplateLM):
                 )
                 for i, answer in zip(batch, scored, strict=True):
                     results[i] = answer
-                    if self.cache_hook is not None:
-                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
+                    key = requests[i][0]  # None: a rolling window, cached per whole text
+                    if self.cache_hook is not None and key is not None:
+                        self.cache_hook.add_partial("loglikelihood", key, answer)
                 bar.update(len(batch))
         return results
 
     def _truncated(self, context: list[int], continuation: list[int]) -> tuple[list, list]:
-        """Keep the last ``max_length`` input tokens, as the ``hf`` backend does."""
-        keep = self.max_length + 1 - len(continuation)
-        if keep < 1:
+        """The ``hf`` backend's window: the last ``max_length + 1`` tokens of context +
+        continuation, of which all but the last are fed (``max_length`` positions)."""
+        if len(continuation) > self.max_length:
             raise ValueError(
                 f"a continuation of {len(continuation)} tokens exceeds max_length="
-                f"{self.max_length}; allowed: continuations shorter than max_length"
+                f"{self.max_length}; allowed: continuations of at most max_length tokens"
             )
-        return context[-keep:], continuation
+        return context[-(self.max_length + 1 - len(continuation)) :], continuation
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """Whole-text log-likelihood over disjoint windows of ``max_length`` tokens."""
@@ -124,7 +125,7 @@ class KvlabLM(TemplateLM):
             windows = get_rolling_token_windows(
                 self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1
             )
-            pairs = [((text, ""), *make_disjoint_window(w)) for w in windows]
+            pairs = [(None, *make_disjoint_window(w)) for w in windows]  # not cached alone
             scored = self._loglikelihood_tokens(pairs, disable_tqdm=True)
             totals.append(sum(logprob for logprob, _ in scored))
             if self.cache_hook is not None:
@@ -153,6 +154,11 @@ def generate_text(lm: KvlabLM, context: str, gen_kwargs: dict[str, Any]) -> str:
     temperature = (
         float(gen_kwargs.pop("temperature", 0.0)) if gen_kwargs.pop("do_sample", False) else 0.0
     )
+    if max_new >= lm.max_length:  # the hf backend asserts the same
+        raise ValueError(
+            f"max_gen_toks={max_new} must be less than max_length={lm.max_length}: the "
+            "prompt needs at least one position"
+        )
     prompt = lm.tok_encode(context)[-(lm.max_length - max_new) :]
     config = GenerationConfig(max_new, SamplingConfig(temperature), stop_on_eos=True)
     run = Engine(lm.model, lm.new_cache()).stream([prompt], config)

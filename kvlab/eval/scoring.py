@@ -37,25 +37,30 @@ def continuation_logprobs(
 
 
 def _continuation_logits(model, cache, contexts, continuations, chunk) -> torch.Tensor:
-    """(B, max continuation, V): row b, step j holds the logits that predict its token j."""
+    """(B, max continuation, V): row b, step j holds the logits that predict its token j.
+    The last token of each continuation is never fed (nothing it predicts is scored), so a
+    pair of n tokens takes n - 1 positions, as the ``hf`` backend's window."""
     engine = Engine(model, cache)
+    fed = [list(x[:-1]) for x in continuations]  # the tokens that predict the next ones
+    width = max(map(len, continuations))
     if not cache.stores_past:  # nothing kept between calls: one pass over everything
-        seqs = [list(c) + list(x) for c, x in zip(contexts, continuations, strict=True)]
+        seqs = [list(c) + f for c, f in zip(contexts, fed, strict=True)]
         ids = engine.padded(seqs)  # (B, T)
         positions = torch.arange(ids.shape[1], device=engine.device).expand_as(ids)
         cache.allocate(len(seqs), ids.shape[1])
         logits = model(ids, positions, cache, [len(s) for s in seqs])  # (B, T, V)
-        width = max(map(len, continuations))
         return torch.stack([_shifted(logits[b], len(c), width) for b, c in enumerate(contexts)])
     chunk = chunk or max(map(len, contexts))
     padded_context = -(-max(map(len, contexts)) // chunk) * chunk  # rows write whole chunks
-    cache.allocate(len(contexts), padded_context + max(map(len, continuations)))
-    first = engine.prefill(contexts, chunk)  # (B, V)
-    ids = engine.padded(continuations)  # (B, Tc)
+    cache.allocate(len(contexts), padded_context + max(width - 1, 1))
+    first = engine.prefill(contexts, chunk)[:, None]  # (B, 1, V)
+    if width == 1:
+        return first
+    ids = engine.padded([f or [0] for f in fed])  # (B, width - 1)
     starts = torch.tensor([len(c) for c in contexts], device=engine.device)[:, None]
-    positions = starts + torch.arange(ids.shape[1], device=engine.device)  # (B, Tc)
-    rest = model(ids, positions, cache, [len(x) for x in continuations])  # (B, Tc, V)
-    return torch.cat((first[:, None], rest[:, :-1]), dim=1)
+    positions = starts + torch.arange(ids.shape[1], device=engine.device)  # (B, Tc - 1)
+    rest = model(ids, positions, cache, [len(f) for f in fed])  # (B, Tc - 1, V)
+    return torch.cat((first, rest), dim=1)
 
 
 def _shifted(logits: torch.Tensor, context_len: int, width: int) -> torch.Tensor:
