@@ -13,10 +13,11 @@ from torch import nn
 from kvlab import load_model
 from kvlab.cache import build_cache
 from kvlab.engine.metrics import weight_bytes
+from kvlab.kernels import kernel_available
 from kvlab.models.cpu_kernels import (
     PrepackedLinear,
+    cpu_vendor,
     onednn_bf16_reorder_works,
-    prepack_linears,
     prepack_supported,
 )
 
@@ -55,8 +56,32 @@ def test_prepacked_model_gives_identical_logits(tiny_checkpoints):
     assert weight_bytes(packed) == weight_bytes(plain) + head.numel() * head.element_size()
 
 
-def test_fp32_is_left_alone(tiny_llama):
-    assert prepack_linears(tiny_llama) == 0
+def test_fp32_gets_the_decode_kernel_off_intel_and_stays_plain_on_intel(tiny_checkpoints):
+    from kvlab.kernels.linear import DecodeLinear
+
+    model, _ = load_model(str(tiny_checkpoints["smollm"]))
+    kernels = {type(m) for m in model.modules() if isinstance(m, nn.Linear | DecodeLinear)}
+    if cpu_vendor() == "GenuineIntel" or not kernel_available():
+        assert kernels == {nn.Linear}
+    else:
+        assert kernels == {DecodeLinear}
+        assert model.lm_head.weight is model.embed_tokens.weight  # the tie survives
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+def test_decode_linear_equals_linear(dtype, rows):
+    """kvlab's matrix-vector kernel (decode rows) and F.linear (more rows) agree."""
+    from kvlab.kernels.linear import DecodeLinear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(200, 96, bias=True).to(dtype)
+    x = torch.randn(rows, 1, 200).to(dtype)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2  # bf16 output rounding
+    torch.testing.assert_close(
+        DecodeLinear(linear)(x).float(), linear(x).float(), atol=tolerance, rtol=tolerance
+    )
 
 
 def test_the_probe_agrees_with_the_cpu_flags():
@@ -77,7 +102,7 @@ def test_the_probe_agrees_with_the_cpu_flags():
 def test_bf16_model_runs_on_any_cpu(tiny_checkpoints):
     model, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16)
     expected = 4 * 2 + 1 if prepack_supported(torch.zeros(1, dtype=torch.bfloat16)) else 0
-    assert sum(isinstance(m, PrepackedLinear) for m in model.modules()) == expected
+    assert sum(isinstance(m, PrepackedLinear) for m in model.modules()) == expected  # Intel
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         logits = model(ids, torch.arange(5)[None], build_cache("nocache", model.cache_spec()))

@@ -53,10 +53,13 @@ def contiguous_step(cache: KVCache, info: StepInfo, capacity: int) -> Contiguous
 
 
 def write_rows(store: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
-    """Write new (B, H, T, E) at slots (B, T) of store (B, H, S, E), in place."""
-    batch, heads, steps, width = new.shape
-    index = slots[:, None, :, None].expand(batch, heads, steps, width)
-    store.scatter_(2, index, new)
+    """Write new (B, H, T, E) at slots (B, T) of store (B, H, S, E), in place. (An indexed
+    put: inductor writes it in place, where a compiled ``scatter_`` into a cache tensor
+    copies the whole tensor every step.)"""
+    batch, heads = new.shape[:2]
+    rows = torch.arange(batch, device=slots.device)[:, None, None]  # (B, 1, 1)
+    head = torch.arange(heads, device=slots.device)[None, :, None]  # (1, H, 1)
+    store.index_put_((rows, head, slots[:, None, :]), new)
 
 
 def decode_output(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,11 @@
 """Build kvlab's C kernels once per machine and load them with ctypes.
 
-The source is compiled with the system C compiler for this CPU (``-march=native``: AVX2 on
-the AMD EPYCs here, AVX-512 on the Xeons) into ``$KVLAB_CACHE/kernels``, keyed by the
-source, the flags and the CPU's feature flags, so a cache shared between machines never
-loads code built for another CPU. OpenMP comes from the libgomp torch has already loaded.
-Without a compiler the kernels are unavailable and callers use their torch reference path.
+The sources (every ``*.c`` here) are compiled with the system C compiler for this CPU
+(``-march=native``: AVX2 on the AMD EPYCs here, AVX-512 on the Xeons) into one library
+under ``$KVLAB_CACHE/kernels``, keyed by the sources, the flags and the CPU's feature flags,
+so a cache shared between machines never loads code built for another CPU. OpenMP comes
+from the libgomp torch has already loaded. Without a compiler the kernels are unavailable
+and callers use their torch reference path.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("decode_attention.c")
+SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 # fast-math: vectorized expf from glibc's libmvec, reassociated reductions (the kernels use
 # a finite sentinel, not -inf, for "no score seen")
 FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c11", "-ffast-math"]
@@ -44,17 +45,18 @@ def _library_path(compiler: str) -> Path:
     from kvlab.models.loading import cache_dir
 
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS + LIBS).encode(), compiler.encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(FLAGS + LIBS).encode()):
         key.update(part)
+    key.update(compiler.encode())
     key.update(_cpu_identity().encode())
-    return cache_dir() / "kernels" / f"decode_attention-{key.hexdigest()[:16]}.so"
+    return cache_dir() / "kernels" / f"kvlab-{key.hexdigest()[:16]}.so"
 
 
 def _compile(compiler: str, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
-        command = [compiler, *FLAGS, str(SOURCE), "-o", str(partial), *LIBS]
+        command = [compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial), *LIBS]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")

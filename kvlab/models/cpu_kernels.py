@@ -1,16 +1,16 @@
-"""oneDNN-prepacked linear layers on the CPU, where the CPU supports them and they pay off.
+"""Linear-layer kernels for the CPU, picked per layer from what the CPU supports and what
+was measured to pay off (decode, one row per sequence, is memory-bound: the kernel's
+weight-read bandwidth is its speed):
 
-- **bf16**: PyTorch's plain bf16 ``F.linear`` runs a matrix-vector product (decode, M=1) at
-  about half the bandwidth of fp32 on an AVX-512/AMX Xeon; the same weights reordered once
-  into oneDNN's blocked layout run it about 2.5x faster with bit-identical results (the
-  path inductor's CPU freezing takes). oneDNN's bf16 reorder needs AVX-512 (BW, VL, DQ) or
-  AVX-NE-CONVERT: on an AVX2-only CPU (AMD EPYC here) it raises, so the capability is
-  probed once by reordering a tiny weight, and the plain layout stays where it fails.
-- **fp32** on non-Intel CPUs: MKL's sgemv takes a generic path there (8.4 GB/s for the
-  default model's 30 layers of decode matmuls on the AMD EPYC here) where oneDNN's packed
-  kernel reads 11.8 GB/s (decode 1.4x faster, prefill at M=512 equal). Results equal MKL's
-  to rounding, not bitwise. On Intel, MKL's fp32 path is already at the bandwidth floor
-  (measured last round), so fp32 stays plain there.
+- **Intel (AVX-512/AMX), bf16**: oneDNN-prepacked weights. PyTorch's plain bf16
+  ``F.linear`` runs a matrix-vector product at about half the bandwidth of fp32 there;
+  the same weights reordered once into oneDNN's blocked layout run it about 2.5x faster
+  with bit-identical results (the path inductor's CPU freezing takes). oneDNN's bf16
+  reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, so it is probed once.
+- **Intel, fp32**: plain (MKL's sgemv was measured at the bandwidth floor there).
+- **other CPUs (the AVX2-only AMD EPYCs here), fp32 and bf16**: kvlab's matrix-vector
+  kernel for decode (:class:`~kvlab.kernels.linear.DecodeLinear`): MKL's sgemv reads
+  ~9 GB/s there, oneDNN ~10, kvlab's kernel ~15-17 (prefill keeps ``F.linear``).
 
 ``KVLAB_CPU_PREPACK=0`` keeps every layer plain.
 """
@@ -53,28 +53,26 @@ def cpu_vendor() -> str:
 
 
 def prepack_supported(weight: torch.Tensor) -> bool:
-    """True where the prepacked kernel applies and pays off: a bf16 weight on a CPU whose
-    oneDNN can reorder bf16, or an fp32 weight on a non-Intel x86 CPU (see the module)."""
-    if weight.device.type != "cpu" or os.environ.get("KVLAB_CPU_PREPACK", "1") == "0":
-        return False
-    if weight.dtype == torch.bfloat16:
-        return onednn_bf16_reorder_works()
-    if weight.dtype == torch.float32:
-        vendor = cpu_vendor()
-        return vendor not in ("", "GenuineIntel") and onednn_fp32_reorder_works()
-    return False
+    """True where oneDNN's prepacked kernel applies and pays off: a bf16 weight on an Intel
+    CPU whose oneDNN can reorder bf16 (see the module)."""
+    return (
+        _enabled(weight)
+        and weight.dtype == torch.bfloat16
+        and cpu_vendor() == "GenuineIntel"
+        and onednn_bf16_reorder_works()
+    )
 
 
-@functools.cache
-def onednn_fp32_reorder_works() -> bool:
-    """True when this CPU's oneDNN reorders and runs an fp32 linear weight."""
-    try:
-        weight = torch.zeros(16, 16)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-        torch.ops.mkldnn._linear_pointwise(weight[:1], packed, None, "none", [], "")
-    except (RuntimeError, AttributeError):
-        return False
-    return True
+def decode_kernel_supported(weight: torch.Tensor) -> bool:
+    """True where kvlab's matrix-vector kernel runs decode: fp32/bf16 weights on a CPU
+    other than Intel's (see the module), with the kernel built."""
+    from kvlab.kernels.linear import kernel_applies
+
+    return _enabled(weight) and cpu_vendor() != "GenuineIntel" and kernel_applies(weight)
+
+
+def _enabled(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and os.environ.get("KVLAB_CPU_PREPACK", "1") != "0"
 
 
 class PrepackedLinear(nn.Module):
@@ -92,16 +90,26 @@ class PrepackedLinear(nn.Module):
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Swap every eligible ``nn.Linear`` for a :class:`PrepackedLinear`; returns the count
-    (0 on a CPU without oneDNN bf16 support: the plain layout is the fallback).
+    """Swap every plain ``nn.Linear`` for the kernel this CPU runs it best with
+    (:class:`PrepackedLinear` or :class:`~kvlab.kernels.linear.DecodeLinear`); returns the
+    count (0 where the plain layout is the best there is).
 
-    A tied output head gets its own packed copy (the embedding keeps the plain layout for
-    lookups); ``weight_bytes`` counts both.
+    A prepacked tied output head gets its own packed copy (the embedding keeps the plain
+    layout for lookups); ``weight_bytes`` counts both. ``DecodeLinear`` keeps the layer's
+    own weight: ties stay tied, no copy.
     """
+    from kvlab.kernels.linear import DecodeLinear
+
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and prepack_supported(child.weight):
+            if type(child) is not nn.Linear:
+                continue
+            if prepack_supported(child.weight):
                 setattr(parent, name, PrepackedLinear(child))
-                swapped += 1
+            elif decode_kernel_supported(child.weight):
+                setattr(parent, name, DecodeLinear(child))
+            else:
+                continue
+            swapped += 1
     return swapped
