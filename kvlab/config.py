@@ -5,6 +5,7 @@ sweep point fails before any model is loaded."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -41,10 +42,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         from kvlab.cache import registered
+        from kvlab.cache.base import cache_options
 
         known = registered()
         _require(self.name in known, "cache.name", self.name, ", ".join(sorted(known)))
-        known[self.name].Options(**self.options)  # the strategy checks its own options
+        cache_options(self.name, self.options)  # the strategy checks its own options
 
 
 @dataclass
@@ -90,6 +92,9 @@ class WorkloadConfig:
         _require(self.temperature >= 0, "workload.temperature", self.temperature, ">= 0")
         _require(self.top_k >= 0, "workload.top_k", self.top_k, ">= 0 (0 = off)")
         _require(0 < self.top_p <= 1, "workload.top_p", self.top_p, "0 < top_p <= 1")
+        if self.prompt_file is not None:
+            exists = Path(self.prompt_file).expanduser().is_file()
+            _require(exists, "workload.prompt_file", self.prompt_file, "an existing text file")
 
 
 LOGGERS = ("none", "wandb")
@@ -132,23 +137,39 @@ class RunConfig:
 
 
 def check_context(cfg: RunConfig) -> None:
-    """Fail early when prompt + new tokens exceed the model's context (no weights loaded),
-    unless the cache strategy keeps positions within it (StreamingLLM-style)."""
+    """Fail early, with no weights loaded, when what the run feeds the model (prompt + new
+    tokens, each eval's windows) exceeds its trained context — unless the cache strategy
+    keeps positions within it (StreamingLLM-style) — or exceeds the sliding window it was
+    trained with (kvlab's decoder attends over the whole context, which past that window
+    would be a different model than the checkpoint's)."""
     from kvlab.cache import registered
-    from kvlab.models.loading import max_context
+    from kvlab.cache.base import cache_options
+    from kvlab.eval import eval_options
+    from kvlab.models.loading import max_context, trained_window
 
-    limit = max_context(cfg.model.source)
+    limit, window = max_context(cfg.model.source), trained_window(cfg.model.source)
     strategy = registered()[cfg.cache.name]
-    span = strategy.position_span(strategy.Options(**cfg.cache.options))
-    if span is not None and span <= limit:
-        return
-    wanted = cfg.workload.prompt_len + cfg.workload.new_tokens
-    if cfg.workload.prompt_file is None and wanted > limit:
-        raise ValueError(
-            f"workload.prompt_len={cfg.workload.prompt_len} + workload.new_tokens="
-            f"{cfg.workload.new_tokens} = {wanted} exceeds the context of "
-            f"model={cfg.model.source!r}; allowed: a total <= {limit}"
-        )
+    span = strategy.position_span(cache_options(cfg.cache.name, cfg.cache.options))
+    demands = []
+    if cfg.workload.prompt_file is None:
+        w = cfg.workload
+        field = f"workload.prompt_len={w.prompt_len} + workload.new_tokens={w.new_tokens}"
+        demands.append((field, w.prompt_len + w.new_tokens))
+    for name, options in cfg.eval.items():
+        demand = getattr(eval_options(name, options), "context_demand", None)
+        demands += [demand()] if demand else []
+    for field, tokens in demands:
+        if tokens > limit and (span is None or span > limit):
+            raise ValueError(
+                f"{field} = {tokens} tokens exceeds the context of model="
+                f"{cfg.model.source!r}; allowed: a total <= {limit}"
+            )
+        if window and tokens > window:
+            raise ValueError(
+                f"{field} = {tokens} tokens exceeds the {window}-token sliding window "
+                f"model={cfg.model.source!r} was trained with, which kvlab's decoder does "
+                f"not apply; allowed: a total <= {window}"
+            )
 
 
 def to_run_config(cfg: Any) -> RunConfig:

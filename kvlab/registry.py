@@ -19,8 +19,8 @@ class OptionsRegistry:
     """``unknown``: the error for an unregistered name, formatted with ``name``, ``known``
     (the sorted list) and ``allowed`` (the names joined by commas)."""
 
-    def __init__(self, unknown: str):
-        self.unknown = unknown
+    def __init__(self, unknown: str, field: str):
+        self.unknown, self.field = unknown, field  # field: "quant.options", "eval.{name}"
         self._entries: dict[str, Entry] = {}
 
     def register(self, name: str, options: type) -> Callable[[Callable], Callable]:
@@ -44,4 +44,19 @@ class OptionsRegistry:
 
     def options(self, name: str, values: dict[str, Any] | None = None) -> Any:
         """Checked options of ``name`` (its dataclass names bad fields)."""
-        return self.entry(name).options(**(values or {}))
+        return checked_options(self.entry(name).options, values, self.field.format(name=name))
+
+
+def checked_options(options_type: type, values: dict[str, Any] | None, field: str) -> Any:
+    """``options_type(**values)``, refusing keys it does not have with kvlab's message (the
+    field, the value and the known options) instead of a TypeError."""
+    import dataclasses
+
+    values = dict(values or {})
+    known = [f.name for f in dataclasses.fields(options_type)]
+    for key, value in values.items():
+        if key not in known:
+            raise ValueError(
+                f"{field}.{key}={value!r} is not an option; allowed: {', '.join(known)}"
+            )
+    return options_type(**values)

@@ -56,7 +56,7 @@ def test_bad_values_name_field_value_and_allowed(build, message):
 
 def test_prompt_longer_than_context_fails_before_loading():
     cfg = RunConfig(workload=WorkloadConfig(prompt_len=8000, new_tokens=500))
-    with pytest.raises(ValueError, match=r"8500 exceeds the context .*<= 8192"):
+    with pytest.raises(ValueError, match=r"8500 tokens exceeds the context .*<= 8192"):
         check_context(cfg)
 
 
@@ -92,3 +92,87 @@ def test_composed_overrides_reach_the_run():
         )
     run = to_run_config(cfg)
     assert (run.cache.name, run.workload.prompt_len, run.threads) == ("nocache", 256, 1)
+
+
+def composed(*overrides: str) -> RunConfig:
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=list(overrides)))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["+cache.options.nonexistent=1"], r"cache.options.nonexistent=1 is not an option; "
+                                           r"allowed: .*block_size|cache.options.nonexistent"),
+        (["quant=rtn", "+quant.options.nonexistent=1"], r"quant.options.nonexistent=1 is not"),
+        (["eval=ppl", "+eval.ppl.nonexistent=1"], r"eval.ppl.nonexistent=1 is not an option"),
+        (["cache=int4", "cache.options.bits=8"], r"cache.options.bits=8 contradicts cache=int4"),
+        (["workload.prompt_file=/no/such/prompts.txt"], r"workload.prompt_file=.*existing"),
+        (["eval=ppl", "eval.ppl.dataset=/no/such/text.txt"], r"eval.ppl.dataset=.*not a file"),
+    ],
+)  # fmt: skip
+def test_bad_configs_fail_before_loading_with_kvlab_messages(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        composed(*overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["eval=longctx", "eval.longctx.lengths=[100000]"], r"eval.longctx.lengths=\[100000\]"),
+        (["eval=ppl", "eval.ppl.seqlen=100000"], r"eval.ppl.seqlen=100000 = 100000 tokens"),
+    ],
+)
+def test_eval_contexts_past_the_model_are_refused_before_loading(overrides, message):
+    cfg = composed(*overrides)
+    with pytest.raises(ValueError, match=message + ".*exceeds the context"):
+        check_context(cfg)
+
+
+def test_models_trained_with_a_sliding_window_are_refused_past_it(tmp_path):
+    """kvlab's decoder attends over the whole context: past a trained window that would be
+    another model than the checkpoint, so such runs fail before loading (never a warning)."""
+    import json
+
+    config = dict(model_type="mistral", sliding_window=16, max_position_embeddings=512,
+                  vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = ModelConfig(source=str(tmp_path))
+    inside = RunConfig(model=model, workload=WorkloadConfig(prompt_len=8, new_tokens=8))
+    check_context(inside)
+    past = RunConfig(model=model, workload=WorkloadConfig(prompt_len=16, new_tokens=8))
+    with pytest.raises(ValueError, match="24 tokens exceeds the 16-token sliding window"):
+        check_context(past)
+
+
+@pytest.mark.parametrize(
+    ("config", "window"),
+    [
+        (dict(model_type="mistral", sliding_window=4096), 4096),
+        (dict(model_type="mistral", sliding_window=None), None),
+        (dict(model_type="qwen2", sliding_window=4096, use_sliding_window=False), None),
+        (dict(model_type="qwen2", sliding_window=4096, use_sliding_window=True,
+              max_window_layers=28, num_hidden_layers=28), None),
+        (dict(model_type="qwen2", sliding_window=4096, use_sliding_window=True,
+              max_window_layers=20, num_hidden_layers=28), 4096),
+        (dict(model_type="qwen3", sliding_window=64,
+              layer_types=["full_attention", "sliding_attention"]), 64),
+        (dict(model_type="llama", sliding_window=64, layer_types=["full_attention"] * 2), None),
+    ],
+)  # fmt: skip
+def test_trained_sliding_windows_are_read_as_transformers_applies_them(config, window):
+    from kvlab.models.config import DecoderConfig
+
+    assert DecoderConfig.sliding_window_of(config) == window
+
+
+def test_report_labels_name_how_a_strategy_stores_kv():
+    """int4 (KIVI) and paged kv_bits=4 (per-token) are different quantizers: labels say so."""
+    from kvlab.analysis.report import series_label
+
+    kivi = series_label({"cache.name": "int4", "cache.options.bits": 4})
+    per_token = series_label({"cache.name": "paged", "cache.options.kv_bits": 4})
+    assert "KIVI int4: keys per channel" in kivi
+    assert "per-token int4 keys and values, no exact residual" in per_token
+    assert series_label({"cache.name": "full"}) == "full"

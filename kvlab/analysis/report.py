@@ -77,7 +77,34 @@ def _with_options(row: dict[str, Any], group: str, known: dict[str, Any]) -> str
     options_type = getattr(entry, "Options", None) or getattr(entry, "options", None)
     defaults = _field_defaults(options_type) if options_type else {}
     changed = {k: v for k, v in sorted(options.items()) if defaults.get(k, object()) != v}
-    return f"{name}" + (f"[{','.join(f'{k}={v}' for k, v in changed.items())}]" if changed else "")
+    label = f"{name}" + (f"[{','.join(f'{k}={v}' for k, v in changed.items())}]" if changed else "")
+    return label + _storage(entry, options)
+
+
+def _storage(entry: Any, options: dict[str, Any]) -> str:
+    """ " (KIVI int4: keys per channel, ...)" for strategies whose storage is quantized."""
+    describe = getattr(entry, "describe", None)
+    if describe is None:
+        return ""
+    try:
+        from kvlab.cache.base import cache_options
+
+        text = describe(cache_options(entry.name, _nested(options)))
+    except (ValueError, TypeError):
+        return ""
+    return f" ({text})" if text else ""
+
+
+def _nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """Result rows flatten nested options with dots; options dataclasses take them nested."""
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            out.setdefault(head, {})[rest] = value
+        else:
+            out[key] = value
+    return out
 
 
 def _field_defaults(options_type: type) -> dict[str, Any]:

@@ -109,6 +109,12 @@ class KVCache(ABC):
     Options: ClassVar[type[CacheOptions]] = CacheOptions
 
     @classmethod
+    def describe(cls, options: CacheOptions) -> str:
+        """How the strategy stores K/V when that is not plain (report labels say it, so
+        tables compare like with like: KIVI codes vs per-token codes); "" otherwise."""
+        return ""
+
+    @classmethod
     def position_span(cls, options: CacheOptions) -> int | None:
         """The most positions RoPE ever sees with these options, whatever the sequence
         length; None when positions grow with the sequence (the usual case)."""
@@ -239,10 +245,17 @@ def strategy(name: str) -> type[KVCache]:
     return _REGISTRY[name]
 
 
+def cache_options(name: str, options: dict[str, Any] | None = None) -> CacheOptions:
+    """Checked options of strategy ``name``: unknown keys and bad values name the field."""
+    from kvlab.registry import checked_options
+
+    return checked_options(strategy(name).Options, options, "cache.options")
+
+
 def build_cache(name: str, spec: CacheSpec, options: dict[str, Any] | None = None) -> KVCache:
     """Instantiate strategy ``name`` with its options checked by its ``Options`` dataclass."""
     cls = strategy(name)
-    return cls(spec, cls.Options(**(options or {})))
+    return cls(spec, cache_options(name, options))
 
 
 def cache_factory(
@@ -251,7 +264,7 @@ def cache_factory(
     """A function that builds fresh caches of strategy ``name`` for ``model``, after the
     strategy has fitted what it learns from the model (:meth:`KVCache.prepare`)."""
     cls = strategy(name)
-    checked = cls.Options(**(options or {}))
+    checked = cache_options(name, options)
     cls.prepare(model, checked)
     return lambda: cls(model.cache_spec(), checked)
 

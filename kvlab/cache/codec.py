@@ -144,6 +144,12 @@ class CodecOptions:
         if self.kv_group_size < 1:
             raise ValueError(f"cache.options.kv_group_size={self.kv_group_size} must be >= 1")
 
+    def describe(self) -> str:
+        """The storage in words, for report labels ("" when exact)."""
+        if not self.kv_bits:
+            return ""
+        return f"per-token int{self.kv_bits} keys and values, no exact residual"
+
     def token_codes(self, head_dim: int) -> TokenCodes | None:
         """The codec of the stored rows, or None when they are stored exactly."""
         if not self.kv_bits:

@@ -59,6 +59,10 @@ class PagedCache(KVCache):
 
     Options = PagedOptions
 
+    @classmethod
+    def describe(cls, options: CodecOptions) -> str:
+        return options.describe()
+
     def __init__(self, spec, options=None):
         super().__init__(spec, options)
         self.pool: BlockPool | None = None

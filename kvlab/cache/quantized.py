@@ -68,6 +68,13 @@ class QuantizedCache(KVCache):
 
     Options = QuantizedOptions
 
+    @classmethod
+    def describe(cls, options: QuantizedOptions) -> str:
+        return (
+            f"KIVI int{options.bits}: keys per {options.key_axis}, values per token, "
+            f"{options.residual} recent tokens exact"
+        )
+
     # ---- layout ------------------------------------------------------------------------
     @classmethod
     def _layout(cls, spec, options, batch_size: int, max_tokens: int) -> dict[str, tuple]:
@@ -295,12 +302,27 @@ class QuantizedCache(KVCache):
         return used
 
 
+@dataclass
+class PresetOptions(QuantizedOptions):
+    """A preset's options: its width is the preset's (``cache=int4 cache.options.bits=8``
+    is refused, never run as another width under the int4 name)."""
+
+    def __post_init__(self) -> None:
+        preset = type(self).__dataclass_fields__["bits"].default
+        if self.bits != preset:
+            raise ValueError(
+                f"cache.options.bits={self.bits} contradicts cache=int{preset}; allowed: "
+                f"{preset} (cache=int8, int4 or int2 picks the width)"
+            )
+        super().__post_init__()
+
+
 @register("int8")
 class Int8Cache(QuantizedCache):
     """KIVI with 8-bit codes."""
 
     @dataclass
-    class Options(QuantizedOptions):
+    class Options(PresetOptions):
         bits: int = 8
 
 
@@ -309,7 +331,7 @@ class Int4Cache(QuantizedCache):
     """KIVI with 4-bit codes, eight per 32-bit word."""
 
     @dataclass
-    class Options(QuantizedOptions):
+    class Options(PresetOptions):
         bits: int = 4
 
 
@@ -318,5 +340,5 @@ class Int2Cache(QuantizedCache):
     """KIVI with 2-bit codes, sixteen per 32-bit word."""
 
     @dataclass
-    class Options(QuantizedOptions):
+    class Options(PresetOptions):
         bits: int = 2

@@ -77,6 +77,10 @@ class SlidingWindowCache(KVCache):
     Options = SlidingOptions
 
     @classmethod
+    def describe(cls, options: CodecOptions) -> str:
+        return options.describe()
+
+    @classmethod
     def position_span(cls, options: SlidingOptions) -> int | None:
         """With positions within the cache, no token sits past ``sinks + window``."""
         return options.sinks + options.window if options.positions == "cache" else None

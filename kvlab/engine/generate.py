@@ -7,7 +7,6 @@ the cache only through its contract, never its type.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -76,10 +75,10 @@ class Generation:
         self._gen = torch.Generator(device=engine.device).manual_seed(cfg.sampling.seed)
         window = engine.model.config.sliding_window
         if window and max(map(len, self.seqs)) + cfg.max_new_tokens > window:
-            warnings.warn(
-                f"the model was trained with a {window}-token sliding window, which kvlab's "
-                "decoder does not apply: beyond it, attention covers the whole context",
-                stacklevel=2,
+            raise ValueError(
+                f"prompt + max_new_tokens = {max(map(len, self.seqs)) + cfg.max_new_tokens} "
+                f"tokens exceeds the {window}-token sliding window the model was trained "
+                f"with, which kvlab's decoder does not apply; allowed: a total <= {window}"
             )
 
     def __iter__(self) -> Iterator[dict[int, int]]:

@@ -16,7 +16,7 @@ CacheFactory = Callable[[], KVCache]
 EvalFn = Callable[[Decoder, Any, CacheFactory, Any, Path | None], dict[str, Any]]
 
 
-_EVALS = OptionsRegistry("eval={name!r} is not registered; known: {known}")
+_EVALS = OptionsRegistry("eval={name!r} is not registered; known: {known}", "eval.{name}")
 
 
 def register_eval(name: str, options: type):

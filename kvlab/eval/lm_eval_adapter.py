@@ -64,7 +64,8 @@ class KvlabLM(TemplateLM):
         self.model, self.tokenizer, self.new_cache = model, tokenizer, new_cache
         self.batch_size = 8 if batch_size == "auto" else int(batch_size)
         self.chunk = int(chunk)
-        self.max_length = int(max_length or model.config.max_position_embeddings)
+        config = model.config  # a trained sliding window bounds what kvlab models exactly
+        self.max_length = int(max_length or config.sliding_window or config.max_position_embeddings)
 
     @property
     def eot_token_id(self) -> int:

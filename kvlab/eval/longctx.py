@@ -38,6 +38,14 @@ class LongContextOptions:
         if self.chunk < 0:
             raise ValueError(f"eval.longctx.chunk={self.chunk}; allowed: >= 0 (0: one pass)")
 
+    def context_demand(self) -> tuple[str, int]:
+        """The field and the most positions a cell feeds the model."""
+        longest = max(self.lengths) + self.max_new_tokens
+        return (
+            f"eval.longctx.lengths={self.lengths} + max_new_tokens={self.max_new_tokens}",
+            longest,
+        )
+
 
 def _haystack() -> list[str]:
     """Sentences of real text for the needle task (WikiText-2 test)."""

@@ -27,6 +27,13 @@ class PerplexityOptions:
     chunk: int = 0  # 0: the whole window in one pass
 
     def __post_init__(self) -> None:
+        path = Path(self.dataset).expanduser()
+        looks_local = path.suffix or self.dataset.startswith(("/", ".", "~"))
+        if looks_local and not path.is_file():
+            raise ValueError(
+                f"eval.ppl.dataset={self.dataset!r} is not a file; allowed: wikitext2, an "
+                "existing local text file, or a hub dataset name[:config]"
+            )
         for field_name in ("seqlen", "max_windows", "chunk"):
             value = getattr(self, field_name)
             if value < (1 if field_name == "seqlen" else 0):
@@ -34,6 +41,10 @@ class PerplexityOptions:
                     f"eval.ppl.{field_name}={value} is invalid; allowed: "
                     f"{'>= 1' if field_name == 'seqlen' else '>= 0'}"
                 )
+
+    def context_demand(self) -> tuple[str, int]:
+        """The field and the positions a window feeds the model."""
+        return f"eval.ppl.seqlen={self.seqlen}", self.seqlen
 
     @property
     def label(self) -> str:

@@ -59,6 +59,24 @@ class DecoderConfig:
         """Query heads per KV head."""
         return self.num_heads // self.num_kv_heads
 
+    @staticmethod
+    def sliding_window_of(hf: dict[str, Any]) -> int | None:
+        """The trained sliding window as transformers applies it: every layer of Mistral
+        when ``sliding_window`` is set; Qwen2's layers from ``max_window_layers`` on when
+        ``use_sliding_window``; or the layers ``layer_types`` marks sliding."""
+        window = hf.get("sliding_window")
+        if not window:
+            return None
+        types = hf.get("layer_types")
+        if types is not None:
+            return window if "sliding_attention" in types else None
+        model_type = hf.get("model_type", "")
+        if model_type == "qwen2":
+            layers = hf.get("num_hidden_layers", 0)
+            slides = hf.get("use_sliding_window", False) and hf.get("max_window_layers", 0) < layers
+            return window if slides else None
+        return window if hf.get("use_sliding_window", model_type == "mistral") else None
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
         """Build from a parsed ``config.json`` (transformers 4.x and 5.x spellings)."""
@@ -70,7 +88,6 @@ class DecoderConfig:
             rope_params["rope_type"] = rope_params.pop("type")
         theta = rope_params.pop("rope_theta", hf.get("rope_theta", 10000.0))
         eos = hf.get("eos_token_id")
-        use_window = hf.get("use_sliding_window", model_type == "mistral")
         return cls(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
@@ -89,6 +106,6 @@ class DecoderConfig:
             o_bias=False if model_type in ("qwen2", "mistral") else bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            sliding_window=hf.get("sliding_window") if use_window else None,
+            sliding_window=cls.sliding_window_of(hf),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         )

@@ -103,6 +103,15 @@ def max_context(source: str) -> int:
     return int(read_hf_config(source).get("max_position_embeddings", 0)) or 2**31
 
 
+def trained_window(source: str) -> int | None:
+    """The sliding window the model's attention was trained with, if any layer has one
+    (Mistral v0.1, Qwen2 with ``use_sliding_window``, per-layer ``layer_types``), read
+    from its config alone."""
+    if source in REGISTERED_MODELS:
+        return None
+    return DecoderConfig.sliding_window_of(read_hf_config(source))
+
+
 def read_hf_config(source: str) -> dict[str, Any]:
     """The parsed config.json of ``source`` (cheap: no weights are read)."""
     checkpoint = resolve_checkpoint(source)

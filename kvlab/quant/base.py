@@ -32,7 +32,7 @@ class QuantOptions:
 Transform = Callable[[nn.Module, Any], int]  # (model, options) -> layers replaced
 
 
-_QUANTIZERS = OptionsRegistry("quant.name={name!r} is invalid; allowed: {allowed}")
+_QUANTIZERS = OptionsRegistry("quant.name={name!r} is invalid; allowed: {allowed}", "quant.options")
 
 
 def register_quantizer(name: str, options: type) -> Callable[[Transform], Transform]:
@@ -54,7 +54,7 @@ def quantize_(model: nn.Module, name: str, options: dict[str, Any] | Any = None)
     layers were replaced. ``options``: a dict of its options or its options object."""
     entry = _QUANTIZERS.entry(name)
     if not isinstance(options, entry.options):
-        options = entry.options(**(options or {}))
+        options = _QUANTIZERS.options(name, options)
     return entry.fn(model, options)
 
 
