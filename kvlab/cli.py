@@ -159,6 +159,9 @@ SUBCOMMANDS = {
 
 
 def main() -> None:
+    from kvlab.quiet import quiet_third_party
+
+    quiet_third_party()
     if len(sys.argv) > 1 and sys.argv[1] in SUBCOMMANDS:
         SUBCOMMANDS[sys.argv[1]](sys.argv[2:])
         return

@@ -176,3 +176,14 @@ def test_unknown_logger_is_refused():
 
     with pytest.raises(ValueError, match="logger.name='mlflow' is invalid; allowed: none, wandb"):
         LoggerConfig(name="mlflow")
+
+
+def test_third_party_import_chatter_is_silenced():
+    """torchao (pulled in by the quantization stack) prints "Failed to load ... .so" and
+    torch pytree deprecations on every import; a kvlab process keeps them out of its
+    output."""
+    code = "from kvlab.quiet import quiet_third_party; quiet_third_party(); import torchao"
+    pytest.importorskip("torchao")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "Failed to load" not in done.stderr and "_pytree" not in done.stderr

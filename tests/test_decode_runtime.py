@@ -229,3 +229,13 @@ def test_compiled_decode_equals_eager_in_one_graph(tiny_llama, name):
     torch.testing.assert_close(compiled[1], eager[1], atol=1e-5, rtol=0)
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     assert graphs == (0 if name == "nocache" else 1)  # nocache recomputes: nothing compiled
+
+
+def test_loading_the_kernels_keeps_subnormals():
+    """The library is compiled with fast-math but never linked with it: linking would add
+    crtfastmath.o and flush subnormals to zero in the whole process."""
+    from kvlab.kernels.build import library
+
+    library()
+    tiny = torch.tensor([1e-40]) * torch.tensor([1.0])
+    assert tiny.item() != 0.0

@@ -193,3 +193,53 @@ def test_gptq_cache_key_covers_the_calibration_text(tmp_path, monkeypatch):
     second, _ = checkpoint_key(tmp_path, options)
     assert first != second
     assert len(recipe["calibration_text"]) == 16
+
+
+def _gptq_checkpoint(hf_model, directory, group: int = 32) -> dict[str, torch.Tensor]:
+    """Write ``hf_model`` as a GPTQ (v1) checkpoint with a GPTQ quantization_config, as
+    GPTQModel/AutoGPTQ write one; returns the dequantized weights it stands for."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors, dense = {}, {}
+    for name, param in hf_model.state_dict().items():
+        layer = name.removesuffix(".weight")
+        linear = name.endswith("_proj.weight")
+        if not linear:
+            tensors[name] = param.contiguous()
+            continue
+        weight = param.float().T  # (K, N)
+        grouped = weight.reshape(-1, group, weight.shape[1])  # (G, group, N)
+        low, high = grouped.amin(1), grouped.amax(1)
+        scales = ((high - low) / 15).clamp(min=1e-8).half()  # (G, N)
+        zeros = (-low / scales.float()).round().clamp(0, 15).long()  # (G, N)
+        q = (grouped / scales.float()[:, None] + zeros[:, None]).round().clamp(0, 15).long()
+        q = q.reshape(weight.shape)  # (K, N)
+        g_idx = torch.arange(weight.shape[0]) // group
+        tensors[f"{layer}.qweight"], tensors[f"{layer}.g_idx"] = _pack_int32(q, 0), g_idx.int()
+        tensors[f"{layer}.qzeros"], tensors[f"{layer}.scales"] = _pack_int32(zeros - 1, 1), scales
+        dense[name] = (scales.float()[g_idx] * (q - zeros[g_idx]).float()).T
+    save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "model.safetensors")
+    config = hf_model.config.to_dict() | {"quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+        "sym": False, "checkpoint_format": "gptq"}}  # fmt: skip
+    (directory / "config.json").write_text(json.dumps(config))
+    return dense
+
+
+def test_a_gptq_checkpoint_loads_as_the_model_source(tmp_path):
+    """model.source=<GPTQ checkpoint dir> loads straight into kvlab's int4 layers (no base
+    model, no quant.options.checkpoint): its logits are the dequantized model's."""
+    from conftest import tiny_hf_model
+
+    hf = tiny_hf_model("llama")
+    dense = _gptq_checkpoint(hf, tmp_path)
+    model, _ = load_model(str(tmp_path))
+    assert sum(type(m) is Int4Linear for m in model.modules()) == LINEARS_OF_TINY_LLAMA
+    hf.load_state_dict(hf.state_dict() | dense)  # the weights the checkpoint stands for
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = hf(ids).logits
+    error = ((_logits(model, ids) - expected).norm() / expected.norm()).item()
+    assert error < 0.02  # bf16 compute in the int4 kernel

@@ -138,12 +138,19 @@ def load_model(
         from huggingface_hub import snapshot_download
 
         checkpoint = Path(snapshot_download(checkpoint, allow_patterns=["*.json", "*.safetensors"]))
-    cfg = DecoderConfig.from_hf(json.loads((checkpoint / "config.json").read_text()))
+    hf_config = json.loads((checkpoint / "config.json").read_text())
+    cfg = DecoderConfig.from_hf(hf_config)
+    gptq = (hf_config.get("quantization_config") or {}).get("quant_method") == "gptq"
     with torch.device("meta"):
         model = Decoder(cfg)
-    model.load_state_dict(_read_weights(checkpoint, cfg, dtype), assign=True, strict=True)
+    state = _read_weights(checkpoint, cfg, dtype, quantized=gptq)
+    model.load_state_dict(state, assign=True, strict=not gptq)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
+    if gptq:  # a GPTQ checkpoint (GPTQModel, AutoGPTQ): its int4 layers, loaded directly
+        from kvlab.quant.gptq import GptqOptions, swap_in_gptq_layers
+
+        swap_in_gptq_layers(model, checkpoint, GptqOptions(skip=[]), torch.device(device))
     model.inv_freq = inverse_frequencies(cfg)  # built on meta above: it holds no data yet
     model = model.to(device).eval().requires_grad_(False)
     model.checkpoint_dir = checkpoint  # quantizers that calibrate (GPTQ) start from it
@@ -160,8 +167,11 @@ def _load_tokenizer(checkpoint: Path) -> Any:
     return AutoTokenizer.from_pretrained(checkpoint)
 
 
-def _read_weights(checkpoint: Path, cfg: DecoderConfig, dtype: torch.dtype) -> dict:
-    """HF tensors renamed and fused into kvlab's layout (qkv_proj, gate_up_proj)."""
+def _read_weights(
+    checkpoint: Path, cfg: DecoderConfig, dtype: torch.dtype, quantized: bool = False
+) -> dict:
+    """HF tensors renamed and fused into kvlab's layout (qkv_proj, gate_up_proj); of a
+    GPTQ checkpoint (``quantized``) only the tensors that are not quantized layers."""
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{checkpoint}: no *.safetensors files (kvlab never reads pickle)")
@@ -169,10 +179,16 @@ def _read_weights(checkpoint: Path, cfg: DecoderConfig, dtype: torch.dtype) -> d
     for file in files:
         with safe_open(file, framework="pt") as f:
             hf.update({k: f.get_tensor(k) for k in f.keys()})
+    if quantized:  # qweight, qzeros, scales, g_idx: the GPTQ loader's part
+        hf = {k: v for k, v in hf.items() if not _is_fused_part(k) and _is_plain(k)}
     hf = {k.removeprefix("model."): v.to(dtype) for k, v in hf.items()}
     if cfg.tie_word_embeddings or "lm_head.weight" not in hf:
         hf["lm_head.weight"] = hf["embed_tokens.weight"]
-    return _fuse(hf, cfg)
+    return hf if quantized else _fuse(hf, cfg)
+
+
+def _is_plain(key: str) -> bool:
+    return not key.endswith((".qweight", ".qzeros", ".scales", ".g_idx"))
 
 
 def _fuse(hf: dict[str, torch.Tensor], cfg: DecoderConfig) -> dict[str, torch.Tensor]:

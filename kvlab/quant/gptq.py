@@ -106,9 +106,14 @@ def read_gptq_checkpoint(directory: Path) -> tuple[dict[str, torch.Tensor], dict
 
 
 def gptq_layer(
-    tensors: dict[str, torch.Tensor], name: str, qcfg: dict[str, Any], dtype: torch.dtype | None
+    tensors: dict[str, torch.Tensor],
+    name: str,
+    qcfg: dict[str, Any],
+    dtype: torch.dtype | None,
+    device: torch.device,
 ) -> Int4Linear:
-    """kvlab layer ``name`` (fused ones from their parts) as an Int4Linear."""
+    """kvlab layer ``name`` (fused ones from their parts) as an Int4Linear on ``device``
+    (built there, so it takes the kernel layout of that device)."""
     parts = checkpoint_parts(name)
     v1 = qcfg.get("checkpoint_format", qcfg.get("format", "gptq")) == "gptq"
     pieces = [
@@ -117,11 +122,12 @@ def gptq_layer(
     perm = pieces[0][3]
     if any(not _same_perm(piece[3], perm) for piece in pieces[1:]):
         raise ValueError(f"{name}: fused GPTQ parts {parts} have different act-orders")
-    codes = torch.cat([piece[0] for piece in pieces], dim=0)  # (N, K)
-    scale = torch.cat([piece[1] for piece in pieces], dim=1)  # (G, N)
-    offset = torch.cat([piece[2] for piece in pieces], dim=1)  # (G, N)
+    codes = torch.cat([piece[0] for piece in pieces], dim=0).to(device)  # (N, K)
+    scale = torch.cat([piece[1] for piece in pieces], dim=1).to(device)  # (G, N)
+    offset = torch.cat([piece[2] for piece in pieces], dim=1).to(device)  # (G, N)
     biases = [tensors.get(f"{p}.bias") for p in parts]
-    bias = torch.cat(biases) if all(b is not None for b in biases) else None
+    bias = torch.cat(biases).to(device) if all(b is not None for b in biases) else None
+    perm = None if perm is None else perm.to(device)
     return Int4Linear(codes, scale, offset, bias, dtype, perm)
 
 
@@ -135,15 +141,18 @@ def checkpoint_parts(name: str) -> list[str]:
     return [f"{parent}.{part}" for part in FUSED_PARTS.get(leaf, (leaf,))]
 
 
-def swap_in_gptq_layers(model: nn.Module, directory: Path, options: GptqOptions) -> int:
-    """Replace every linear layer the checkpoint quantized (and ``options`` does not skip)."""
+def swap_in_gptq_layers(
+    model: nn.Module, directory: Path, options: GptqOptions, device: torch.device | None = None
+) -> int:
+    """Replace every linear layer the checkpoint quantized (and ``options`` does not skip),
+    building the int4 layers on ``device`` (default: where each layer's weight is)."""
     tensors, qcfg = read_gptq_checkpoint(directory)
     dtype = resolve_compute_dtype(options.compute_dtype)
     swapped = 0
     for name, linear in linear_layers(model, options):
         if f"{checkpoint_parts(name)[0]}.qweight" not in tensors:
             continue  # left in full precision by the checkpoint (the output head)
-        layer = gptq_layer(tensors, name, qcfg, dtype)
+        layer = gptq_layer(tensors, name, qcfg, dtype, device or linear.weight.device)
         if (layer.out_features, layer.in_features) != (linear.out_features, linear.in_features):
             raise ValueError(
                 f"quant.options.checkpoint={str(directory)!r}: {name} is "
@@ -225,6 +234,9 @@ def run_gptqmodel(source: Path, options: GptqOptions, out: Path) -> None:
 
 
 def _quantize_in_worker(source: str, options: dict[str, Any], out: str) -> None:
+    from kvlab.quiet import quiet_third_party
+
+    quiet_third_party()
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(os.cpu_count() or 1))
     from gptqmodel import GPTQModel, QuantizeConfig
 
