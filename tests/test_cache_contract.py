@@ -99,15 +99,39 @@ def test_chunked_prefill_equals_one_pass(name, tiny_llama):
         assert (chunked - one_pass).abs().max() <= TOLERANCE
 
 
+def recorded(engine, batch, cfg):
+    """(tokens per row, logits per row and step) of one generation."""
+    run, rows = engine.stream(batch, cfg), [[] for _ in batch]
+    emit = run._emit
+
+    def recording_emit(logits):
+        for row, index in enumerate(run.active):
+            rows[index].append(logits[row].clone())
+        return emit(logits)
+
+    run._emit = recording_emit
+    for _ in run:
+        pass
+    return run.tokens, [torch.stack(r) for r in rows]
+
+
 @pytest.mark.parametrize("setting", [LOSSY, EXACT], ids=["lossy", "exact"])
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_batch_of_different_lengths_equals_separate_runs(name, setting, tiny_llama):
+    """Rows of different lengths, finishing at different steps (an EOS ends one early, so
+    every strategy frees a row mid-batch): the same tokens and logits as each row alone."""
     batch = prompts(tiny_llama.config.vocab_size)
-    cfg = GenerationConfig(8, stop_on_eos=False)
-    engine = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec(), setting[name]))
-    together = engine.generate(batch, cfg).tokens
-    alone = [engine.generate([p], cfg).tokens[0] for p in batch]
-    assert together == alone
+    spec, options = tiny_llama.cache_spec(), setting[name]
+    free_running = Engine(tiny_llama, build_cache(name, spec, options))
+    first = free_running.generate(batch[:1], GenerationConfig(8, stop_on_eos=False)).tokens[0]
+    engine = Engine(tiny_llama, build_cache(name, spec, options), eos_ids=[first[2]])
+    cfg = GenerationConfig(8)
+    tokens, logits = recorded(engine, batch, cfg)
+    assert len(tokens[0]) <= 3 < max(map(len, tokens))  # row 0 left the batch early
+    for row, prompt in enumerate(batch):
+        alone_tokens, alone_logits = recorded(engine, [prompt], cfg)
+        assert tokens[row] == alone_tokens[0]
+        assert (logits[row] - alone_logits[0]).abs().max() <= TOLERANCE
 
 
 @pytest.mark.parametrize(("name", "options"), COMPOSED)
@@ -120,7 +144,7 @@ def test_composed_storage_batches_like_separate_runs(name, options, tiny_llama):
 
 
 @pytest.mark.parametrize(("name", "options"), [(n, LOSSY[n]) for n in STRATEGIES] + COMPOSED)
-def test_memory_report_counts_held_tensors(name, options, tiny_llama):
+def test_memory_report_is_consistent(name, options, tiny_llama):
     cache = build_cache(name, tiny_llama.cache_spec(), options)
     engine = Engine(tiny_llama, cache)
     run = engine.stream(
@@ -128,9 +152,8 @@ def test_memory_report_counts_held_tensors(name, options, tiny_llama):
     )
     iterator = iter(run)
     next(iterator)  # after prefill: every sequence is still in the cache
-    report = cache.memory()
-    assert report.held_bytes == sum(t.numel() * t.element_size() for t in cache.tensors())
-    assert 0 <= report.used_bytes <= report.held_bytes
+    report = cache.memory()  # held bytes against hand formulas: test_memory_model.py
+    assert 0 < report.used_bytes <= report.held_bytes or not cache.stores_past
     assert report.tokens == (sum(cache.lengths) if cache.stores_past else 0)
 
 

@@ -133,3 +133,14 @@ def test_cache_positions_logits_match_and_differ_from_original(tiny_llama):
     original = one_pass_logits(tiny_llama, BandRecompute(spec), ids)
     assert (cache_mode - reference).abs().max() <= 1e-4
     assert (original - reference).abs().max() > 1e-3  # the two schemes really differ
+
+
+@pytest.mark.parametrize("chunk", [0, 3])
+def test_a_mixed_length_batch_equals_the_per_query_band_reference(chunk, tiny_llama):
+    """Rows of 16, 9 and 4 tokens (the window cuts two of them inside the prompt), fed in
+    one pass or in chunks, decode what per-query band recomputation gives each row."""
+    batch = [list(range(3, 19)), list(range(40, 49)), list(range(60, 64))]
+    cfg = GenerationConfig(8, stop_on_eos=False, prefill_chunk=chunk)
+    reference = Engine(tiny_llama, BandRecompute(tiny_llama.cache_spec())).generate(batch, cfg)
+    sliding = build_cache("sliding", tiny_llama.cache_spec(), dict(sinks=SINKS, window=WINDOW))
+    assert Engine(tiny_llama, sliding).generate(batch, cfg).tokens == reference.tokens
