@@ -97,6 +97,15 @@ class WorkloadConfig:
             _require(exists, "workload.prompt_file", self.prompt_file, "an existing text file")
 
 
+@dataclass
+class EngineConfig:
+    """How decode steps run: ``compile`` puts each under ``torch.compile`` (inductor on the
+    CPU, CUDA graphs on a GPU; the cache keeps static shapes); eager by default, since it
+    does not win everywhere yet (see experiments/engine_vs_hf)."""
+
+    compile: bool = False
+
+
 LOGGERS = ("none", "wandb")
 WANDB_MODES = ("offline", "online", "disabled")
 
@@ -123,6 +132,7 @@ class RunConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     eval: dict[str, Any] = field(default_factory=dict)  # eval name -> its options
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     threads: int = 0  # 0: torch's default

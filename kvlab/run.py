@@ -91,7 +91,7 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
 
     new_cache = cache_factory(cfg.cache.name, model, cfg.cache.options)  # workload and evals
 
-    engine = Engine(model, new_cache(), _eos_ids(tokenizer, model))
+    engine = Engine(model, new_cache(), _eos_ids(tokenizer, model), compile=cfg.engine.compile)
     prompts = build_prompts(
         tokenizer, cfg.workload.prompt_len, cfg.workload.batch_size, cfg.workload.prompt_file
     )

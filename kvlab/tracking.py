@@ -51,11 +51,25 @@ def environment() -> dict[str, Any]:
         "kvlab_commit": _git_commit(),
         "threads": torch.get_num_threads(),
         "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...
+        "cpu_kernels": _cpu_kernels(),
         "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "hostname": platform.node(),
     }
     return env
+
+
+def _cpu_kernels() -> str:
+    """Which kernels this CPU runs linear layers and decode attention with."""
+    from kvlab.kernels import kernel_available
+    from kvlab.models.cpu_kernels import cpu_vendor, onednn_bf16_reorder_works
+
+    intel = cpu_vendor() == "GenuineIntel"
+    linear = "oneDNN bf16 / MKL fp32" if intel else "kvlab gemv (decode)"
+    attention = "kvlab C decode attention" if kernel_available() else "torch (no C compiler)"
+    bf16 = "oneDNN bf16 reorder" if onednn_bf16_reorder_works() else "no oneDNN bf16 reorder"
+    return f"linear: {linear if kernel_available() or intel else 'plain'}; {attention}; {bf16}"
 
 
 def _version(package: str) -> str | None:

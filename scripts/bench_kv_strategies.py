@@ -25,6 +25,7 @@ from kvlab.data import wikitext2_test_text
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.engine.timing import percentile
 from kvlab.models import resolve_checkpoint
+from kvlab.models.loading import random_model
 from kvlab.workload import build_prompts, text_windows
 
 STRATEGIES = [
@@ -156,8 +157,10 @@ def batch_throughput(model, tokenizer, args) -> None:
 def print_table(rows: list[dict], roof, args) -> None:
     full = rows[0]
     hf_full = next((r for r in rows if r["strategy"] == "hf DynamicCache"), None)
-    print(f"\nprompt_len={args.prompt_len} new_tokens={args.new_tokens} chunk={args.chunk} "
-          f"dtype=float32 threads={torch.get_num_threads()} compile={args.compile} "
+    weights = "random weights" if args.random_weights else "smollm2-135m"
+    print(f"\n{weights} on {args.device} prompt_len={args.prompt_len} "
+          f"new_tokens={args.new_tokens} chunk={args.chunk} dtype={args.dtype} "
+          f"threads={torch.get_num_threads()} compile={args.compile} "
           f"rounds={args.rounds}; agreement over the first {args.agree_tokens} tokens")  # fmt: skip
     print(f"{roof}\n")
     print("| strategy | KV bytes | KV / full | TTFT ms | TTFT / full | ITL p50 ms | ITL / full "
@@ -190,9 +193,22 @@ def main() -> None:
     ap.add_argument("--skip-batch", action="store_true")
     ap.add_argument("--only", type=lambda s: s.split(","), default=[],
                     help="strategies to run besides full (the reference)")  # fmt: skip
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--random-weights", metavar="CONFIG_JSON", default=None,
+                    help="the default model's shape with random weights (timing only, e.g. on "
+                         "a GPU machine the weights cannot reach)")  # fmt: skip
     args = ap.parse_args()
-    model, tokenizer = kvlab.load_model("smollm2-135m")
-    prompt = build_prompts(tokenizer, args.prompt_len, 1)[0]
+    dtype = getattr(torch, args.dtype)
+    if args.random_weights:
+        model, tokenizer = random_model(args.random_weights, dtype, args.device), None
+        gen = torch.Generator().manual_seed(0)
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
+        args.skip_hf = args.skip_batch = True
+    else:
+        model, tokenizer = kvlab.load_model("smollm2-135m", dtype=dtype, device=args.device)
+        prompt = build_prompts(tokenizer, args.prompt_len, 1)[0]
     rows = kvlab_rows(model, prompt, args)
     rows += [] if args.skip_hf or args.only else hf_rows(prompt, args)
     if not args.skip_batch and (not args.only or "paged" in args.only):

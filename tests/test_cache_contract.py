@@ -182,13 +182,13 @@ def test_unknown_strategy_lists_known(tiny_llama):
 
 
 @pytest.mark.slow
-def test_full_and_nocache_agree_over_128_greedy_steps(smollm2):
+def test_full_and_nocache_agree_over_64_greedy_steps(smollm2):
     model, tokenizer = smollm2
     prompt = tokenizer("The history of the Roman Empire began")["input_ids"]
-    full, full_tokens = step_logits(model, "full", prompt, steps=128)
-    none, none_tokens = step_logits(model, "nocache", prompt, steps=128)
+    full, full_tokens = step_logits(model, "full", prompt, steps=64)
+    none, none_tokens = step_logits(model, "nocache", prompt, steps=64)
     assert full_tokens == none_tokens
-    assert (full - none).abs().max() <= 1e-3  # fp32 on a real model, 128 steps of context
+    assert (full - none).abs().max() <= 1e-3  # fp32 on a real model, 64 steps of context
 
 
 # The default model (head_dim 64): each strategy in a setting where it keeps everything.

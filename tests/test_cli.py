@@ -42,6 +42,7 @@ def test_single_run_writes_a_complete_record(tmp_path):
     assert set(METRICS) <= set(record["metrics"])
     assert record["metrics"]["prompt_tokens"] == 16 and record["metrics"]["new_tokens"] == 4
     assert (record["metrics"]["device"], record["metrics"]["dtype"]) == ("cpu", "float32")
+    assert record["config"]["engine"] == {"compile": False}  # the decode runtime is recorded
     env = record["environment"]
     assert {"torch", "transformers", "threads", "cpu", "python"} <= set(env)
     assert "[kvlab] model=smollm2-135m cache=full" in done.stdout
@@ -143,8 +144,10 @@ def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
     ]
     if experiment not in ("kv_strategies", "weight_quant", "joint"):  # the ones with ppl
         tiny = tiny[:2]
-    if experiment in ("weight_quant", "joint"):  # GPTQModel on the default model takes
-        tiny.append("quant=none,rtn_int8,bnb")  # minutes; test_quant runs it on a tiny model
+    if experiment == "weight_quant":  # GPTQModel on the default model takes minutes;
+        tiny.append("quant=none,rtn_int8,bnb")  # test_quant runs it on a tiny model
+    if experiment == "joint":  # the grid of weights x KV, two weight points of it
+        tiny.append("quant=none,rtn_int8")
     if experiment == "compressed_attention":  # ppl and passkey at the prompt length
         tiny = ["workload.prompt_len=64", "workload.new_tokens=2", "workload.prefill_chunk=16"]
         tiny += ["eval.ppl.max_windows=1", "eval.ppl.chunk=16", "eval.longctx.samples=1"]

@@ -33,7 +33,7 @@ def test_diagnose_explains_a_real_run(monkeypatch, tmp_path):
     from kvlab.analysis import diagnose as module
 
     small = measure_peaks(matmul_size=512, bandwidth_bytes=512 * 2**20, repeats=2)
-    monkeypatch.setattr(module, "cached_peaks", lambda: small)
+    monkeypatch.setattr(module, "cached_peaks", lambda **_: small)
     text = module.diagnose(["workload.prompt_len=256", "workload.new_tokens=8"])
     assert "TTFT" in text and "levers" in text and "KV strategy" in text
     lines = [line for line in text.splitlines() if line.strip().startswith(("prefill", "decode"))]

@@ -25,7 +25,8 @@ def diagnose(overrides: list[str]) -> str:
     prefill, decode = phase_costs(
         arch, w.prompt_len, w.new_tokens, w.batch_size, metrics["weight_bytes"], per_token
     )
-    rows = roofline_rows(cached_peaks(), metrics["dtype"], prefill, decode,
+    peaks = cached_peaks(device=metrics["device"])  # the GPU's roofs for a CUDA run
+    rows = roofline_rows(peaks, metrics["dtype"], prefill, decode,
                          metrics["ttft_ms"] / 1e3, metrics["itl_ms_p50"] / 1e3)  # fmt: skip
     return explain(cfg, metrics, rows, decode)
 

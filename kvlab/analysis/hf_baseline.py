@@ -27,7 +27,7 @@ class TokenClock(BaseStreamer):
 def timed_generate(model, prompt: list[int], new_tokens: int, **kwargs: Any):
     """Greedy ``new_tokens`` tokens: (TTFT s, per-step ITL s, tokens, generate's output)."""
     clock = TokenClock()
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids),

@@ -39,38 +39,57 @@ def _best_seconds(fn, repeats: int) -> float:
 
 
 def measure_peaks(
-    matmul_size: int = 2048, bandwidth_bytes: int = 2 * 2**30, repeats: int = 5
+    matmul_size: int = 2048,
+    bandwidth_bytes: int = 2 * 2**30,
+    repeats: int = 5,
+    device: str = "cpu",
 ) -> Peaks:
     """Best of ``repeats``: an n×n×n matmul per dtype, and a full read (sum) of a fp32 tensor
-    of ``bandwidth_bytes`` (2 GiB default: 8x this CPU's 260 MiB L3)."""
+    of ``bandwidth_bytes`` (2 GiB default: far beyond any CPU's last-level cache or a GPU's
+    L2), on ``device`` (synchronised on CUDA)."""
+    from kvlab.engine.timing import synchronize
+
+    target = torch.device(device)
+
+    def timed(fn):
+        def run():
+            fn()
+            synchronize(target)
+
+        return _best_seconds(run, repeats)
+
     flops = {}
     for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(matmul_size, matmul_size).to(dtype)
-        b = torch.randn(matmul_size, matmul_size).to(dtype)
+        a = torch.randn(matmul_size, matmul_size, device=target).to(dtype)
+        b = torch.randn(matmul_size, matmul_size, device=target).to(dtype)
         flops[str(dtype).removeprefix("torch.")] = (
-            2 * matmul_size**3 / _best_seconds(lambda a=a, b=b: a @ b, repeats)
+            2 * matmul_size**3 / timed(lambda a=a, b=b: a @ b)
         )
-    big = torch.ones(bandwidth_bytes // 4)
-    bandwidth = bandwidth_bytes / _best_seconds(lambda: big.sum(), repeats)
-    return Peaks(flops, bandwidth, bandwidth_bytes, matmul_size, _machine())
+    big = torch.ones(bandwidth_bytes // 4, device=target)
+    bandwidth = bandwidth_bytes / timed(lambda: big.sum())
+    return Peaks(flops, bandwidth, bandwidth_bytes, matmul_size, _machine(device))
 
 
-def _machine() -> str:
+def _machine(device: str = "cpu") -> str:
+    if device.startswith("cuda"):
+        return f"{torch.cuda.get_device_name(torch.device(device))}, torch {torch.__version__}"
     from kvlab.tracking import environment
 
     env = environment()
     return f"{env['cpu']} x{env['threads']} threads, torch {env['torch']}"
 
 
-def cached_peaks(refresh: bool = False) -> Peaks:
-    """This machine's peaks, measured on first use and kept in ``$KVLAB_CACHE``."""
-    path = cache_dir() / "roofline.json"
-    machine = _machine()
+def cached_peaks(refresh: bool = False, device: str = "cpu") -> Peaks:
+    """The peaks of ``device`` on this machine, measured on first use and kept in
+    ``$KVLAB_CACHE`` (a CUDA run is placed on the GPU's roofs, not the host CPU's)."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    path = cache_dir() / f"roofline-{kind}.json"
+    machine = _machine(device)
     if path.exists() and not refresh:
         stored = json.loads(path.read_text())
         if stored.get("machine") == machine:
             return Peaks(**stored)
-    peaks = measure_peaks()
+    peaks = measure_peaks(device=device)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(peaks), indent=2))
     return peaks
@@ -143,7 +162,7 @@ class DecodeRoof:
         return (
             f"decode roof: {self.weight_bytes_read / 1e6:.1f} MB of weights per step + the KV "
             f"read, at {self.bandwidth / 1e9:.1f} GB/s (a streaming read of "
-            f"{cached_peaks().bandwidth_bytes >> 20} MiB on {self.machine})"
+            f"2048 MiB on {self.machine})"
         )
 
 
@@ -159,5 +178,5 @@ def decode_roof(model: torch.nn.Module) -> DecodeRoof:
     read = (
         held if head_reads_embedding else held - embedding.numel() * embedding.element_size() + row
     )
-    peaks = cached_peaks()
+    peaks = cached_peaks(device=str(embedding.device))
     return DecodeRoof(read, peaks.bandwidth, peaks.machine)

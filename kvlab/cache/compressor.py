@@ -217,10 +217,10 @@ def fit_layer(pool, samples, inv_freq, options) -> tuple[float, float]:
     """Adam on one layer's (proj, bias) from zero (= uniform pooling); returns the mean
     relative error before and after."""
     calibration = CalibrationOptions(**options.calibration)
-    dim = samples[0][0].shape[-1]
+    dim, device = samples[0][0].shape[-1], samples[0][0].device
     pool.gate = "calibrated"
-    pool.proj = torch.zeros(dim, 2 * dim, requires_grad=True)
-    pool.bias = torch.zeros(pool.span, 2 * dim, requires_grad=True)
+    pool.proj = torch.zeros(dim, 2 * dim, device=device, requires_grad=True)
+    pool.bias = torch.zeros(pool.span, 2 * dim, device=device, requires_grad=True)
     targets = [_full_attention(q, k, v) for q, k, v, _ in samples]
     optimiser = torch.optim.Adam([pool.proj, pool.bias], lr=calibration.lr)
     before = _mean_error(pool, samples, targets, inv_freq, options)
@@ -252,14 +252,14 @@ def _error(pool, sample, target, inv_freq, options: CompressedOptions) -> torch.
     """||compressed - full||^2 / ||full||^2 over one sequence, attention as the cache
     computes it in one bulk prefill."""
     q, k, v, k_raw = sample
-    steps = q.shape[2]
+    steps, device = q.shape[2], q.device
     count = steps // pool.ratio
-    keys, values = bulk_windows(k_raw, v, q, count, pool, inv_freq)  # (1, H_kv, N, D)
-    positions = torch.arange(steps)[None]
+    keys, values = bulk_windows(k_raw, v, q, count, pool, inv_freq.to(device))  # (1, H_kv, N, D)
+    positions = torch.arange(steps, device=device)[None]
     visible = visible_entries(positions, count, pool.ratio, options.entries_behind())
     entries = (keys, values, visible)
-    causal = torch.ones(steps, steps, dtype=torch.bool).tril()
-    sinks = torch.arange(steps) < options.sinks
+    causal = torch.ones(steps, steps, dtype=torch.bool, device=device).tril()
+    sinks = torch.arange(steps, device=device) < options.sinks
     band = (causal.triu(-(options.window - 1)) | (causal & sinks))[None, None]  # (1, 1, T, T)
     bias = math.log(pool.ratio) if options.proportional else 0.0
     out = attend_entries(q, entries, (k, v, band), pool.top_k, bias)

@@ -159,6 +159,23 @@ def load_model(
     return model, _load_tokenizer(checkpoint)
 
 
+def random_model(
+    config_json: str | Path, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+) -> Decoder:
+    """A decoder of a checkpoint's shape (its config.json alone) with random weights: for
+    timing where the weights cannot travel (a GPU machine with no network). Speed does not
+    depend on the weights' values; nothing it generates means anything."""
+    cfg = DecoderConfig.from_hf(json.loads(Path(config_json).read_text()))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Decoder(cfg).to(dtype)
+    for parameter in model.parameters():
+        if parameter.dim() > 1:
+            parameter.data.normal_(0.0, 0.02)
+    model.inv_freq = inverse_frequencies(cfg).to(device)
+    return model.eval().requires_grad_(False)
+
+
 def _load_tokenizer(checkpoint: Path) -> Any:
     if not any((checkpoint / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None

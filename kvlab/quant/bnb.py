@@ -74,8 +74,8 @@ def _int8_layer(bnb: ModuleType, linear: nn.Linear, options: BnbOptions) -> nn.M
         linear.in_features, linear.out_features, bias=linear.bias is not None,
         has_fp16_weights=False, threshold=options.threshold, device="meta",
     )  # fmt: skip
-    layer.weight = bnb.nn.Int8Params(
-        linear.weight.detach().float(), requires_grad=False, has_fp16_weights=False
+    layer.weight = bnb.nn.Int8Params(  # from a CPU copy: moving it quantizes it
+        linear.weight.detach().float().cpu(), requires_grad=False, has_fp16_weights=False
     )
     layer.bias = linear.bias
     return layer.to(linear.weight.device)  # quantizes the weight (row-wise absmax, SCB)
@@ -89,8 +89,8 @@ def _four_bit_layer(bnb: ModuleType, linear: nn.Linear, options: BnbOptions) -> 
         compute_dtype=dtype, compress_statistics=options.double_quant,
         quant_type=options.mode, device="meta",
     )  # fmt: skip
-    layer.weight = bnb.nn.Params4bit(
-        linear.weight.detach(), requires_grad=False, blocksize=options.blocksize,
+    layer.weight = bnb.nn.Params4bit(  # from a CPU copy: moving it quantizes it
+        linear.weight.detach().cpu(), requires_grad=False, blocksize=options.blocksize,
         compress_statistics=options.double_quant, quant_type=options.mode,
     )  # fmt: skip
     layer.bias = linear.bias

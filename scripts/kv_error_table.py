@@ -1,0 +1,57 @@
+"""The error each lossy KV setting costs against ``full`` on the default model: mean
+next-token NLL increase and top-1 agreement over 512 WikiText-2 tokens fed in chunks of 128
+(so every chunk after the first predicts from what the cache kept) — the protocol whose
+bounds ``tests/test_quantized_cache.py`` checks. Not a test: it prints the table.
+
+    python scripts/kv_error_table.py
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kvlab
+from kvlab.cache import build_cache
+from kvlab.workload import build_prompts
+
+SETTINGS = [
+    ("int8", {}), ("int8", {"key_axis": "token"}), ("int4", {}), ("int4", {"key_axis": "token"}),
+    ("int2", {}), ("int2", {"key_axis": "token"}), ("paged", {"kv_bits": 8}),
+    ("paged", {"kv_bits": 4}), ("sliding", {"window": 1024, "kv_bits": 4}),
+    ("sliding", {"window": 128, "sinks": 4}), ("gqa_shared", {"factor": 3}),
+    ("gqa_shared", {"factor": 3, "merge": "first"}),
+]  # fmt: skip
+RESIDUAL = 32  # int*: so that most of the 512 tokens are really quantized
+
+
+def chunked_nll(model, ids, name, options, chunk=128):
+    """Mean next-token NLL past the first chunk, and top-1 predictions."""
+    cache = build_cache(name, model.cache_spec(), options)
+    cache.allocate(1, ids.shape[1])
+    logits = []
+    with torch.inference_mode():
+        for start in range(0, ids.shape[1], chunk):
+            piece = ids[:, start : start + chunk]
+            logits.append(model(piece, (start + torch.arange(piece.shape[1]))[None], cache))
+    scored = torch.cat(logits, 1)[0, chunk:-1]  # (T - chunk - 1, V)
+    targets = ids[0, chunk + 1 :]
+    nll = -scored.log_softmax(-1)[torch.arange(len(targets)), targets].mean().item()
+    return nll, scored.argmax(-1)
+
+
+def main() -> None:
+    model, tokenizer = kvlab.load_model("smollm2-135m")
+    ids = torch.tensor(build_prompts(tokenizer, 512, 1))
+    reference_nll, reference_top1 = chunked_nll(model, ids, "full", {})
+    print("| setting | ΔNLL vs full | top-1 agreement |\n|---|---:|---:|")
+    for name, options in SETTINGS:
+        if name.startswith("int"):
+            options = {"residual": RESIDUAL, **options}
+        nll, top1 = chunked_nll(model, ids, name, options)
+        agreement = (top1 == reference_top1).float().mean().item()
+        label = name + "".join(f" {k}={v}" for k, v in options.items())
+        print(f"| {label} | {nll - reference_nll:+.3f} | {agreement:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
