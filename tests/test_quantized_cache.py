@@ -139,3 +139,19 @@ def test_mean_pooling_merges_heads_better_than_keeping_one(smollm2):
     mean_nll, _ = chunked_nll(model, ids, "gqa_shared", dict(factor=3, merge="mean"))
     first_nll, _ = chunked_nll(model, ids, "gqa_shared", dict(factor=3, merge="first"))
     assert mean_nll < first_nll
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
+def test_the_c_encoder_is_bit_identical_to_the_torch_codec(dtype, bits):
+    from kvlab.kernels import kernel_available
+    from kvlab.kernels.codes import encode_token_codes
+
+    if not kernel_available():
+        pytest.skip("no C compiler for kvlab's kernels")
+    x = (torch.randn(2, 3, 9, 64, generator=torch.Generator().manual_seed(2)) * 3 + 1).to(dtype)
+    x[0, 0, 0, :32] = 0.5  # a flat group
+    words, scale, zero = encode_token_codes(x.transpose(1, 2), bits, 32)  # strided input
+    codes, scale_ref, zero_ref = min_max_quantize(x.transpose(1, 2).unflatten(-1, (2, 32)), bits)
+    assert torch.equal(words, pack_words(codes.flatten(-2), bits))
+    assert torch.equal(scale, scale_ref[..., 0]) and torch.equal(zero, zero_ref[..., 0])

@@ -88,10 +88,19 @@ class TokenCodes:
     group: int
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (..., D) → words (..., W), scale and zero (..., D / group)."""
+        """x (..., D) → words (..., W), scale and zero (..., D / group); on the CPU in one C
+        call (bit-identical to the torch ops below, which serve other devices and compiled
+        steps, where inductor fuses them)."""
         dim = x.shape[-1]
         if dim % self.group:
             raise ValueError(f"a group of {self.group} channels must divide head_dim={dim}")
+        eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        if eager_cpu and x.dtype in (torch.float32, torch.bfloat16):  # compiled: fused anyway
+            from kvlab.kernels.codes import encode_token_codes
+
+            encoded = encode_token_codes(x, self.bits, self.group)
+            if encoded is not None:
+                return encoded
         grouped = x.reshape(*x.shape[:-1], dim // self.group, self.group)
         codes, scale, zero = min_max_quantize(grouped, self.bits)
         return pack_words(codes.flatten(-2), self.bits), scale[..., 0], zero[..., 0]

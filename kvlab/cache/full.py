@@ -56,10 +56,20 @@ def write_rows(store: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> N
     """Write new (B, H, T, E) at slots (B, T) of store (B, H, S, E), in place. (An indexed
     put: inductor writes it in place, where a compiled ``scatter_`` into a cache tensor
     copies the whole tensor every step.)"""
-    batch, heads = new.shape[:2]
-    rows = torch.arange(batch, device=slots.device)[:, None, None]  # (B, 1, 1)
-    head = torch.arange(heads, device=slots.device)[None, :, None]  # (1, H, 1)
-    store.index_put_((rows, head, slots[:, None, :]), new)
+    rows, heads = _row_head_index(*new.shape[:2], slots.device)
+    store.index_put_((rows, heads, slots[:, None, :]), new)
+
+
+_INDEX: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _row_head_index(batch: int, heads: int, device: torch.device):
+    """(B, 1, 1) row and (1, H, 1) head indices, made once per shape (not per write)."""
+    key = (batch, heads, device)
+    if key not in _INDEX:
+        rows = torch.arange(batch, device=device)[:, None, None]
+        _INDEX[key] = (rows, torch.arange(heads, device=device)[None, :, None])
+    return _INDEX[key]
 
 
 def decode_output(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

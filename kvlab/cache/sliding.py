@@ -144,7 +144,8 @@ class SlidingWindowCache(KVCache):
         origin = torch.zeros_like(start)
         step = SlidingStep(info, start, end, slots, positions, kept, filled, rows, origin)
         step.to_cache = self._cache_rotation(info)
-        if steps > 1 and max(self.lengths) > 0 or steps > window:
+        plain_causal = max(self.lengths) == 0 and steps <= window  # a first, uncut prefill
+        if steps > 1 and not plain_causal:
             keys = torch.cat([self.slot_pos, positions], dim=1)  # (B, S + 1 + T)
             step.mask = visible(positions, keys, window, sinks)
         return step

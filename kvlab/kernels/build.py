@@ -25,6 +25,7 @@ SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 # the kernels use a finite sentinel, not -inf, for "no score seen"), but never on the link
 # line: there gcc adds crtfastmath.o, which sets flush-to-zero for the whole process
 FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-std=c11", "-ffast-math"]
+EXACT = ("codes.c",)  # bit-identical to the torch path: no fast-math
 LIBS = ["-lmvec", "-lm"]
 
 
@@ -46,7 +47,7 @@ def _library_path(compiler: str) -> Path:
     from kvlab.models.loading import cache_dir
 
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(FLAGS + LIBS).encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(FLAGS + LIBS + list(EXACT)).encode()):
         key.update(part)
     key.update(compiler.encode())
     key.update(_cpu_identity().encode())
@@ -59,7 +60,7 @@ def _compile(compiler: str, out: Path) -> None:
         partial = Path(tmp) / out.name
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         commands = [
-            [compiler, *FLAGS, "-c", str(source), "-o", str(obj)]
+            [compiler, *_flags(source), "-c", str(source), "-o", str(obj)]
             for source, obj in zip(SOURCES, objects, strict=True)
         ]
         commands.append(
@@ -70,6 +71,10 @@ def _compile(compiler: str, out: Path) -> None:
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
         partial.replace(out)
+
+
+def _flags(source: Path) -> list[str]:
+    return [f for f in FLAGS if f != "-ffast-math"] if source.name in EXACT else FLAGS
 
 
 @functools.cache

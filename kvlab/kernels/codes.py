@@ -1,0 +1,35 @@
+"""Per-token quantization codes on the CPU in one C call (``codes.c``): the write path of
+``kv_bits`` storage and of KIVI's values, ~20 small torch ops per layer per step before."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvlab.kernels.build import library
+
+
+def encode_token_codes(x: torch.Tensor, bits: int, group: int):
+    """(words (..., D*bits/32) int32, scale, zero (..., D/group) in x's dtype) of x (..., D),
+    or None where the kernel is unavailable (the caller's torch path runs)."""
+    lib = library()
+    if lib is None:
+        return None
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    count = rows.shape[0]
+    words = torch.empty(count, dim * bits // 32, dtype=torch.int32)
+    scale = torch.empty(count, dim // group, dtype=x.dtype)
+    zero = torch.empty_like(scale)
+    bf16 = int(x.dtype == torch.bfloat16)
+    lib.kvlab_encode_token_codes(
+        ctypes.c_void_p(rows.data_ptr()), bf16, ctypes.c_int64(rows.stride(0)),
+        ctypes.c_int64(count), ctypes.c_int64(dim), ctypes.c_int64(group), bits,
+        ctypes.c_void_p(words.data_ptr()), ctypes.c_void_p(scale.data_ptr()),
+        ctypes.c_void_p(zero.data_ptr()), bf16,
+    )  # fmt: skip
+    lead = x.shape[:-1]
+    return words.view(*lead, -1), scale.view(*lead, -1), zero.view(*lead, -1)
