@@ -1,9 +1,10 @@
 """Every KV strategy on the default model, side by side in one process: KV bytes, TTFT, ITL
 (ratios to ``full``), greedy-token agreement with ``full``, and how close decode comes to
 the memory-bandwidth roof; Hugging Face's DynamicCache and QuantizedCache (quanto int4) as
-peers; ``paged`` vs ``full`` decode throughput on a batch of 16 mixed lengths. Strategies
-run in interleaved rounds (every strategy once per round, medians over rounds) so a slow
-moment of the machine hits them all alike. Not a test: timings are noisy, read ratios.
+peers; ``paged`` vs ``full`` decode throughput on a batch of 16 mixed lengths. Decode
+steps of all strategies run interleaved (one step of each in turn), in rounds (medians
+over rounds), so a slow spell of the machine hits them all alike. Not a test: timings are
+noisy, read ratios.
 
     pip install -e '.[bench]'   # optimum-quanto, for the HF QuantizedCache peer
     python scripts/bench_kv_strategies.py --prompt-len 4096 --new-tokens 64 --rounds 3
@@ -45,6 +46,7 @@ STRATEGIES = [
 
 def agreement(tokens: list[int], reference: list[int], count: int) -> tuple[int, int]:
     """(equal positions among the first ``count``, index of the first difference)."""
+    count = min(count, len(reference))
     pairs = list(zip(tokens[:count], reference[:count], strict=True))
     first = next((i for i, (a, b) in enumerate(pairs) if a != b), count)
     return sum(a == b for a, b in pairs), first
@@ -64,8 +66,7 @@ def kvlab_rows(model, prompt, args) -> list[dict]:
         engines[label(name, options)] = engine
     runs: dict[str, list] = {key: [] for key in engines}
     for round_ in range(args.rounds):
-        for key, engine in engines.items():
-            run = engine.generate([prompt], cfg)
+        for key, run in lockstep(engines, [prompt], cfg).items():
             runs[key].append(run)
             itl = percentile(run.stats.step_s, 50) * 1e3
             print(f"round {round_} {key:32s} ttft_ms={run.stats.ttft_s * 1e3:8.0f} "
@@ -82,6 +83,21 @@ def kvlab_rows(model, prompt, args) -> list[dict]:
             agree=equal, first_diff=first,
         ))  # fmt: skip
     return rows
+
+
+def lockstep(engines: dict[str, Engine], prompts: list[list[int]], cfg) -> dict:
+    """One generation per engine: every prefill in turn, then the decode steps interleaved
+    (one step of each engine, then the next step of each), so a slow spell of a shared
+    machine lands on every strategy alike instead of on whichever ran then."""
+    runs = {key: engine.stream(prompts, cfg) for key, engine in engines.items()}
+    steps = {key: iter(run) for key, run in runs.items()}
+    for step in steps.values():
+        next(step)  # the prefill and first token
+    while steps:
+        for key in list(steps):
+            if next(steps[key], None) is None:
+                del steps[key]
+    return runs
 
 
 def hf_rows(prompt, args) -> list[dict]:
@@ -127,13 +143,12 @@ def batch_throughput(model, tokenizer, args) -> None:
     lengths = [rng.randint(args.batch_min, args.batch_max) for _ in range(16)]
     windows = text_windows(tokenizer, wikitext2_test_text(), max(*lengths, 1024 + 64), 16)
     prompts = [w[:n] for w, n in zip(windows, lengths, strict=True)]
-    cfg = GenerationConfig(args.batch_new_tokens, stop_on_eos=False, prefill_chunk=args.chunk)
+    cfg = GenerationConfig(args.batch_new_tokens, stop_on_eos=False)  # one-pass prefill
     engines = {n: Engine(model, build_cache(n, model.cache_spec())) for n in ("full", "paged")}
     speeds: dict[str, list[float]] = {n: [] for n in engines}
     for _ in range(args.rounds):
-        for name, engine in engines.items():
-            stats = engine.generate(prompts, cfg).stats
-            speeds[name].append(sum(stats.step_rows) / sum(stats.step_s))
+        for name, run in lockstep(engines, prompts, cfg).items():
+            speeds[name].append(sum(run.stats.step_rows) / sum(run.stats.step_s))
     for name, values in speeds.items():
         print(f"batch of 16 ({min(lengths)}-{max(lengths)} tokens) {name}: "
               f"decode_tok_s={statistics.median(values):.1f}", flush=True)  # fmt: skip
@@ -173,7 +188,7 @@ def print_table(rows: list[dict], roof, args) -> None:
             f"| {r['strategy']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base['kv_bytes']:.3f} | "
             f"{r['ttft_ms']:.0f} | {r['ttft_ms'] / base['ttft_ms']:.2f} | "
             f"{r['itl_ms_p50']:.2f} | {r['itl_ms_p50'] / base['itl_ms_p50']:.2f} | "
-            f"{floor:.2f} | {r['itl_ms_p50'] / floor:.2f} | {r['agree']}/{args.agree_tokens} | "
+            f"{floor:.2f} | {r['itl_ms_p50'] / floor:.2f} | {r['agree']}/{min(args.agree_tokens, args.new_tokens)} | "
             f"{r['first_diff']} |"
         )
 
