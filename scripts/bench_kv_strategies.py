@@ -181,6 +181,7 @@ def print_table(rows: list[dict], roof, args) -> None:
     print("| strategy | KV bytes | KV / full | TTFT ms | TTFT / full | ITL p50 ms | ITL / full "
           "| roof ms | ITL / roof | tokens equal | first diff |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    agreed = min(args.agree_tokens, args.new_tokens)
     for r in rows:
         base = hf_full if r["strategy"].startswith("hf") else full
         floor = roof.itl_s(r["kv_used"]) * 1e3
@@ -188,7 +189,7 @@ def print_table(rows: list[dict], roof, args) -> None:
             f"| {r['strategy']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base['kv_bytes']:.3f} | "
             f"{r['ttft_ms']:.0f} | {r['ttft_ms'] / base['ttft_ms']:.2f} | "
             f"{r['itl_ms_p50']:.2f} | {r['itl_ms_p50'] / base['itl_ms_p50']:.2f} | "
-            f"{floor:.2f} | {r['itl_ms_p50'] / floor:.2f} | {r['agree']}/{min(args.agree_tokens, args.new_tokens)} | "
+            f"{floor:.2f} | {r['itl_ms_p50'] / floor:.2f} | {r['agree']}/{agreed} | "
             f"{r['first_diff']} |"
         )
 
