@@ -20,7 +20,7 @@ import torch
 from kvlab.cache import compressor
 from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, Step, StepInfo, register
 from kvlab.cache.compressor import calibration_defaults
-from kvlab.cache.full import write_rows
+from kvlab.cache.full import decode_output, grouped, write_rows
 from kvlab.cache.pooling import (
     GATES,
     LayerPooling,
@@ -31,6 +31,7 @@ from kvlab.cache.pooling import (
     window_slots,
 )
 from kvlab.cache.sliding import SlidingOptions, SlidingWindowCache
+from kvlab.kernels import Segment, Stored, decode_attention
 
 KINDS = ("csa", "hca", "window")
 
@@ -161,7 +162,10 @@ class CompressedCache(KVCache):
             key = (pool.ratio, pool.overlap, pool.observed)
             if key not in plans:
                 plans[key] = self._pooling_plan(info, start, end, pool)
-        return CompressedStep(info, start, end, window, plans)
+        step = CompressedStep(info, start, end, window, plans)
+        step.rows = torch.arange(len(self.lengths), device=start.device)[:, None]
+        step.origin = torch.zeros_like(start)
+        return step
 
     def _no_window(self, info: StepInfo) -> torch.Tensor:
         batch, steps = info.positions.shape
@@ -178,7 +182,9 @@ class CompressedCache(KVCache):
         slots = window_slots(windows, pool)  # (B, M, span)
         positions = start[:, None] + torch.arange(steps, device=device)  # (B, T)
         real = positions < end[:, None]
+        pairs = zip(self.lengths, info.num_new, strict=True)
         plan = PoolingPlan(
+            pools=any((n + k) // pool.ratio > n // pool.ratio for n, k in pairs),
             windows=windows,
             closes=closes,
             slots=slots,
@@ -209,8 +215,12 @@ class CompressedCache(KVCache):
         pool = self.pools.get(layer)
         if pool is None:
             return self.window.attend(layer, q, k, v, k_raw)
-        window = self._window_part(layer, k, v)
         plan = self.step.plans[(pool.ratio, pool.overlap, pool.observed)]
+        if self.step.decode and not self.options.proportional:
+            self._pool(layer, pool, plan, q, k_raw, v)
+            segments = self._decode_segments(layer, pool, q, k, v)
+            return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
+        window = self._window_part(layer, k, v)
         self._pool(layer, pool, plan, q, k_raw, v)
         count = plan.visible.shape[-1]
         stored = self.entries[layer][:, :, :, :count]  # (2, B, H_kv, N, D)
@@ -222,6 +232,35 @@ class CompressedCache(KVCache):
             math.log(pool.ratio) if self.options.proportional else 0.0,
         )
 
+    def _decode_segments(self, layer: int, pool: LayerPooling, q, k, v) -> list[Segment]:
+        """A decode step reads the entries its query sees and the exact window in place
+        (the decode kernel, one softmax over both). With a top-k, each (row, KV head) reads
+        the k visible entries its query heads score highest (q . k summed over the group,
+        as :func:`top_k_mask`), through a table of its own."""
+        step, kv_heads = self.step, self.spec.num_kv_heads
+        entries = self.entries[layer]  # (2, B, H_kv, N + 1, D); the last is the trash entry
+        behind = self.options.entries_behind()
+        seen = (step.end - behind).clamp(min=0) // pool.ratio  # (B,) entries visible
+        queries = grouped(q, kv_heads)  # (B, H_kv, G, D)
+        window = self.window.decode_segments(layer, q, k, v) if self.window else []
+        stored = entries.shape[3] - 1
+        if not pool.top_k or stored <= pool.top_k:
+            keys, values = Stored(entries[0]), Stored(entries[1])
+            return [Segment(queries, keys, values, step.rows, step.origin, seen), *window]
+        summed = queries.sum(dim=2, keepdim=True)  # (B, H_kv, 1, D)
+        scores = (summed @ entries[0].transpose(-1, -2)).squeeze(2)  # (B, H_kv, N + 1)
+        slots = torch.arange(stored + 1, device=scores.device)
+        scores = scores.masked_fill(slots >= seen[:, None, None], float("-inf"))
+        chosen = scores.topk(pool.top_k, dim=-1).indices.flatten(0, 1)  # (B * H_kv, k)
+        pairs = torch.arange(chosen.shape[0], device=chosen.device)[:, None]
+        single = lambda t: Stored(t.view(-1, 1, 1, t.shape[-1]))  # noqa: E731  one entry a block
+        picked = Segment(
+            queries.reshape(-1, 1, *queries.shape[2:]), single(entries[0]), single(entries[1]),
+            pairs * (stored + 1) + chosen, step.origin.repeat_interleave(kv_heads),
+            seen.clamp(max=pool.top_k).repeat_interleave(kv_heads),
+        )  # fmt: skip
+        return [picked, *(w.per_head() for w in window)]
+
     def _window_part(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Keys, values (B, H_kv, L, D) and mask (B, 1, T, L) of the exact window (L = 0
         without one)."""
@@ -231,7 +270,20 @@ class CompressedCache(KVCache):
 
     def _pool(self, layer: int, pool: LayerPooling, plan: PoolingPlan, q, k_raw, v) -> None:
         """Pool the windows this step closes (every row at once; rows that close fewer
-        write into the trash entry), then buffer the step's raw keys, values (and queries)."""
+        write into the trash entry), then buffer the step's raw keys, values (and queries).
+        Eager steps where no row closes a window skip the pooling (3 of 4 decode steps of a
+        CSA layer, 127 of 128 of an HCA layer); a compiled step always pools (one graph)."""
+        raw = self.raw[layer]
+        if torch.compiler.is_compiling() or plan.pools:
+            self._pool_closed(layer, pool, plan, q, k_raw, v)
+        write_rows(raw[0], plan.buffer_slots, k_raw)
+        write_rows(raw[1], plan.buffer_slots, v)
+        if pool.gate == "attention":
+            write_rows(self.queries[layer], plan.query_slots, q)
+
+    def _pool_closed(self, layer: int, pool: LayerPooling, plan: PoolingPlan, q, k_raw, v):
+        """Entries of the windows the step closes (before the step's tokens are buffered:
+        the sources read the rings as they were)."""
         raw = self.raw[layer]
         keys, values = plan.sources.take(raw[0], k_raw), plan.sources.take(raw[1], v)
         queries = None
@@ -244,10 +296,6 @@ class CompressedCache(KVCache):
         index = torch.where(plan.closes, plan.windows, trash)  # (B, M)
         write_rows(self.entries[layer][0], index, pooled_keys)
         write_rows(self.entries[layer][1], index, pooled_values)
-        write_rows(raw[0], plan.buffer_slots, k_raw)
-        write_rows(raw[1], plan.buffer_slots, v)
-        if pool.gate == "attention":
-            write_rows(self.queries[layer], plan.query_slots, q)
 
     def end(self) -> None:
         if self.window:
@@ -323,10 +371,12 @@ class _Sources:
 
 @dataclass
 class PoolingPlan:
-    """One pooling geometry's step metadata: the M candidate ``windows`` (B, M) of each row,
-    which ``closes`` in this step, their ``slots`` (B, M, span) and where those come from;
-    where the new tokens (and queries) are buffered; the entries each query sees."""
+    """One pooling geometry's step metadata: whether any row ``pools``, the M candidate
+    ``windows`` (B, M) of each row, which ``closes`` in this step, their ``slots``
+    (B, M, span) and where those come from; where the new tokens (and queries) are
+    buffered; the entries each query sees."""
 
+    pools: bool  # some row closes a window in this step
     windows: torch.Tensor
     closes: torch.Tensor
     slots: torch.Tensor
@@ -343,3 +393,5 @@ class CompressedStep(Step):
 
     window: torch.Tensor = None
     plans: dict = field(default_factory=dict)
+    rows: torch.Tensor | None = None  # (B, 1): row b's entries are "block" b (decode kernel)
+    origin: torch.Tensor | None = None  # (B,) zeros: every row reads from entry 0

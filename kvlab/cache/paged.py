@@ -54,7 +54,7 @@ class PagedStep(Step):
 
 @register("paged")
 class PagedCache(KVCache):
-    """Per layer a block pool (N + 1, H_kv, block, E) per stored component (+1: the trash
+    """Per layer a block pool (N + 1, H_kv, block, E) — stored head-major — per stored component (+1: the trash
     block padding writes into) and per-row block tables, on the host and on the device."""
 
     Options = PagedOptions
@@ -95,14 +95,21 @@ class PagedCache(KVCache):
         s, o = self.spec, self.options
         self.pool = BlockPool(blocks, o.block_size)
         self.codes = o.token_codes(s.head_dim)
-        lead = (blocks + 1, s.num_kv_heads, o.block_size)
+        lead = (s.num_kv_heads, blocks + 1, o.block_size)
         if self.codes is None:
             layout = [((*lead, s.head_dim), s.dtype)]
         else:
             groups = s.head_dim // self.codes.group
             layout = [((*lead, s.head_dim * self.codes.bits // 32), torch.int32)]
             layout += [((*lead, groups), s.dtype)] * 2
-        make = lambda: [torch.zeros(shape, dtype=t, device=s.device) for shape, t in layout]  # noqa: E731
+
+        def make() -> list[torch.Tensor]:
+            # head-major storage, seen block-major: a head's consecutive blocks are adjacent
+            # in memory, so decode streams them like a contiguous cache (block-major storage
+            # read 4 KiB runs a page apart, 1.3x slower on the AMD EPYC here)
+            zeros = lambda shape, t: torch.zeros(shape, dtype=t, device=s.device)  # noqa: E731
+            return [zeros(shape, t).transpose(0, 1) for shape, t in layout]
+
         self.keys = [make() for _ in range(s.num_layers)]
         self.values = [make() for _ in range(s.num_layers)]
 

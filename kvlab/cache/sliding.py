@@ -164,15 +164,16 @@ class SlidingWindowCache(KVCache):
     def attend(self, layer, q, k, v, k_raw):
         step = self.step
         if step.decode:
-            self._write(layer, k, v)
-            segments = self._decode_segments(layer, q)
+            segments = self.decode_segments(layer, q, k, v)
             return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
         keys, values = self.context(layer, k, v)
         return self._attention(q, keys, values, step.mask)
 
-    def _decode_segments(self, layer: int, q: torch.Tensor) -> list[Segment]:
-        """The filled slots in place; with cache positions, sinks and window as two
-        segments, the sinks seen by the query rotated to its cache position."""
+    def decode_segments(self, layer: int, q, k, v) -> list[Segment]:
+        """Store a decode step's k/v (B, H_kv, 1, D) and return what its queries read: the
+        filled slots in place; with cache positions, sinks and window as two segments, the
+        sinks seen by the query rotated to its cache position."""
+        self._write(layer, k, v)
         step, keys, values = (
             self.step,
             self._stored(self.keys[layer]),

@@ -39,6 +39,17 @@ class Stored:
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
 
+    def per_head(self) -> Stored:
+        """(N, H_kv, ...) storage as (N * H_kv, 1, ...) views (see :meth:`Segment.per_head`)."""
+
+        def split(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.view(-1, 1, *t.shape[2:])
+
+        return Stored(
+            split(self.data), self.format, self.bits, self.group, split(self.scale),
+            split(self.zero),
+        )  # fmt: skip
+
     def rows(self, block_ids: torch.Tensor, dim: int) -> torch.Tensor:
         """Decoded fp32 rows of blocks ``block_ids`` (B, n): (B, H_kv, n * slots, D)."""
 
@@ -76,6 +87,25 @@ class Segment:
     def capacity(self) -> int:
         """Logical tokens a row can address."""
         return self.ring or self.table.shape[1] * self.block_size
+
+    def per_head(self) -> Segment:
+        """The same attention with every (row, KV head) as a row of one KV head, so each
+        head can have a table of its own (a top-k of entries per head): queries
+        (B * H_kv, 1, G, D), storage seen as (N * H_kv, 1, slots, E) — a view, so block and
+        head axes must merge — and block ``n`` of row ``b`` as block ``n * H_kv + h`` of
+        row ``b * H_kv + h``."""
+        batch, heads = self.q.shape[:2]
+        head = torch.arange(heads, device=self.table.device)
+        table = (self.table[:, None, :] * heads + head[None, :, None]).flatten(0, 1)
+        return Segment(
+            self.q.reshape(batch * heads, 1, *self.q.shape[2:]),
+            self.keys.per_head(),
+            self.values.per_head(),
+            table,
+            self.lo.repeat_interleave(heads),
+            self.hi.repeat_interleave(heads),
+            self.ring,
+        )
 
 
 def decode_attention(segments: list[Segment], scale: float, out_dtype: torch.dtype):

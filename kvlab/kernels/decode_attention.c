@@ -136,6 +136,22 @@ static int next_run(const Job *job, int b, int64_t t, int64_t end, int64_t *bloc
   return (int)(run < TILE ? run : TILE);
 }
 
+/* Rows of logical tokens t.. (< end) into rows[0..], across runs and blocks, up to TILE
+ * (decoded ones into tile); returns how many. */
+static int fill_rows(const Job *job, const Store *s, int b, int h, int64_t t, int64_t end,
+                     float *restrict tile, const float **rows) {
+  int filled = 0;
+  int64_t block, slot;
+  while (filled < TILE && t < end) {
+    int run = next_run(job, b, t, end, &block, &slot);
+    if (run > TILE - filled) run = TILE - filled;
+    load_rows(s, block, h, slot, run, job->D, tile + filled * job->D, rows + filled);
+    filled += run;
+    t += run;
+  }
+  return filled;
+}
+
 /* scores[g][i] = scale * q_g . rows[i] for a run of n rows. */
 static void key_scores(const float *q, const float **rows, int n, int G, int D, float scale,
                        float *scores, int stride) {
@@ -212,10 +228,8 @@ static void attend_chunk(const Job *job, int b, int h, int c) {
   float scores[G * n];
   float tile[TILE * D];
   const float *rows[TILE];
-  int64_t block, slot;
   for (int64_t t = t0; t < t1;) {
-    const int run = next_run(job, b, t, t1, &block, &slot);
-    load_rows(&job->k, block, h, slot, run, D, tile, rows);
+    const int run = fill_rows(job, &job->k, b, h, t, t1, tile, rows);
     key_scores(q, rows, run, G, D, job->scale, scores + (t - t0), n);
     t += run;
   }
@@ -226,8 +240,7 @@ static void attend_chunk(const Job *job, int b, int h, int c) {
     m[g] = top, l[g] = sum;
   }
   for (int64_t t = t0; t < t1;) {
-    const int run = next_run(job, b, t, t1, &block, &slot);
-    load_rows(&job->v, block, h, slot, run, D, tile, rows);
+    const int run = fill_rows(job, &job->v, b, h, t, t1, tile, rows);
     add_values(scores + (t - t0), n, rows, run, G, D, o);
     t += run;
   }
