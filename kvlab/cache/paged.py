@@ -54,8 +54,9 @@ class PagedStep(Step):
 
 @register("paged")
 class PagedCache(KVCache):
-    """Per layer a block pool (N + 1, H_kv, block, E) — stored head-major — per stored component (+1: the trash
-    block padding writes into) and per-row block tables, on the host and on the device."""
+    """Per layer a block pool (N + 1, H_kv, block, E), stored head-major, per stored
+    component (+1: the trash block padding writes into) and per-row block tables, on the
+    host and on the device."""
 
     Options = PagedOptions
 
