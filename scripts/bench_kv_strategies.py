@@ -27,6 +27,7 @@ from kvlab.engine import Engine, GenerationConfig
 from kvlab.engine.timing import percentile
 from kvlab.models import resolve_checkpoint
 from kvlab.models.loading import random_model
+from kvlab.quiet import quiet_third_party
 from kvlab.workload import build_prompts, text_windows
 
 STRATEGIES = [
@@ -215,6 +216,7 @@ def main() -> None:
                     help="the default model's shape with random weights (timing only, e.g. on "
                          "a GPU machine the weights cannot reach)")  # fmt: skip
     args = ap.parse_args()
+    quiet_third_party()
     dtype = getattr(torch, args.dtype)
     if args.random_weights:
         model, tokenizer = random_model(args.random_weights, dtype, args.device), None

@@ -23,6 +23,7 @@ from kvlab.cache import build_cache
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.engine.timing import percentile
 from kvlab.models import resolve_checkpoint
+from kvlab.quiet import quiet_third_party
 from kvlab.workload import build_prompts
 
 
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also kvlab with compiled decode")
     args = ap.parse_args()
+    quiet_third_party()
     dtype = getattr(torch, args.dtype)
     model, tok = kvlab.load_model(args.model, dtype=dtype)
     engines = {"kvlab": Engine(model, build_cache("full", model.cache_spec()))}

@@ -12,6 +12,7 @@ import torch
 
 import kvlab
 from kvlab.cache import build_cache
+from kvlab.quiet import quiet_third_party
 from kvlab.workload import build_prompts
 
 SETTINGS = [
@@ -40,6 +41,7 @@ def chunked_nll(model, ids, name, options, chunk=128):
 
 
 def main() -> None:
+    quiet_third_party()
     model, tokenizer = kvlab.load_model("smollm2-135m")
     ids = torch.tensor(build_prompts(tokenizer, 512, 1))
     reference_nll, reference_top1 = chunked_nll(model, ids, "full", {})

@@ -55,6 +55,33 @@ def test_kernel_equals_reference_over_a_contiguous_store(case):
 
 
 @needs_kernel
+@pytest.mark.parametrize("group", [9, 12])
+def test_kernel_equals_reference_for_query_groups_wider_than_a_vector(group):
+    """MQA (gqa_shared factor=3 on the default model) puts 9 query heads on one KV head."""
+    keys, values = stored_case("fp32")
+    segment = contiguous_segment(keys, values, [0, 7], [300, 64], q=rand(B, H, group, D))
+    out = decode_attention([segment], D**-0.5, torch.float32)
+    torch.testing.assert_close(out, reference_attention([segment], D**-0.5), atol=1e-5, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["fp32", "codes4"])
+def test_per_head_segments_attend_as_the_original(case):
+    """Every (row, KV head) as a row of its own (compressed's per-head top-k tables) reads
+    the same tokens: same output, whether or not the kernel runs."""
+    keys, values = stored_case(case, 60)  # 60: whole groups of 30 channel-code tokens
+    ring = contiguous_segment(keys, values, [100, 0], [150, 40], ring=60)
+    split = ring.per_head()
+    assert split.q.shape == (B * H, 1, G, D)
+    expected = reference_attention([ring], D**-0.5)
+    for segments in ([split], [split, split]):  # a token read twice: the same softmax
+        reference = reference_attention(segments, D**-0.5).view(B, H, G, D)
+        out = decode_attention(segments, D**-0.5, torch.float32).view(B, H, G, D)
+        torch.testing.assert_close(reference, expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=0)
+
+
+@needs_kernel
 def test_kernel_equals_reference_through_rings_tables_and_segments():
     keys, values = stored_case("fp32", 64)
     ring = contiguous_segment(keys, values, [100, 0], [150, 40], ring=64)

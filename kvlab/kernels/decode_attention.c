@@ -188,16 +188,21 @@ static void key_scores(const float *q, const float **rows, int n, int G, int D, 
 static void add_values(const float *weights, int stride, const float **rows, int n, int G,
                        int D, float *out) {
 #if defined(__AVX2__) && defined(__FMA__)
-  if (D % 8 == 0 && G <= 8) {
-    for (int d = 0; d < D; d += 8) {
-      __m256 acc[8];
-      for (int g = 0; g < G; g++) acc[g] = _mm256_loadu_ps(out + g * D + d);
-      for (int i = 0; i < n; i++) {
-        const __m256 v = _mm256_loadu_ps(rows[i] + d);
-        for (int g = 0; g < G; g++)
-          acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(weights[g * stride + i]), v, acc[g]);
+  if (D % 8 == 0) { /* query heads 8 at a time (MQA groups are larger than 8) */
+    for (int g0 = 0; g0 < G; g0 += 8) {
+      const int gn = G - g0 < 8 ? G - g0 : 8;
+      const float *w = weights + g0 * stride;
+      float *o = out + g0 * D;
+      for (int d = 0; d < D; d += 8) {
+        __m256 acc[8];
+        for (int g = 0; g < gn; g++) acc[g] = _mm256_loadu_ps(o + g * D + d);
+        for (int i = 0; i < n; i++) {
+          const __m256 v = _mm256_loadu_ps(rows[i] + d);
+          for (int g = 0; g < gn; g++)
+            acc[g] = _mm256_fmadd_ps(_mm256_set1_ps(w[g * stride + i]), v, acc[g]);
+        }
+        for (int g = 0; g < gn; g++) _mm256_storeu_ps(o + g * D + d, acc[g]);
       }
-      for (int g = 0; g < G; g++) _mm256_storeu_ps(out + g * D + d, acc[g]);
     }
     return;
   }

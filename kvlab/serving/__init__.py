@@ -1,0 +1,13 @@
+"""Serving studies: seeded request traces and the serving metrics (vLLM's definitions)."""
+
+from kvlab.serving.metrics import RequestTimes, serving_metrics
+from kvlab.serving.trace import LengthDistribution, Request, TraceConfig, make_trace
+
+__all__ = [
+    "LengthDistribution",
+    "Request",
+    "RequestTimes",
+    "TraceConfig",
+    "make_trace",
+    "serving_metrics",
+]
