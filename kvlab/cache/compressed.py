@@ -236,30 +236,52 @@ class CompressedCache(KVCache):
         """A decode step reads the entries its query sees and the exact window in place
         (the decode kernel, one softmax over both). With a top-k, each (row, KV head) reads
         the k visible entries its query heads score highest (q . k summed over the group,
-        as :func:`top_k_mask`), through a table of its own."""
+        as :func:`top_k_mask`), through a table of its own. What depends only on the step
+        (bounds, tables, masks) is built once per step, not per layer."""
         step, kv_heads = self.step, self.spec.num_kv_heads
         entries = self.entries[layer]  # (2, B, H_kv, N + 1, D); the last is the trash entry
-        behind = self.options.entries_behind()
-        seen = (step.end - behind).clamp(min=0) // pool.ratio  # (B,) entries visible
+        seen = self._once(("seen", pool.ratio), lambda: self._entries_seen(pool.ratio))
         queries = grouped(q, kv_heads)  # (B, H_kv, G, D)
         window = self.window.decode_segments(layer, q, k, v) if self.window else []
         stored = entries.shape[3] - 1
         if not pool.top_k or stored <= pool.top_k:
             keys, values = Stored(entries[0]), Stored(entries[1])
             return [Segment(queries, keys, values, step.rows, step.origin, seen), *window]
+        hidden, base, lo, hi = self._once(
+            ("top_k", pool.ratio, pool.top_k), lambda: self._top_k_index(seen, stored, pool)
+        )
         summed = queries.sum(dim=2, keepdim=True)  # (B, H_kv, 1, D)
         scores = (summed @ entries[0].transpose(-1, -2)).squeeze(2)  # (B, H_kv, N + 1)
-        slots = torch.arange(stored + 1, device=scores.device)
-        scores = scores.masked_fill(slots >= seen[:, None, None], float("-inf"))
-        chosen = scores.topk(pool.top_k, dim=-1).indices.flatten(0, 1)  # (B * H_kv, k)
-        pairs = torch.arange(chosen.shape[0], device=chosen.device)[:, None]
+        chosen = scores.masked_fill_(hidden, float("-inf")).topk(pool.top_k, dim=-1).indices
         single = lambda t: Stored(t.view(-1, 1, 1, t.shape[-1]))  # noqa: E731  one entry a block
         picked = Segment(
             queries.reshape(-1, 1, *queries.shape[2:]), single(entries[0]), single(entries[1]),
-            pairs * (stored + 1) + chosen, step.origin.repeat_interleave(kv_heads),
-            seen.clamp(max=pool.top_k).repeat_interleave(kv_heads),
+            base + chosen.flatten(0, 1), lo, hi,
         )  # fmt: skip
-        return [picked, *(w.per_head() for w in window)]
+        indexes = [self._once(("window", i), w.per_head_index) for i, w in enumerate(window)]
+        return [picked, *(w.per_head(i) for w, i in zip(window, indexes, strict=True))]
+
+    def _once(self, key: tuple, make):
+        """A step constant, built by the first layer that asks for it."""
+        memo = self.step.constants
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
+    def _entries_seen(self, ratio: int) -> torch.Tensor:
+        """(B,) entries a decode query sees: windows closed ``behind`` tokens ago."""
+        behind = self.options.entries_behind()
+        return (self.step.end - behind).clamp(min=0) // ratio
+
+    def _top_k_index(self, seen: torch.Tensor, stored: int, pool: LayerPooling) -> tuple:
+        """For per-head top-k tables: the hidden entries (B, 1, N + 1), each (row, head)'s
+        first entry index in the flattened store (B * H_kv, 1), and its bounds (lo, hi)."""
+        heads = self.spec.num_kv_heads
+        slots = torch.arange(stored + 1, device=seen.device)
+        hidden = (slots >= seen[:, None])[:, None]
+        pairs = torch.arange(len(self.lengths) * heads, device=seen.device)[:, None]
+        lo = self.step.origin.repeat_interleave(heads)
+        return hidden, pairs * (stored + 1), lo, seen.clamp(max=pool.top_k).repeat_interleave(heads)
 
     def _window_part(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Keys, values (B, H_kv, L, D) and mask (B, 1, T, L) of the exact window (L = 0
@@ -395,3 +417,4 @@ class CompressedStep(Step):
     plans: dict = field(default_factory=dict)
     rows: torch.Tensor | None = None  # (B, 1): row b's entries are "block" b (decode kernel)
     origin: torch.Tensor | None = None  # (B,) zeros: every row reads from entry 0
+    constants: dict = field(default_factory=dict)  # built by the first layer that needs them

@@ -88,24 +88,31 @@ class Segment:
         """Logical tokens a row can address."""
         return self.ring or self.table.shape[1] * self.block_size
 
-    def per_head(self) -> Segment:
+    def per_head(self, index: tuple | None = None) -> Segment:
         """The same attention with every (row, KV head) as a row of one KV head, so each
         head can have a table of its own (a top-k of entries per head): queries
         (B * H_kv, 1, G, D), storage seen as (N * H_kv, 1, slots, E) — a view, so block and
         head axes must merge — and block ``n`` of row ``b`` as block ``n * H_kv + h`` of
-        row ``b * H_kv + h``."""
+        row ``b * H_kv + h``. ``index``: :meth:`per_head_index`, when already built (it
+        depends only on the table and bounds, which every layer of a step shares)."""
         batch, heads = self.q.shape[:2]
-        head = torch.arange(heads, device=self.table.device)
-        table = (self.table[:, None, :] * heads + head[None, :, None]).flatten(0, 1)
+        table, lo, hi = index or self.per_head_index()
         return Segment(
             self.q.reshape(batch * heads, 1, *self.q.shape[2:]),
             self.keys.per_head(),
             self.values.per_head(),
             table,
-            self.lo.repeat_interleave(heads),
-            self.hi.repeat_interleave(heads),
+            lo,
+            hi,
             self.ring,
         )
+
+    def per_head_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Table, lo and hi of :meth:`per_head`'s rows."""
+        heads = self.q.shape[1]
+        head = torch.arange(heads, device=self.table.device)
+        table = (self.table[:, None, :] * heads + head[None, :, None]).flatten(0, 1)
+        return table, self.lo.repeat_interleave(heads), self.hi.repeat_interleave(heads)
 
 
 def decode_attention(segments: list[Segment], scale: float, out_dtype: torch.dtype):
