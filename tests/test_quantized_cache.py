@@ -84,7 +84,8 @@ def chunked_nll(model, ids, name, options, chunk=128):
 # (bits, key_axis) → (max NLL increase over full, min top-1 agreement with full) on 512
 # WikiText-2 tokens in chunks of 128, residual 32. Measured 2026-11-29 (ΔNLL, top-1):
 # int8 0.000/1.000 both axes; int4 channel -0.007/0.971, token -0.001/0.958;
-# int2 channel +0.170/0.781, token +0.403/0.653. Bounds leave about 2x room.
+# int2 channel +0.170/0.781, token +0.403/0.653 (2026-12-01, AMD AVX2: the same within
+# 0.01, `python scripts/kv_error_table.py`). Bounds leave about 2x room.
 BOUNDS = {
     (8, "channel"): (0.005, 0.99),
     (8, "token"): (0.005, 0.99),
@@ -107,12 +108,15 @@ def test_error_against_full_is_bounded(bits, axis, smollm2):
     assert (top1 == reference_top1).float().mean().item() >= min_agreement
 
 
-# Composition and the other lossy strategies, same protocol. Measured 2026-11-29 (ΔNLL, top-1):
-# paged kv_bits=8 +0.001/0.997, kv_bits=4 +0.037/0.883 (sliding window=1024 kv_bits=4: the
-# same); sliding window=128 +0.318/0.809;
-# gqa_shared factor=3 (training-free MQA) mean +7.33/0.016, first +11.46/0.013.
+# Composition and the other lossy strategies, same protocol. Measured 2026-11-29 on Intel
+# AMX (ΔNLL, top-1): paged kv_bits=8 +0.001/0.997, kv_bits=4 +0.037/0.883 (sliding
+# window=1024 kv_bits=4: the same); sliding window=128 +0.318/0.809; gqa_shared factor=3
+# (training-free MQA) mean +7.33/0.016, first +11.46/0.013. 2026-12-01 on AMD AVX2 (fp32
+# codec, kvlab's decode kernels): paged kv_bits=8 +0.001/0.995, kv_bits=4 +0.031/0.872,
+# sliding window=1024 kv_bits=4 +0.036/0.864, the rest unchanged. kv_bits=8's agreement
+# moves with the CPU's kernels (near-ties flip): its bound leaves 3x room.
 OTHER_BOUNDS = [
-    ("paged", dict(kv_bits=8), 0.005, 0.99),
+    ("paged", dict(kv_bits=8), 0.005, 0.985),
     ("paged", dict(kv_bits=4), 0.08, 0.83),
     ("sliding", dict(window=1024, kv_bits=4), 0.08, 0.83),
     ("sliding", dict(window=128, sinks=4), 0.6, 0.70),
