@@ -184,10 +184,46 @@ static void key_scores(const float *q, const float **rows, int n, int G, int D, 
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* add_values for 16 channels at a time and a compile-time G (inlined per G): 2 * G
+ * independent FMA chains held in registers. */
+static inline __attribute__((always_inline)) void add_values_16(
+    const float *weights, int stride, const float **rows, int n, const int G, int D,
+    float *out) {
+  for (int d = 0; d < D; d += 16) {
+    __m256 lo[4], hi[4];
+    for (int g = 0; g < G; g++) {
+      lo[g] = _mm256_loadu_ps(out + g * D + d);
+      hi[g] = _mm256_loadu_ps(out + g * D + d + 8);
+    }
+    for (int i = 0; i < n; i++) {
+      const __m256 v0 = _mm256_loadu_ps(rows[i] + d), v1 = _mm256_loadu_ps(rows[i] + d + 8);
+      for (int g = 0; g < G; g++) {
+        const __m256 w = _mm256_set1_ps(weights[g * stride + i]);
+        lo[g] = _mm256_fmadd_ps(w, v0, lo[g]);
+        hi[g] = _mm256_fmadd_ps(w, v1, hi[g]);
+      }
+    }
+    for (int g = 0; g < G; g++) {
+      _mm256_storeu_ps(out + g * D + d, lo[g]);
+      _mm256_storeu_ps(out + g * D + d + 8, hi[g]);
+    }
+  }
+}
+#endif
+
 /* out[g] += sum_i weights[g][i] * rows[i] for a run of n rows. */
 static void add_values(const float *weights, int stride, const float **rows, int n, int G,
                        int D, float *out) {
 #if defined(__AVX2__) && defined(__FMA__)
+  if (D % 16 == 0 && G <= 4) { /* a constant G keeps the accumulators in registers */
+    switch (G) {
+      case 1: add_values_16(weights, stride, rows, n, 1, D, out); return;
+      case 2: add_values_16(weights, stride, rows, n, 2, D, out); return;
+      case 3: add_values_16(weights, stride, rows, n, 3, D, out); return;
+      default: add_values_16(weights, stride, rows, n, 4, D, out); return;
+    }
+  }
   if (D % 8 == 0) { /* query heads 8 at a time (MQA groups are larger than 8) */
     for (int g0 = 0; g0 < G; g0 += 8) {
       const int gn = G - g0 < 8 ? G - g0 : 8;
