@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 import kvlab
-from kvlab.cache import build_cache
+from kvlab.eval.perplexity import chunked_nll
 from kvlab.quiet import quiet_third_party
 from kvlab.workload import build_prompts
 
@@ -23,21 +23,6 @@ SETTINGS = [
     ("gqa_shared", {"factor": 3, "merge": "first"}),
 ]  # fmt: skip
 RESIDUAL = 32  # int*: so that most of the 512 tokens are really quantized
-
-
-def chunked_nll(model, ids, name, options, chunk=128):
-    """Mean next-token NLL past the first chunk, and top-1 predictions."""
-    cache = build_cache(name, model.cache_spec(), options)
-    cache.allocate(1, ids.shape[1])
-    logits = []
-    with torch.inference_mode():
-        for start in range(0, ids.shape[1], chunk):
-            piece = ids[:, start : start + chunk]
-            logits.append(model(piece, (start + torch.arange(piece.shape[1]))[None], cache))
-    scored = torch.cat(logits, 1)[0, chunk:-1]  # (T - chunk - 1, V)
-    targets = ids[0, chunk + 1 :]
-    nll = -scored.log_softmax(-1)[torch.arange(len(targets)), targets].mean().item()
-    return nll, scored.argmax(-1)
 
 
 def main() -> None:

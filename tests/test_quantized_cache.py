@@ -15,6 +15,7 @@ from kvlab.cache.codec import (
     pack_words,
     unpack_words,
 )
+from kvlab.eval.perplexity import chunked_nll
 from kvlab.workload import build_prompts
 
 
@@ -63,22 +64,6 @@ def test_group_size_must_divide_head_dim(tiny_llama):
 def test_bad_options_name_the_field(field, tiny_llama):
     with pytest.raises(ValueError, match=field):
         build_cache("int4", tiny_llama.cache_spec(), {field: 3 if field == "bits" else "head"})
-
-
-def chunked_nll(model, ids, name, options, chunk=128):
-    """Mean next-token NLL past the first chunk, and top-1 predictions, with the prompt fed
-    in chunks so every chunk after the first attends to what the cache kept."""
-    cache = build_cache(name, model.cache_spec(), options)
-    cache.allocate(1, ids.shape[1])
-    logits = []
-    with torch.inference_mode():
-        for start in range(0, ids.shape[1], chunk):
-            piece = ids[:, start : start + chunk]
-            logits.append(model(piece, (start + torch.arange(piece.shape[1]))[None], cache))
-    scored = torch.cat(logits, 1)[0, chunk:-1]  # (T - chunk - 1, V)
-    targets = ids[0, chunk + 1 :]
-    nll = -scored.log_softmax(-1)[torch.arange(len(targets)), targets].mean().item()
-    return nll, scored.argmax(-1)
 
 
 # (bits, key_axis) → (max NLL increase over full, min top-1 agreement with full) on 512

@@ -154,6 +154,7 @@ class DecodeRoof:
     weight_bytes_read: int
     bandwidth: float
     machine: str
+    read_bytes_measured: int  # the size of the streaming read that measured ``bandwidth``
 
     def itl_s(self, kv_bytes_read: int) -> float:
         return (self.weight_bytes_read + kv_bytes_read) / self.bandwidth
@@ -162,7 +163,7 @@ class DecodeRoof:
         return (
             f"decode roof: {self.weight_bytes_read / 1e6:.1f} MB of weights per step + the KV "
             f"read, at {self.bandwidth / 1e9:.1f} GB/s (a streaming read of "
-            f"2048 MiB on {self.machine})"
+            f"{self.read_bytes_measured >> 20} MiB on {self.machine})"
         )
 
 
@@ -179,4 +180,4 @@ def decode_roof(model: torch.nn.Module) -> DecodeRoof:
         held if head_reads_embedding else held - embedding.numel() * embedding.element_size() + row
     )
     peaks = cached_peaks(device=str(embedding.device))
-    return DecodeRoof(read, peaks.bandwidth, peaks.machine)
+    return DecodeRoof(read, peaks.bandwidth, peaks.machine, peaks.bandwidth_bytes)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvlab.cache import build_cache
 from kvlab.data import text_rows
 from kvlab.eval.base import register_eval
 
@@ -81,6 +82,24 @@ def window_nll(model, window: torch.Tensor, cache, chunk: int) -> float:
         total -= logprobs.gather(-1, targets[:, None]).sum().item()
     cache.free(list(range(len(cache.lengths))))
     return total
+
+
+@torch.inference_mode()
+def chunked_nll(model, ids: torch.Tensor, name: str, options: dict, chunk: int = 128):
+    """The KV-error protocol: ``ids`` (1, T) fed through a fresh ``name`` cache in chunks of
+    ``chunk``, so every chunk after the first predicts from what the cache kept. Returns the
+    mean next-token NLL past the first chunk and the top-1 prediction at each of those
+    positions (compare both with ``full``'s)."""
+    cache = build_cache(name, model.cache_spec(), options)
+    cache.allocate(1, ids.shape[1])
+    logits = []
+    for start in range(0, ids.shape[1], chunk):
+        piece = ids[:, start : start + chunk]
+        logits.append(model(piece, (start + torch.arange(piece.shape[1]))[None], cache))
+    scored = torch.cat(logits, 1)[0, chunk:-1]  # (T - chunk - 1, V)
+    targets = ids[0, chunk + 1 :]
+    nll = -scored.log_softmax(-1)[torch.arange(len(targets)), targets].mean().item()
+    return nll, scored.argmax(-1)
 
 
 @register_eval("ppl", PerplexityOptions)

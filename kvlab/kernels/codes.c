@@ -41,7 +41,7 @@ void kvlab_encode_token_codes(const void *x, int x_bf16, int64_t x_stride, int64
   const float levels = (float)((1 << bits) - 1);
 #pragma omp parallel for schedule(static) if (n > 64)
   for (int64_t r = 0; r < n; r++) {
-    uint8_t codes[1024];
+    uint8_t codes[1024]; /* D <= 1024: codes.py (MAX_DIM) takes the torch path above it */
     for (int64_t g = 0; g < groups; g++) {
       float lo = INFINITY, hi = -INFINITY;
       for (int64_t c = g * group; c < (g + 1) * group; c++) {

@@ -9,14 +9,16 @@ import torch
 
 from kvlab.kernels.build import library
 
+MAX_DIM = 1024  # codes.c keeps a row's codes in a fixed buffer of this size
+
 
 def encode_token_codes(x: torch.Tensor, bits: int, group: int):
     """(words (..., D*bits/32) int32, scale, zero (..., D/group) in x's dtype) of x (..., D),
     or None where the kernel is unavailable (the caller's torch path runs)."""
-    lib = library()
-    if lib is None:
-        return None
     dim = x.shape[-1]
+    lib = library()
+    if lib is None or dim > MAX_DIM:
+        return None
     rows = x.reshape(-1, dim)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
