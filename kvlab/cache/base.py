@@ -8,6 +8,7 @@ or pooled caches plug in without special cases (vLLM, arXiv 2309.06180, splits t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -141,8 +142,11 @@ class KVCache(ABC):
 
     def __init__(self, spec: CacheSpec, options: CacheOptions | None = None):
         self.spec = spec
+        self.model_spec = spec  # the model's spec (a strategy may store fewer heads)
         self.options = options if options is not None else self.Options()
         self.lengths: list[int] = []  # tokens stored per row (host bookkeeping)
+        self.budget_bytes = 0  # serving: the most bytes this cache and its spawns may hold
+        self.capacity = 0  # serving: tokens per row
         self.step: Step | None = None
         # static: decode reads fixed-size buffers under masks, never host-derived lengths,
         # so a compiled decode step keeps one graph (set by the engine when it compiles)
@@ -157,6 +161,48 @@ class KVCache(ABC):
         """Drop finished rows; the remaining rows keep their order and are renumbered."""
         drop = set(rows)
         self.lengths = [n for b, n in enumerate(self.lengths) if b not in drop]
+
+    # ---- serving: a running batch that requests join and leave --------------------------
+    def serve(self, budget_bytes: int, max_tokens: int) -> None:
+        """Start an empty running batch: rows of up to ``max_tokens`` tokens join it
+        (:meth:`spawn`, prefill, :meth:`join`) and leave it (:meth:`free`) while this cache
+        and the caches spawned from it hold at most ``budget_bytes``."""
+        self.budget_bytes, self.capacity = budget_bytes, max_tokens
+        self.allocate(0, max_tokens)
+
+    def spawn(self) -> KVCache:
+        """An empty cache of this strategy for rows about to join this one: they are
+        prefilled in it, then :meth:`join` appends them (TGI's batch concatenation). It
+        shares what the strategy shares between rows (``paged``: its block pool); the
+        caller allocates it."""
+        new = copy.copy(self)
+        new.lengths, new.step = [], None
+        return new
+
+    def join(self, other: KVCache) -> None:
+        """Append ``other``'s rows (a cache from :meth:`spawn`, allocated to the same
+        capacity) after this cache's rows; ``other`` is left empty."""
+        self.lengths = self.lengths + other.lengths
+        other.lengths = []
+
+    def request_bytes(self, tokens: int) -> int:
+        """Bytes a request must find free to hold ``tokens`` tokens. By default a row's whole
+        reservation at the serving capacity, whatever ``tokens`` (a contiguous store
+        preallocates): the memory model's line (:meth:`planned_bytes`) for one row."""
+        spec = self.model_spec
+        return sum(type(self).planned_bytes(spec, self.options, 1, self.capacity).values())
+
+    def free_bytes(self, *spawned: KVCache) -> int:
+        """Bytes of the serving budget not held by this cache or the caches it spawned
+        (``spawned``), counted from their tensors."""
+        held = sum(cache.memory().held_bytes for cache in (self, *spawned))
+        return self.budget_bytes - held
+
+    def reuse_prefix(self, row: int, ids: Sequence[int]) -> int:
+        """Attach to empty ``row`` what the cache already stores of ``ids``'s first tokens
+        (prefix caching) and return how many tokens that is; the caller prefills the rest.
+        By default nothing is reused."""
+        return 0
 
     def _keep_index(self, rows: Sequence[int]) -> torch.Tensor:
         """Indices of the rows that stay when ``rows`` are freed (call before ``free``),
@@ -210,6 +256,13 @@ class KVCache(ABC):
     def memory(self) -> MemoryReport:
         held = sum(t.numel() * t.element_size() for t in self.tensors())
         return MemoryReport(held, self.used_bytes(), sum(self.lengths))
+
+
+def cat_rows(mine: torch.Tensor, theirs: torch.Tensor, axis: int = 0) -> torch.Tensor:
+    """Row tensors of two caches of one strategy, ``theirs`` after ``mine`` along ``axis``."""
+    if mine.shape[axis] == 0:
+        return theirs
+    return torch.cat([mine, theirs], dim=axis)
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

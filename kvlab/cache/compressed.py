@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kvlab.cache import compressor
-from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, Step, StepInfo, register
+from kvlab.cache.base import (
+    CacheOptions,
+    KVCache,
+    MemoryReport,
+    Step,
+    StepInfo,
+    cat_rows,
+    register,
+)
 from kvlab.cache.compressor import calibration_defaults
 from kvlab.cache.full import decode_output, grouped, write_rows
 from kvlab.cache.pooling import (
@@ -150,6 +158,22 @@ class CompressedCache(KVCache):
                 store[layer] = tensor.index_select(1, index)
         for layer, tensor in self.queries.items():
             self.queries[layer] = tensor.index_select(0, index)
+
+    def spawn(self) -> CompressedCache:
+        new = super().spawn()
+        new.window = self.window.spawn() if self.window else None
+        return new
+
+    def join(self, other: CompressedCache) -> None:
+        super().join(other)
+        if self.window:
+            self.window.join(other.window)
+        for mine, theirs in ((self.entries, other.entries), (self.raw, other.raw)):
+            for layer, tensor in mine.items():
+                mine[layer] = cat_rows(tensor, theirs[layer], 1)
+        for layer, tensor in self.queries.items():
+            self.queries[layer] = cat_rows(tensor, other.queries[layer])
+        other.entries, other.raw, other.queries = {}, {}, {}
 
     # ---- one step --------------------------------------------------------------------
     def plan(self, info: StepInfo) -> CompressedStep:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import KVCache, Step, StepInfo, nbytes, register, sdpa
+from kvlab.cache.base import KVCache, Step, StepInfo, cat_rows, nbytes, register, sdpa
 from kvlab.cache.masks import slot_positions, visible
 from kvlab.kernels import Segment, Stored, decode_attention
 
@@ -116,6 +116,12 @@ class FullCache(KVCache):
         # smaller tensors: the freed rows' memory goes
         self.keys = [k.index_select(0, index) for k in self.keys]
         self.values = [v.index_select(0, index) for v in self.values]
+
+    def join(self, other: FullCache) -> None:
+        super().join(other)
+        self.keys = [cat_rows(a, b) for a, b in zip(self.keys, other.keys, strict=True)]
+        self.values = [cat_rows(a, b) for a, b in zip(self.values, other.values, strict=True)]
+        other.keys, other.values = [], []
 
     def plan(self, info: StepInfo) -> ContiguousStep:
         return contiguous_step(self, info, self.keys[0].shape[2])

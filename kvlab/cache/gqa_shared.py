@@ -41,10 +41,10 @@ class GQASharedCache(FullCache):
                 f"cache.options.factor={options.factor} must divide the model's "
                 f"{spec.num_kv_heads} KV heads"
             )
-        self.model_spec = spec
         super().__init__(
             dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // options.factor), options
         )
+        self.model_spec = spec
 
     @classmethod
     def planned_bytes(cls, spec, options, batch_size, max_tokens):

@@ -17,7 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, Step, StepInfo, register, sdpa
+from kvlab.cache.base import (
+    CacheOptions,
+    KVCache,
+    MemoryReport,
+    Step,
+    StepInfo,
+    cat_rows,
+    register,
+    sdpa,
+)
 from kvlab.cache.blocks import BlockPool
 from kvlab.cache.codec import CodecOptions
 from kvlab.cache.full import decode_output, grouped
@@ -81,7 +90,8 @@ class PagedCache(KVCache):
         o = self.options
         per_row = -(-max_tokens // o.block_size)
         needed = batch_size * per_row + batch_size  # + copy-on-write
-        if not self.keys or (o.num_blocks == 0 and needed > self.pool.num_blocks):
+        grows = o.num_blocks == 0 and not self.budget_bytes  # serving keeps its pool
+        if not self.keys or (grows and needed > self.pool.num_blocks):
             self._make_pool(o.num_blocks or needed)
         self.tables = [[] for _ in range(batch_size)]
         self.tokens = [[] for _ in range(batch_size)]
@@ -123,6 +133,73 @@ class PagedCache(KVCache):
         self.tokens = [t for r, t in enumerate(self.tokens) if r not in drop]
         self.table = self.table.index_select(0, index)
         super().free(rows)
+
+    # ---- serving: the pool is the budget; rows join by their tables ---------------------
+    def serve(self, budget_bytes: int, max_tokens: int) -> None:
+        """A pool of as many blocks as ``budget_bytes`` holds (with the trash block and
+        the block tables of rows of ``max_tokens`` tokens left out of it)."""
+        if self.options.num_blocks:
+            raise ValueError(
+                f"cache.options.num_blocks={self.options.num_blocks} with a serving KV budget: "
+                "the budget sizes the pool; allowed: 0 (auto)"
+            )
+        block_bytes = self.block_bytes(self.spec, self.options)
+        self._make_pool(max(0, budget_bytes // block_bytes - 1))
+        self.budget_bytes, self.capacity = budget_bytes, max_tokens
+        self.allocate(0, max_tokens)
+
+    @staticmethod
+    def block_bytes(spec, options: PagedOptions) -> int:
+        """Bytes of one block across layers, keys and values (the memory model's unit)."""
+        codes = options.token_codes(spec.head_dim)
+        per_token = spec.head_dim * spec.dtype.itemsize
+        if codes is not None:
+            groups = spec.head_dim // codes.group
+            per_token = spec.head_dim * codes.bits // 8 + 2 * groups * spec.dtype.itemsize
+        return 2 * spec.num_layers * spec.num_kv_heads * options.block_size * per_token
+
+    def spawn(self) -> PagedCache:
+        """Rows that share this cache's pool (and prefix index): joining moves no KV."""
+        new = super().spawn()
+        new.tables, new.tokens = [], []
+        new.table = self.table[:0]
+        return new
+
+    def join(self, other: PagedCache) -> None:
+        super().join(other)
+        self.tables += other.tables
+        self.tokens += other.tokens
+        self.table = cat_rows(self.table, other.table)
+        other.tables, other.tokens, other.table = [], [], other.table[:0]
+
+    def request_bytes(self, tokens: int) -> int:
+        """The blocks of ``tokens`` tokens and the next one (vLLM admits by the prompt's
+        blocks; a row that outgrows the pool later is preempted)."""
+        blocks = -(-(tokens + 1) // self.options.block_size)
+        return blocks * self.block_bytes(self.spec, self.options)
+
+    def free_bytes(self, *spawned: KVCache) -> int:
+        """Free blocks of the shared pool (cached prefix blocks nobody holds count)."""
+        return len(self.pool.free) * self.block_bytes(self.spec, self.options)
+
+    def reuse_prefix(self, row: int, ids: Sequence[int]) -> int:
+        """Share the indexed blocks holding ``ids``'s leading full blocks (nano-vllm's
+        cached tokens); at least the last token is left to compute, for its logits."""
+        if not self.options.prefix_sharing or self.lengths[row]:
+            return 0
+        size, table, updates = self.options.block_size, self.tables[row], []
+        while (len(table) + 1) * size < len(ids):
+            chunk = tuple(ids[len(table) * size : (len(table) + 1) * size])
+            parent = self.pool.key_of[table[-1]] if table else ()
+            block = None if parent is None else self.pool.lookup((hash(parent), chunk))
+            if block is None:
+                break
+            updates.append((row, len(table), block))
+            table.append(block)
+            self.tokens[row] += chunk
+        self._update_table(updates)
+        self.lengths[row] = len(table) * size
+        return self.lengths[row]
 
     def _release_row(self, row: int) -> None:
         for block in self.tables[row]:

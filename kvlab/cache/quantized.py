@@ -17,7 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import CacheOptions, KVCache, Step, StepInfo, nbytes, register, sdpa
+from kvlab.cache.base import (
+    CacheOptions,
+    KVCache,
+    Step,
+    StepInfo,
+    cat_rows,
+    nbytes,
+    register,
+    sdpa,
+)
 from kvlab.cache.codec import BITS, KEY_AXES, ChannelCodes, TokenCodes, words_per_row
 from kvlab.cache.full import decode_output, grouped, write_rows
 from kvlab.cache.masks import visible
@@ -125,6 +134,14 @@ class QuantizedCache(KVCache):
         for name, layers in self.store.items():
             axis = 1 if name == "ring" else 0
             self.store[name] = [t.index_select(axis, index) for t in layers]
+
+    def join(self, other: QuantizedCache) -> None:
+        super().join(other)
+        for name, layers in self.store.items():
+            axis = 1 if name == "ring" else 0
+            theirs = other.store[name]
+            self.store[name] = [cat_rows(a, b, axis) for a, b in zip(layers, theirs, strict=True)]
+        other.store = {}
 
     # ---- planning a step ---------------------------------------------------------------
     def quantized_tokens(self, length: torch.Tensor) -> torch.Tensor:

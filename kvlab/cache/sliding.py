@@ -22,7 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import CacheOptions, KVCache, Step, StepInfo, nbytes, register, sdpa
+from kvlab.cache.base import (
+    CacheOptions,
+    KVCache,
+    Step,
+    StepInfo,
+    cat_rows,
+    nbytes,
+    register,
+    sdpa,
+)
 from kvlab.cache.codec import CodecOptions, TokenCodes
 from kvlab.cache.full import decode_output, grouped, write_rows
 from kvlab.cache.masks import visible
@@ -123,6 +132,14 @@ class SlidingWindowCache(KVCache):
             for layer, parts in enumerate(store):
                 store[layer] = [t.index_select(0, index) for t in parts]
         self.slot_pos = self.slot_pos.index_select(0, index)
+
+    def join(self, other: SlidingWindowCache) -> None:
+        super().join(other)
+        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
+            for layer, parts in enumerate(mine):
+                mine[layer] = [cat_rows(a, b) for a, b in zip(parts, theirs[layer], strict=True)]
+        self.slot_pos = cat_rows(self.slot_pos, other.slot_pos)
+        other.keys, other.values = [], []
 
     # ---- planning a step -------------------------------------------------------------
     def slot_of(self, positions: torch.Tensor) -> torch.Tensor:

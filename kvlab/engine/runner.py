@@ -1,0 +1,60 @@
+"""The model side of serving (nano-vllm's ``ModelRunner``): turn a group of sequences into
+one forward step over their cache — a prefill chunk of each, or one decode token each —
+and sample. One host-to-device copy of ids and positions per step; the cache builds the
+rest of the step's metadata (``KVCache.plan``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import torch
+
+from kvlab.cache.base import KVCache
+from kvlab.engine.sampling import SamplingConfig, sample
+from kvlab.engine.sequence import Sequence
+from kvlab.models.llama import Decoder
+
+
+class ModelRunner:
+    """Runs ``model`` over any cache; sampling is per step, seeded once."""
+
+    def __init__(self, model: Decoder, sampling: SamplingConfig):
+        self.model, self.sampling = model, sampling
+        self.device = model.embed_tokens.weight.device
+        self._gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+
+    @torch.inference_mode()
+    def prefill_chunk(self, cache: KVCache, seqs: Seq[Sequence], chunk: int) -> list[int | None]:
+        """Feed the next ``chunk`` (at most) unfed tokens of each sequence, whose cache rows
+        are ``cache``'s rows in order; a sampled token for each sequence whose last token was
+        fed, None for the others. Sequences start where their rows are (a reused prefix)."""
+        counts = [min(s.to_feed, chunk) for s in seqs]
+        width = max(counts)
+        rows = [
+            s.tokens[s.computed : s.computed + n] + [0] * (width - n)
+            for s, n in zip(seqs, counts, strict=True)
+        ]
+        starts = [s.computed for s in seqs]
+        host = torch.tensor(
+            [[*r, start, max(n - 1, 0)] for r, start, n in zip(rows, starts, counts, strict=True)]
+        )
+        table = host.to(self.device)
+        ids, start, last = table[:, :width], table[:, width : width + 1], table[:, -1]
+        positions = start + torch.arange(width, device=self.device)
+        logits = self.model(ids, positions, cache, counts, last)  # (B, V)
+        tokens = sample(logits, self.sampling, self._gen).tolist()
+        for s, n in zip(seqs, counts, strict=True):
+            s.computed += n
+        return [
+            t if n and s.to_feed == 0 else None
+            for s, n, t in zip(seqs, counts, tokens, strict=True)
+        ]
+
+    @torch.inference_mode()
+    def decode(self, cache: KVCache, seqs: Seq[Sequence]) -> list[int]:
+        """One token per sequence: each feeds its last token (the one not yet stored)."""
+        rows = torch.tensor([[s.tokens[-1], len(s.tokens) - 1] for s in seqs], device=self.device)
+        logits = self.model(rows[:, :1], rows[:, 1:], cache)[:, 0]
+        for s in seqs:
+            s.computed += 1
+        return sample(logits, self.sampling, self._gen).tolist()

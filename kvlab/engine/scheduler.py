@@ -1,0 +1,149 @@
+"""Continuous batching under a KV budget (Orca, Yu et al., OSDI 2022; vLLM, Kwon et al.,
+arXiv 2309.06180; nano-vllm's ``Scheduler``). Host decisions only — which requests join,
+which leave, which are preempted — taken from what the cache strategy says a request needs
+(:meth:`KVCache.request_bytes`, the memory model's line) and has free
+(:meth:`KVCache.free_bytes`); no strategy names.
+
+Requests join in groups: a group is admitted when none is joining, prefilled in a cache of
+its own (:meth:`KVCache.spawn`) a chunk per step beside the running batch's decode step
+(Sarathi's chunked prefill, as two forwards: kvlab's decoder pads a step to (B, T), so one
+fused forward would compute every decode row at the chunk's width), and joins the running
+batch (:meth:`KVCache.join`) once every prompt in it is fed. A step that does not fit
+(:class:`CacheFull`) preempts the most recently admitted request, which is recomputed later
+(vLLM's recompute preemption).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from kvlab.cache.base import KVCache
+from kvlab.engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class Event:
+    """What the scheduler did at ``step``: admit, join, retire or preempt request ``index``."""
+
+    step: int
+    kind: str
+    index: int
+
+
+class Scheduler:
+    """``cache`` is the running batch's cache, already serving (:meth:`KVCache.serve`);
+    ``max_running`` caps the running batch (0: only the budget does)."""
+
+    def __init__(self, cache: KVCache, eos_ids: frozenset[int] = frozenset(), max_running: int = 0):
+        self.cache, self.eos_ids, self.max_running = cache, eos_ids, max_running
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # the running cache's rows, in order
+        self.joining: list[Sequence] = []  # the joining cache's rows, in order
+        self.joining_cache: KVCache | None = None
+        self.events: list[Event] = []
+        self.step = 0
+        self.preemptions = 0
+
+    # ---- budget ------------------------------------------------------------------------
+    def check_fits(self, seq: Sequence) -> None:
+        """Refuse, before any work, a request the budget cannot hold even alone."""
+        tokens = len(seq.request.prompt) + seq.request.max_new_tokens
+        need, budget = self.cache.request_bytes(tokens), self.cache.free_bytes()
+        if need > budget:
+            raise ValueError(
+                f"workload.serving.kv_budget_bytes={self.cache.budget_bytes} cannot hold "
+                f"request {seq.index} ({len(seq.request.prompt)} prompt + "
+                f"{seq.request.max_new_tokens} output tokens; rows of up to "
+                f"{self.cache.capacity}): "
+                f"cache={self.cache.name} needs {need} bytes for it and {budget} are free "
+                f"when nothing runs; allowed: a "
+                f"budget >= {need + self.cache.budget_bytes - budget}"
+            )
+
+    def free_bytes(self) -> int:
+        spawned = [self.joining_cache] if self.joining_cache is not None else []
+        return self.cache.free_bytes(*spawned)
+
+    def kv_bytes_in_use(self) -> int:
+        """Bytes of the budget held now (the running batch and the joining group)."""
+        return self.cache.budget_bytes - self.free_bytes()
+
+    # ---- decisions ---------------------------------------------------------------------
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self.joining)
+
+    def arrive(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def admit(self) -> list[Sequence]:
+        """A new joining group, first come first served, while the budget (and
+        ``max_running``) allows; none while a group is joining."""
+        if self.joining or not self.waiting:
+            return []
+        free, group = self.free_bytes(), []
+        room = self.max_running - len(self.running) if self.max_running else len(self.waiting)
+        while self.waiting and len(group) < room:
+            need = self.cache.request_bytes(len(self.waiting[0].tokens))
+            if need > free:
+                break
+            free -= need
+            group.append(self.waiting.popleft())
+        if group:
+            self._start_group(group)
+        return group
+
+    def _start_group(self, group: list[Sequence]) -> None:
+        self.joining_cache = self.cache.spawn()
+        self.joining_cache.allocate(len(group), self.cache.capacity)
+        for row, seq in enumerate(group):
+            seq.cached = self.joining_cache.reuse_prefix(row, seq.tokens)
+            seq.computed, seq.status = seq.cached, Status.PREFILL
+            self.events.append(Event(self.step, "admit", seq.index))
+        self.joining = group
+
+    def absorb(self) -> None:
+        """The joining group joins the running batch once every prompt in it is fed."""
+        if self.joining and all(s.status is Status.READY for s in self.joining):
+            self.cache.join(self.joining_cache)
+            for seq in self.joining:
+                seq.status = Status.RUNNING
+                self.events.append(Event(self.step, "join", seq.index))
+            self.running += self.joining
+            self.joining, self.joining_cache = [], None
+
+    def retire(self) -> list[Sequence]:
+        """Free the rows of finished requests, at once, in both caches."""
+        finished = []
+        for seqs, cache in ((self.running, self.cache), (self.joining, self.joining_cache)):
+            rows = [r for r, s in enumerate(seqs) if s.done(self.eos_ids)]
+            if rows:
+                cache.free(rows)
+                finished += [seqs[r] for r in rows]
+                seqs[:] = [s for r, s in enumerate(seqs) if r not in set(rows)]
+        for seq in finished:
+            seq.status = Status.FINISHED
+            self.events.append(Event(self.step, "retire", seq.index))
+        if self.joining_cache is not None and not self.joining:
+            self.joining_cache = None
+        return finished
+
+    def preempt(self) -> Sequence:
+        """Evict the most recently admitted request (the joining group's last, else the
+        running batch's last) to recompute it later; it goes first in line. With one
+        request left there is nothing to gain: a :class:`RuntimeError`."""
+        if len(self.running) + len(self.joining) < 2:
+            raise RuntimeError("a step does not fit the KV budget with one request left")
+        seqs, cache = (
+            (self.joining, self.joining_cache) if self.joining else (self.running, self.cache)
+        )
+        cache.free([len(seqs) - 1])
+        seq = seqs.pop()
+        seq.computed, seq.cached, seq.status = 0, 0, Status.WAITING
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+        self.events.append(Event(self.step, "preempt", seq.index))
+        if not self.joining:
+            self.joining_cache = None
+        return seq

@@ -1,0 +1,158 @@
+"""Serve a request trace with continuous batching under a KV budget: requests arrive on a
+clock, the scheduler admits, prefills (in chunks, beside the running batch's decode step),
+retires and preempts them, and every token's time is recorded. The loop is nano-vllm's
+``LLMEngine.step`` (schedule, run, postprocess) with arrivals over time, as vLLM's
+``benchmark_serving`` sends them."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvlab.cache.base import CacheFull, KVCache
+from kvlab.engine.runner import ModelRunner
+from kvlab.engine.sampling import SamplingConfig
+from kvlab.engine.scheduler import Event, Scheduler
+from kvlab.engine.sequence import Sequence, Status
+from kvlab.models.llama import Decoder
+from kvlab.serving.metrics import serving_metrics
+from kvlab.serving.trace import Request
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """``kv_budget_bytes``: what the cache may hold; ``chunk``: prompt tokens a joining
+    request feeds per step; ``max_running``: cap on the running batch (0: the budget's)."""
+
+    kv_budget_bytes: int
+    chunk: int = 512
+    max_running: int = 0
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop_on_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kv_budget_bytes < 1:
+            raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} must be >= 1")
+        if self.chunk < 1:
+            raise ValueError(f"chunk={self.chunk} must be >= 1")
+
+
+@dataclass
+class ServeResult:
+    """Every request's state and times, the scheduler's events, and the KV timeline:
+    (time, KV bytes in use, requests admitted) after every step."""
+
+    seqs: list[Sequence]
+    events: list[Event]
+    timeline: list[tuple[float, int, int]]
+    preemptions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    steps: int
+
+    def metrics(self) -> dict[str, Any]:
+        """vLLM's serving metrics, and preemptions, prefix-cache hit rate, KV peak."""
+        out: dict[str, Any] = serving_metrics([s.times for s in self.seqs])
+        out["preemptions"] = self.preemptions
+        out["prefix_cache_hit_rate"] = (
+            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        )
+        out["kv_bytes_peak"] = max(b for _, b, _ in self.timeline)
+        out["steps"] = self.steps
+        return out
+
+
+def serve(
+    model: Decoder,
+    cache: KVCache,
+    requests: Seq[Request],
+    cfg: ServeConfig,
+    clock: Any,
+    eos_ids: frozenset[int] = frozenset(),
+) -> ServeResult:
+    """Run ``requests`` (in arrival order) to completion on ``cache`` (a fresh instance of
+    the strategy, made to serve here). A budget that cannot hold some request alone fails
+    before any step."""
+    seqs = [Sequence(r) for r in requests]
+    capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    cache.serve(cfg.kv_budget_bytes, capacity)
+    sched = Scheduler(cache, eos_ids if cfg.stop_on_eos else frozenset(), cfg.max_running)
+    for seq in seqs:
+        sched.check_fits(seq)
+    runner, arrivals = ModelRunner(model, cfg.sampling), deque(seqs)
+    timeline: list[tuple[float, int, int]] = []
+    hits = queried = 0
+    while arrivals or not sched.idle:
+        now = clock.now()
+        while arrivals and arrivals[0].request.arrival_s <= now:
+            sched.arrive(arrivals.popleft())
+        if sched.idle:
+            clock.wait_until(arrivals[0].request.arrival_s)
+            continue
+        for seq in sched.admit():
+            seq.times.admitted_s = now if seq.times.admitted_s is None else seq.times.admitted_s
+            hits, queried = hits + seq.cached, queried + len(seq.tokens)
+        if not (sched.running or sched.joining):
+            raise RuntimeError(f"request {sched.waiting[0].index} waits with nothing running")
+        _prefill(sched, runner, cfg.chunk, clock)
+        _decode(sched, runner, clock)
+        sched.retire()
+        sched.absorb()
+        timeline.append(
+            (clock.now(), sched.kv_bytes_in_use(), len(sched.running) + len(sched.joining))
+        )
+        sched.step += 1
+    return ServeResult(seqs, sched.events, timeline, sched.preemptions, hits, queried, sched.step)
+
+
+def _retrying(sched: Scheduler, work: Callable[[], Any]) -> Any:
+    """``work()``, preempting a request each time the step does not fit."""
+    while True:
+        try:
+            return work()
+        except CacheFull as full:
+            try:
+                sched.preempt()
+            except RuntimeError:
+                raise full from None
+
+
+def _prefill(sched: Scheduler, runner: ModelRunner, chunk: int, clock: Any) -> None:
+    """The joining group's step: the next chunk of each prompt (a request whose prompt is
+    fed decodes its next token in the same forward, which computes its row at the chunk's
+    width anyway); requests whose tokens are all fed get their next token."""
+    if not sched.joining:
+        return
+
+    def step():
+        return (
+            runner.prefill_chunk(sched.joining_cache, sched.joining, chunk)
+            if sched.joining
+            else None
+        )
+
+    tokens = _retrying(sched, step)
+    if tokens is None:
+        return
+    t = clock.mark()
+    for seq, token in zip(sched.joining, tokens, strict=True):
+        if token is not None:
+            seq.emit(token, t)
+            seq.status = Status.READY
+
+
+def _decode(sched: Scheduler, runner: ModelRunner, clock: Any) -> None:
+    """One token for every request of the running batch."""
+    if not sched.running:
+        return
+    tokens = _retrying(
+        sched, lambda: runner.decode(sched.cache, sched.running) if sched.running else None
+    )
+    if tokens is None:
+        return
+    t = clock.mark()
+    for seq, token in zip(sched.running, tokens, strict=True):
+        seq.emit(token, t)

@@ -1,0 +1,147 @@
+"""Continuous batching under a KV budget (kvlab.engine.scheduler, kvlab.serving.server) on
+the tiny model: every strategy serves a trace with the outputs each request gets alone; the
+scheduler's order is asserted on a trace where it is known; metrics on a fake clock are
+computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.cache import build_cache, registered
+from kvlab.engine import Engine, GenerationConfig
+from kvlab.serving.clock import FakeClock
+from kvlab.serving.server import ServeConfig, serve
+from kvlab.serving.trace import Request
+from tests.test_cache_contract import LOSSY
+
+SERVING = sorted(n for n, cls in registered().items() if cls.stores_past)
+COMPOSED = [("paged", dict(block_size=4, kv_bits=4, kv_group_size=8))]
+
+
+def trace(vocab: int, lengths=(11, 5, 17, 9, 13), outputs=(6, 3, 5, 7, 2), gap=0.5):
+    gen = torch.Generator().manual_seed(5)
+    return [
+        Request(i, i * gap, tuple(torch.randint(0, vocab, (n,), generator=gen).tolist()), out)
+        for i, (n, out) in enumerate(zip(lengths, outputs, strict=True))
+    ]
+
+
+def row_bytes(model, name, options, capacity: int) -> int:
+    cache = build_cache(name, model.cache_spec(), options)
+    cache.serve(2**24, capacity)
+    return cache.request_bytes(capacity)
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [(n, LOSSY[n]) for n in SERVING] + COMPOSED, ids=lambda x: str(x)
+)
+def test_every_request_gets_what_it_generates_alone(name, options, tiny_llama):
+    """Batching, chunked prefill, joining and leaving change nothing but timing (greedy)."""
+    requests = trace(tiny_llama.config.vocab_size)
+    capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    budget = 3 * row_bytes(tiny_llama, name, options, capacity)  # a few at a time
+    cache = build_cache(name, tiny_llama.cache_spec(), options)
+    result = serve(tiny_llama, cache, requests, ServeConfig(budget, chunk=4), FakeClock())
+    alone = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec(), options))
+    for seq, request in zip(result.seqs, requests, strict=True):
+        cfg = GenerationConfig(request.max_new_tokens, stop_on_eos=False, prefill_chunk=4)
+        assert seq.output == alone.generate([list(request.prompt)], cfg).tokens[0], seq.index
+    assert max(n for _, _, n in result.timeline) >= 2  # requests did run together
+
+
+def kinds(result) -> list[tuple[str, int]]:
+    return [(e.kind, e.index) for e in result.events]
+
+
+def test_admission_retirement_order_and_metrics_on_a_fake_clock(tiny_llama):
+    """``full`` with room for two rows; three requests at t=0 of 2, 3 and 1 tokens; every
+    forward takes 1 s. By hand: step 0 prefills 0 and 1 (their first tokens at t=1) and
+    they join; step 1 decodes them (t=2), 0 is done; step 2 admits 2 (prefilled, done at
+    t=3) while 1 decodes its last token (t=4)."""
+    vocab = tiny_llama.config.vocab_size
+    requests = [Request(i, 0.0, tuple(range(1 + i, 5 + i)), out) for i, out in enumerate((2, 3, 1))]
+    budget = 2 * row_bytes(tiny_llama, "full", {}, 7)
+    cache = build_cache("full", tiny_llama.cache_spec())
+    result = serve(tiny_llama, cache, requests, ServeConfig(budget), FakeClock(1.0))
+    assert [(e.step, e.kind, e.index) for e in result.events] == [
+        (0, "admit", 0), (0, "admit", 1), (0, "join", 0), (0, "join", 1),
+        (1, "retire", 0), (2, "admit", 2), (2, "retire", 1), (2, "retire", 2),
+    ]  # fmt: skip
+    assert [s.times.token_s for s in result.seqs] == [[1, 2], [1, 2, 4], [3]]
+    assert all(0 <= t < vocab for s in result.seqs for t in s.output)
+    m = result.metrics()
+    assert m["mean_ttft_ms"] == pytest.approx(1e3 * 5 / 3)
+    assert m["median_ttft_ms"] == pytest.approx(1e3)
+    assert m["mean_itl_ms"] == pytest.approx(1e3 * 4 / 3)  # gaps 1 | 1, 2
+    assert m["mean_tpot_ms"] == pytest.approx(1e3 * 1.25)  # 1 and 1.5 (one-token request: none)
+    assert m["mean_e2el_ms"] == pytest.approx(1e3 * 3)  # 2, 4, 3
+    assert m["duration_s"] == 4 and m["output_throughput"] == pytest.approx(1.5)
+    assert m["request_throughput"] == pytest.approx(0.75)
+    assert m["max_concurrency"] == 2
+    assert m["mean_concurrency"] == pytest.approx(7 / 4)  # 2 for 3 s, 1 for 1 s
+    assert m["kv_bytes_peak"] == budget and m["preemptions"] == 0
+
+
+def test_paged_preempts_the_latest_request_and_recomputes_it(tiny_llama):
+    """Two requests of 7 prompt + 8 output tokens in blocks of 4, a pool of 5 blocks: both
+    are admitted by their prompts' blocks (2 each), decode outgrows the pool at position 8,
+    the later one is preempted, waits for the first to finish, and is recomputed — with
+    the tokens it generates alone."""
+    options = dict(block_size=4)
+    requests = trace(tiny_llama.config.vocab_size, lengths=(7, 7), outputs=(8, 8), gap=0)
+    spawned = build_cache("paged", tiny_llama.cache_spec(), options)
+    budget = 6 * spawned.block_bytes(spawned.spec, spawned.options)  # 5 blocks + the trash block
+    cache = build_cache("paged", tiny_llama.cache_spec(), options)
+    result = serve(tiny_llama, cache, requests, ServeConfig(budget), FakeClock())
+    assert cache.pool.num_blocks == 5
+    assert kinds(result) == [
+        ("admit", 0), ("admit", 1), ("join", 0), ("join", 1), ("preempt", 1),
+        ("retire", 0), ("admit", 1), ("join", 1), ("retire", 1),
+    ]  # fmt: skip
+    assert result.preemptions == 1
+    alone = Engine(tiny_llama, build_cache("paged", tiny_llama.cache_spec(), options))
+    for seq, request in zip(result.seqs, requests, strict=True):
+        cfg = GenerationConfig(8, stop_on_eos=False)
+        assert seq.output == alone.generate([list(request.prompt)], cfg).tokens[0]
+
+
+def test_a_budget_that_cannot_hold_one_request_fails_before_any_work(tiny_llama, monkeypatch):
+    calls = []
+    monkeypatch.setattr(type(tiny_llama), "logits", lambda *a, **k: calls.append(1))
+    requests = trace(tiny_llama.config.vocab_size)
+    need = row_bytes(tiny_llama, "full", {}, 17 + 5)
+    cache = build_cache("full", tiny_llama.cache_spec())
+    with pytest.raises(
+        ValueError, match=r"kv_budget_bytes=.*cannot hold request 0 .*rows of up to 22.*budget >="
+    ):
+        serve(tiny_llama, cache, requests, ServeConfig(need - 1), FakeClock())
+    assert not calls
+
+
+def test_paged_block_bytes_are_the_pools(tiny_llama):
+    for options in (dict(block_size=4), dict(block_size=4, kv_bits=4, kv_group_size=8)):
+        cache = build_cache("paged", tiny_llama.cache_spec(), options)
+        cache.serve(2**20, 32)
+        assert cache._block_bytes() == cache.block_bytes(cache.spec, cache.options)
+
+
+def test_paged_reuses_a_stored_prefix_and_feeds_only_the_rest(tiny_llama):
+    """Requests sharing a 12-token system prompt, arriving one after another: later ones
+    find its full blocks stored (prefix caching), feed only the rest, and generate what
+    they generate alone."""
+    vocab = tiny_llama.config.vocab_size
+    prefix = tuple(range(3, 15))
+    requests = [
+        Request(r.index, 10.0 * r.index, prefix + r.prompt, r.max_new_tokens) for r in trace(vocab)
+    ]
+    cache = build_cache("paged", tiny_llama.cache_spec(), dict(block_size=4))
+    result = serve(tiny_llama, cache, requests, ServeConfig(2**20, chunk=8), FakeClock())
+    assert [s.cached for s in result.seqs] == [0, 12, 12, 12, 12]
+    assert result.metrics()["prefix_cache_hit_rate"] == pytest.approx(
+        48 / sum(len(r.prompt) for r in requests)
+    )
+    alone = Engine(tiny_llama, build_cache("paged", tiny_llama.cache_spec(), dict(block_size=4)))
+    for seq, request in zip(result.seqs, requests, strict=True):
+        cfg = GenerationConfig(request.max_new_tokens, stop_on_eos=False)
+        assert seq.output == alone.generate([list(request.prompt)], cfg).tokens[0]
