@@ -64,8 +64,98 @@ class QuantConfig:
 
 
 @dataclass
+class LengthConfig:
+    """A token-count distribution of a serving trace (see :class:`LengthDistribution`)."""
+
+    kind: str = "fixed"
+    value: int = 128
+    low: int = 1
+    high: int = 1024
+    sigma: float = 1.0
+
+
+@dataclass
+class ServingConfig:
+    """``workload.kind=serving``: ``num_requests`` requests arriving at ``rate`` per second
+    (Poisson; 0: all at t=0), each ``shared_prefix`` tokens of system prompt and a prompt
+    of ``prompt_len`` tokens of WikiText-2, generating ``output_len`` tokens; the cache may
+    hold ``kv_budget_bytes`` (or ``kv_budget_gib``); a joining request feeds ``chunk``
+    prompt tokens per step; ``max_running`` caps the batch (0: the budget does);
+    ``max_joining`` requests are admitted together (1: one per step, no padding between
+    prompts of different lengths; 0: as many as the budget holds)."""
+
+    num_requests: int = 32
+    rate: float = 0.0
+    prompt_len: LengthConfig = field(
+        default_factory=lambda: LengthConfig("longtail", 256, 32, 1024, 0.8)
+    )
+    output_len: LengthConfig = field(
+        default_factory=lambda: LengthConfig("longtail", 64, 8, 256, 0.8)
+    )
+    shared_prefix: int = 0
+    kv_budget_bytes: int = 0
+    kv_budget_gib: float = 0.0
+    chunk: int = 256
+    max_running: int = 0
+    max_joining: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.num_requests >= 1, "workload.serving.num_requests", self.num_requests, ">= 1")
+        _require(self.rate >= 0, "workload.serving.rate", self.rate, ">= 0 (0: all at t=0)")
+        _require(
+            self.shared_prefix >= 0, "workload.serving.shared_prefix", self.shared_prefix, ">= 0"
+        )
+        _require(self.chunk >= 1, "workload.serving.chunk", self.chunk, ">= 1")
+        _require(self.max_running >= 0, "workload.serving.max_running", self.max_running, ">= 0")
+        _require(self.max_joining >= 0, "workload.serving.max_joining", self.max_joining, ">= 0")
+        budgets = (self.kv_budget_bytes > 0) + (self.kv_budget_gib > 0)
+        _require(
+            budgets == 1 and self.kv_budget_bytes >= 0 and self.kv_budget_gib >= 0,
+            "workload.serving.kv_budget_bytes/kv_budget_gib",
+            (self.kv_budget_bytes, self.kv_budget_gib),
+            "exactly one of them > 0",
+        )
+        for name in ("prompt_len", "output_len"):
+            try:
+                self.distribution(name)
+            except ValueError as exc:
+                raise ValueError(f"workload.serving.{name}: {exc}") from None
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.kv_budget_bytes or int(self.kv_budget_gib * 2**30)
+
+    def distribution(self, name: str):
+        from kvlab.serving.trace import LengthDistribution
+
+        c = getattr(self, name)
+        return LengthDistribution(c.kind, c.value, c.low, c.high, c.sigma)
+
+    def trace_config(self, seed: int):
+        from kvlab.serving.trace import TraceConfig
+
+        return TraceConfig(
+            self.num_requests, self.rate, self.distribution("prompt_len"),
+            self.distribution("output_len"), self.shared_prefix, seed,
+        )  # fmt: skip
+
+    def longest_request(self) -> int:
+        """Tokens of the longest request the trace can hold (prefix + prompt + output)."""
+        lengths = [self.distribution(n).largest for n in ("prompt_len", "output_len")]
+        return self.shared_prefix + sum(lengths)
+
+
+WORKLOADS = ("generate", "serving")
+
+
+@dataclass
 class WorkloadConfig:
-    """Synthetic prompts of exactly ``prompt_len`` tokens of real text (or ``prompt_file``)."""
+    """``kind=generate``: a batch of prompts of exactly ``prompt_len`` tokens of real text
+    (or ``prompt_file``) generated together; ``kind=serving``: a request trace served with
+    continuous batching under a KV budget (``serving``)."""
+
+    kind: str = "generate"
+    serving: ServingConfig | None = None
 
     prompt_len: int = 512
     new_tokens: int = 64
@@ -80,6 +170,13 @@ class WorkloadConfig:
     warmup: bool = True
 
     def __post_init__(self) -> None:
+        _require(self.kind in WORKLOADS, "workload.kind", self.kind, str(WORKLOADS))
+        _require(
+            (self.kind == "serving") == (self.serving is not None),
+            "workload.serving",
+            self.serving,
+            "options exactly when workload.kind=serving (use workload=serving)",
+        )
         for name in ("prompt_len", "new_tokens", "batch_size"):
             value = getattr(self, name)
             _require(value >= 1, f"workload.{name}", value, "an integer >= 1")
@@ -161,7 +258,10 @@ def check_context(cfg: RunConfig) -> None:
     strategy = registered()[cfg.cache.name]
     span = strategy.position_span(cache_options(cfg.cache.name, cfg.cache.options))
     demands = []
-    if cfg.workload.prompt_file is None:
+    if cfg.workload.serving is not None:
+        serving = cfg.workload.serving
+        demands.append(("the longest workload.serving request", serving.longest_request()))
+    elif cfg.workload.prompt_file is None:
         w = cfg.workload
         field = f"workload.prompt_len={w.prompt_len} + workload.new_tokens={w.new_tokens}"
         demands.append((field, w.prompt_len + w.new_tokens))

@@ -91,6 +91,8 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
 
     new_cache = cache_factory(cfg.cache.name, model, cfg.cache.options)  # workload and evals
 
+    if cfg.workload.serving is not None:
+        return _measure_serving(cfg, model, tokenizer, new_cache, out_dir)
     engine = Engine(model, new_cache(), _eos_ids(tokenizer, model), compile=cfg.engine.compile)
     prompts = build_prompts(
         tokenizer, cfg.workload.prompt_len, cfg.workload.batch_size, cfg.workload.prompt_file
@@ -105,6 +107,29 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
     metrics["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     metrics["new_tokens"] = sum(len(t) for t in run.tokens)
     metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
+    return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)
+
+
+def _measure_serving(cfg, model, tokenizer, new_cache, out_dir) -> dict[str, Any]:
+    """``workload=serving``: the trace served under the KV budget (then the evals)."""
+    from kvlab.serving.study import measure_serving
+
+    if cfg.engine.compile:
+        raise ValueError(
+            "engine.compile=true with workload=serving: the running batch changes size every "
+            "few steps, so each size would compile anew; allowed: false"
+        )
+    w, device = cfg.workload, model.embed_tokens.weight.device
+    sampling = SamplingConfig(w.temperature, w.top_k, w.top_p, w.seed)
+    eos = frozenset(_eos_ids(tokenizer, model)) if w.stop_on_eos else frozenset()
+    with PeakMemory(device) as peak:
+        metrics = measure_serving(
+            model, tokenizer, new_cache, w.serving, sampling, eos, w.warmup, out_dir
+        )
+    metrics |= peak.metrics
+    metrics["weight_bytes"] = weight_bytes(model)
+    metrics["device"] = str(device)
+    metrics["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)
 
 

@@ -35,6 +35,33 @@ TABLE_COLUMNS = (
     "wikitext2/ppl",
 )
 
+SERVING_COLUMNS = (
+    "cache.name",
+    "cache.options.kv_bits",
+    "quant.name",
+    "workload.serving.rate",
+    "workload.serving.max_running",
+    "status",
+    "completed",
+    "predicted_max_concurrency",
+    "max_concurrency",
+    "mean_concurrency",
+    "output_throughput",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+    "median_itl_ms",
+    "p90_itl_ms",
+    "preemptions",
+    "prefix_cache_hit_rate",
+    "kv_bytes_peak",
+)
+
+
+def table_columns(rows: Iterable[dict[str, Any]]) -> tuple[str, ...]:
+    """The serving columns for a sweep of serving runs, else the generation columns."""
+    serving = any(r.get("workload.kind") == "serving" for r in rows)
+    return SERVING_COLUMNS if serving else TABLE_COLUMNS
+
 
 def config_dict(cfg: Any) -> dict[str, Any]:
     """A run config as plain JSON-able data."""
@@ -179,6 +206,13 @@ def summary_line(record: dict[str, Any]) -> str:
     if row["status"] != "ok":
         return f"[kvlab] {point} FAILED: {row['error']}"
     skipped = " (already done, skipped)" if record.get("skipped") else ""
+    if row.get("workload.kind") == "serving":
+        return (
+            f"[kvlab] cache={row.get('cache.name')} rate={row.get('workload.serving.rate')} "
+            f"max_concurrency={row['max_concurrency']} output_tok_s="
+            f"{row['output_throughput']:.1f} median_ttft_ms={row['median_ttft_ms']:.0f} "
+            f"median_itl_ms={row['median_itl_ms']:.1f} preemptions={row['preemptions']}{skipped}"
+        )
     return (
         f"[kvlab] {point} ttft_ms={row['ttft_ms']:.1f} itl_ms_p50={row['itl_ms_p50']:.2f} "
         f"decode_tok_s={row['decode_tok_s']:.1f} kv_bytes={row['kv_bytes']}{skipped}"
@@ -194,5 +228,6 @@ class SweepTableCallback(Callback):
         sweep_dir = Path(config.hydra.sweep.dir)
         rows = load_results(sweep_dir)
         if rows:
-            print(f"\nkvlab sweep: {len(rows)} points in {sweep_dir}\n{format_table(rows)}")
+            table = format_table(rows, table_columns(rows))
+            print(f"\nkvlab sweep: {len(rows)} points in {sweep_dir}\n{table}")
             print(f"\nreport: {write_report(sweep_dir)} (plots beside it)")

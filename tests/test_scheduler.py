@@ -50,20 +50,16 @@ def test_every_request_gets_what_it_generates_alone(name, options, tiny_llama):
     assert max(n for _, _, n in result.timeline) >= 2  # requests did run together
 
 
-def kinds(result) -> list[tuple[str, int]]:
-    return [(e.kind, e.index) for e in result.events]
-
-
 def test_admission_retirement_order_and_metrics_on_a_fake_clock(tiny_llama):
-    """``full`` with room for two rows; three requests at t=0 of 2, 3 and 1 tokens; every
-    forward takes 1 s. By hand: step 0 prefills 0 and 1 (their first tokens at t=1) and
-    they join; step 1 decodes them (t=2), 0 is done; step 2 admits 2 (prefilled, done at
-    t=3) while 1 decodes its last token (t=4)."""
+    """``full`` with room for two rows, admitting as many as fit together; three requests
+    at t=0 of 2, 3 and 1 tokens; every forward takes 1 s. By hand: step 0 prefills 0 and 1
+    (their first tokens at t=1) and they join; step 1 decodes them (t=2), 0 is done; step 2
+    admits 2 (prefilled, done at t=3) while 1 decodes its last token (t=4)."""
     vocab = tiny_llama.config.vocab_size
     requests = [Request(i, 0.0, tuple(range(1 + i, 5 + i)), out) for i, out in enumerate((2, 3, 1))]
     budget = 2 * row_bytes(tiny_llama, "full", {}, 7)
     cache = build_cache("full", tiny_llama.cache_spec())
-    result = serve(tiny_llama, cache, requests, ServeConfig(budget), FakeClock(1.0))
+    result = serve(tiny_llama, cache, requests, ServeConfig(budget, max_joining=0), FakeClock(1.0))
     assert [(e.step, e.kind, e.index) for e in result.events] == [
         (0, "admit", 0), (0, "admit", 1), (0, "join", 0), (0, "join", 1),
         (1, "retire", 0), (2, "admit", 2), (2, "retire", 1), (2, "retire", 2),
@@ -85,7 +81,7 @@ def test_admission_retirement_order_and_metrics_on_a_fake_clock(tiny_llama):
 
 def test_paged_preempts_the_latest_request_and_recomputes_it(tiny_llama):
     """Two requests of 7 prompt + 8 output tokens in blocks of 4, a pool of 5 blocks: both
-    are admitted by their prompts' blocks (2 each), decode outgrows the pool at position 8,
+    are admitted by their prompts' blocks (2 each, one per step), decode outgrows the pool,
     the later one is preempted, waits for the first to finish, and is recomputed — with
     the tokens it generates alone."""
     options = dict(block_size=4)
@@ -95,9 +91,12 @@ def test_paged_preempts_the_latest_request_and_recomputes_it(tiny_llama):
     cache = build_cache("paged", tiny_llama.cache_spec(), options)
     result = serve(tiny_llama, cache, requests, ServeConfig(budget), FakeClock())
     assert cache.pool.num_blocks == 5
-    assert kinds(result) == [
-        ("admit", 0), ("admit", 1), ("join", 0), ("join", 1), ("preempt", 1),
-        ("retire", 0), ("admit", 1), ("join", 1), ("retire", 1),
+    # step 0: 0 joins (2 blocks); 1: 1 joins (2 blocks), 0 decodes; 2: 0 takes the last
+    # block (position 8); 3: 1 needs one at position 8: preempted; 0 ends at step 7; 1 comes
+    # back (prompt + its 2 tokens: 3 blocks) and ends 5 steps later
+    assert [(e.step, e.kind, e.index) for e in result.events] == [
+        (0, "admit", 0), (0, "join", 0), (1, "admit", 1), (1, "join", 1), (3, "preempt", 1),
+        (7, "retire", 0), (8, "admit", 1), (8, "join", 1), (13, "retire", 1),
     ]  # fmt: skip
     assert result.preemptions == 1
     alone = Engine(tiny_llama, build_cache("paged", tiny_llama.cache_spec(), options))

@@ -8,7 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from kvlab.tracking import TABLE_COLUMNS, load_results
+from kvlab.tracking import load_results, table_columns
 
 PLOTS = (
     # (file, title, x column, y column, x label, y label)
@@ -185,7 +185,7 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Pa
         "",
         f"{len(rows)} points: {len(ok)} ok, {len(failed)} failed.",
         "",
-        markdown_table(rows, TABLE_COLUMNS),
+        markdown_table(rows, table_columns(rows)),
         "",
     ]
     for spec in PLOTS:

@@ -4,11 +4,13 @@ which leave, which are preempted — taken from what the cache strategy says a r
 (:meth:`KVCache.request_bytes`, the memory model's line) and has free
 (:meth:`KVCache.free_bytes`); no strategy names.
 
-Requests join in groups: a group is admitted when none is joining, prefilled in a cache of
-its own (:meth:`KVCache.spawn`) a chunk per step beside the running batch's decode step
-(Sarathi's chunked prefill, as two forwards: kvlab's decoder pads a step to (B, T), so one
-fused forward would compute every decode row at the chunk's width), and joins the running
-batch (:meth:`KVCache.join`) once every prompt in it is fed. A step that does not fit
+Requests join in groups (of ``max_joining``, one by default): a group is admitted when none
+is joining, prefilled in a cache of its own (:meth:`KVCache.spawn`) a chunk per step beside
+the running batch's decode step (Sarathi's chunked prefill, as two forwards: kvlab's decoder
+pads a step to (B, T), so one fused forward would compute every decode row at the chunk's
+width — and a group of several prompts computes each at the longest one's width, which is
+why groups hold one request unless asked), and joins the running batch
+(:meth:`KVCache.join`) once every prompt in it is fed. A step that does not fit
 (:class:`CacheFull`) preempts the most recently admitted request, which is recomputed later
 (vLLM's recompute preemption).
 """
@@ -33,10 +35,18 @@ class Event:
 
 class Scheduler:
     """``cache`` is the running batch's cache, already serving (:meth:`KVCache.serve`);
-    ``max_running`` caps the running batch (0: only the budget does)."""
+    ``max_running`` caps the running batch (0: only the budget does); ``max_joining``
+    caps a joining group (0: the budget does)."""
 
-    def __init__(self, cache: KVCache, eos_ids: frozenset[int] = frozenset(), max_running: int = 0):
+    def __init__(
+        self,
+        cache: KVCache,
+        eos_ids: frozenset[int] = frozenset(),
+        max_running: int = 0,
+        max_joining: int = 1,
+    ):
         self.cache, self.eos_ids, self.max_running = cache, eos_ids, max_running
+        self.max_joining = max_joining
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # the running cache's rows, in order
         self.joining: list[Sequence] = []  # the joining cache's rows, in order
@@ -84,6 +94,7 @@ class Scheduler:
             return []
         free, group = self.free_bytes(), []
         room = self.max_running - len(self.running) if self.max_running else len(self.waiting)
+        room = min(room, self.max_joining) if self.max_joining else room
         while self.waiting and len(group) < room:
             need = self.cache.request_bytes(len(self.waiting[0].tokens))
             if need > free:

@@ -6,6 +6,7 @@ retires and preempts them, and every token's time is recorded. The loop is nano-
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -25,19 +26,40 @@ from kvlab.serving.trace import Request
 @dataclass(frozen=True)
 class ServeConfig:
     """``kv_budget_bytes``: what the cache may hold; ``chunk``: prompt tokens a joining
-    request feeds per step; ``max_running``: cap on the running batch (0: the budget's)."""
+    request feeds per step; ``max_running``: cap on the running batch (0: the budget's);
+    ``max_joining``: requests admitted together (0: as many as the budget holds)."""
 
     kv_budget_bytes: int
     chunk: int = 512
     max_running: int = 0
+    max_joining: int = 1
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop_on_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_budget_bytes < 1:
             raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} must be >= 1")
         if self.chunk < 1:
             raise ValueError(f"chunk={self.chunk} must be >= 1")
+
+
+@dataclass
+class Profile:
+    """Wall seconds of the serving loop by job: model forwards (the runner, step metadata
+    included), KV moves (rows joining and leaving the running batch's tensors), and the
+    whole steps; the rest of a step is the scheduler's."""
+
+    forward_s: float = 0.0
+    moves_s: float = 0.0
+    steps_s: float = 0.0
+
+    def shares(self) -> dict[str, float]:
+        if not self.steps_s:
+            return {"scheduler_share": 0.0, "kv_moves_share": 0.0}
+        rest = self.steps_s - self.forward_s - self.moves_s
+        return {
+            "scheduler_share": rest / self.steps_s,
+            "kv_moves_share": self.moves_s / self.steps_s,
+        }
 
 
 @dataclass
@@ -52,6 +74,7 @@ class ServeResult:
     prefix_hit_tokens: int
     prefix_query_tokens: int
     steps: int
+    profile: Profile = field(default_factory=Profile)
 
     def metrics(self) -> dict[str, Any]:
         """vLLM's serving metrics, and preemptions, prefix-cache hit rate, KV peak."""
@@ -62,7 +85,7 @@ class ServeResult:
         )
         out["kv_bytes_peak"] = max(b for _, b, _ in self.timeline)
         out["steps"] = self.steps
-        return out
+        return out | self.profile.shares()
 
 
 def serve(
@@ -74,17 +97,19 @@ def serve(
     eos_ids: frozenset[int] = frozenset(),
 ) -> ServeResult:
     """Run ``requests`` (in arrival order) to completion on ``cache`` (a fresh instance of
-    the strategy, made to serve here). A budget that cannot hold some request alone fails
+    the strategy, made to serve here); a request ends at ``max_new_tokens`` or, when
+    ``eos_ids`` is not empty, at one of them. A budget that cannot hold some request alone fails
     before any step."""
     seqs = [Sequence(r) for r in requests]
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
     cache.serve(cfg.kv_budget_bytes, capacity)
-    sched = Scheduler(cache, eos_ids if cfg.stop_on_eos else frozenset(), cfg.max_running)
+    sched = Scheduler(cache, eos_ids, cfg.max_running, cfg.max_joining)
     for seq in seqs:
         sched.check_fits(seq)
     runner, arrivals = ModelRunner(model, cfg.sampling), deque(seqs)
     timeline: list[tuple[float, int, int]] = []
     hits = queried = 0
+    profile = Profile()
     while arrivals or not sched.idle:
         now = clock.now()
         while arrivals and arrivals[0].request.arrival_s <= now:
@@ -92,20 +117,29 @@ def serve(
         if sched.idle:
             clock.wait_until(arrivals[0].request.arrival_s)
             continue
+        began = time.perf_counter()
         for seq in sched.admit():
             seq.times.admitted_s = now if seq.times.admitted_s is None else seq.times.admitted_s
             hits, queried = hits + seq.cached, queried + len(seq.tokens)
         if not (sched.running or sched.joining):
             raise RuntimeError(f"request {sched.waiting[0].index} waits with nothing running")
+        forward = time.perf_counter()
         _prefill(sched, runner, cfg.chunk, clock)
         _decode(sched, runner, clock)
+        moves = time.perf_counter()
         sched.retire()
         sched.absorb()
+        done = time.perf_counter()
+        profile.forward_s += moves - forward
+        profile.moves_s += done - moves
+        profile.steps_s += done - began
         timeline.append(
             (clock.now(), sched.kv_bytes_in_use(), len(sched.running) + len(sched.joining))
         )
         sched.step += 1
-    return ServeResult(seqs, sched.events, timeline, sched.preemptions, hits, queried, sched.step)
+    return ServeResult(
+        seqs, sched.events, timeline, sched.preemptions, hits, queried, sched.step, profile
+    )
 
 
 def _retrying(sched: Scheduler, work: Callable[[], Any]) -> Any:

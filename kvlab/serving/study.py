@@ -1,0 +1,92 @@
+"""The serving workload of a run (``workload=serving``): build the trace from WikiText-2,
+warm up, serve it on a fresh cache under the budget, and report vLLM's serving metrics with
+the KV timeline (``serving_timeline.json`` and a plot beside ``result.json``) and the memory
+model's predicted concurrency beside the measured one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvlab.cache.base import KVCache
+from kvlab.config import ServingConfig
+from kvlab.data import wikitext2_test_text
+from kvlab.engine.sampling import SamplingConfig
+from kvlab.models.llama import Decoder
+from kvlab.serving.clock import WallClock
+from kvlab.serving.server import ServeConfig, ServeResult, serve
+from kvlab.serving.trace import Request, make_trace
+from kvlab.workload import text_windows
+
+
+def build_trace(tokenizer: Any, cfg: ServingConfig, seed: int) -> list[Request]:
+    trace_cfg = cfg.trace_config(seed)
+    corpus = text_windows(tokenizer, wikitext2_test_text(), trace_cfg.tokens_needed(), 1)[0]
+    return make_trace(trace_cfg, corpus)
+
+
+def predicted_concurrency(cache: KVCache, requests: list[Request]) -> int:
+    """The memory model's concurrency: the budget over the bytes of the mean request at its
+    full length (a contiguous row is reserved at the capacity whatever its length)."""
+    need = [cache.request_bytes(len(r.prompt) + r.max_new_tokens) for r in requests]
+    return int(cache.free_bytes() // (sum(need) / len(need)))
+
+
+def measure_serving(
+    model: Decoder,
+    tokenizer: Any,
+    new_cache: Callable[[], KVCache],
+    cfg: ServingConfig,
+    sampling: SamplingConfig,
+    eos_ids: frozenset[int],
+    warmup: bool,
+    out_dir: Path | None,
+) -> dict[str, Any]:
+    requests = build_trace(tokenizer, cfg, sampling.seed)
+    serve_cfg = ServeConfig(
+        cfg.budget_bytes, cfg.chunk, cfg.max_running, cfg.max_joining, sampling=sampling
+    )
+    device = model.embed_tokens.weight.device
+    if not new_cache().stores_past:
+        raise ValueError(
+            "workload=serving needs a cache that stores the past; a strategy that keeps "
+            "nothing re-feeds every token each step"
+        )
+    if warmup:  # the first forwards load kernels; a request's worth, never measured
+        short = [Request(0, 0.0, requests[0].prompt, 2)]
+        serve(model, new_cache(), short, serve_cfg, WallClock(device), eos_ids)
+    cache = new_cache()
+    result = serve(model, cache, requests, serve_cfg, WallClock(device), eos_ids)
+    metrics = result.metrics()
+    metrics["predicted_max_concurrency"] = predicted_concurrency(cache, requests)
+    metrics["kv_budget_bytes"] = cfg.budget_bytes
+    metrics["prompt_tokens"] = sum(len(r.prompt) for r in requests)
+    if out_dir is not None:
+        write_timeline(result, out_dir)
+    return metrics
+
+
+def write_timeline(result: ServeResult, out_dir: Path) -> None:
+    """``serving_timeline.json`` (time, KV bytes in use, requests admitted, per step) and
+    ``serving_timeline.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"t_s": t, "kv_bytes": b, "requests": n} for t, b, n in result.timeline]
+    (out_dir / "serving_timeline.json").write_text(json.dumps(rows))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    times = [r["t_s"] for r in rows]
+    ax.plot(times, [r["kv_bytes"] / 2**20 for r in rows], color="tab:blue")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("KV in use (MiB)", color="tab:blue")
+    twin = ax.twinx()
+    twin.step(times, [r["requests"] for r in rows], color="tab:orange", where="post")
+    twin.set_ylabel("requests admitted", color="tab:orange")
+    fig.tight_layout()
+    fig.savefig(out_dir / "serving_timeline.png", dpi=100)
+    plt.close(fig)
