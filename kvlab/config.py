@@ -237,6 +237,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _require(self.threads >= 0, "threads", self.threads, "0 (default) or a count >= 1")
+        _require(
+            not (self.engine.compile and self.workload.kind == "serving"),
+            "engine.compile",
+            self.engine.compile,
+            "false with workload=serving (the running batch changes size every few steps, "
+            "so each size would compile anew)",
+        )
         from kvlab.eval import eval_options
 
         for name, options in self.eval.items():

@@ -114,11 +114,6 @@ def _measure_serving(cfg, model, tokenizer, new_cache, out_dir) -> dict[str, Any
     """``workload=serving``: the trace served under the KV budget (then the evals)."""
     from kvlab.serving.study import measure_serving
 
-    if cfg.engine.compile:
-        raise ValueError(
-            "engine.compile=true with workload=serving: the running batch changes size every "
-            "few steps, so each size would compile anew; allowed: false"
-        )
     w, device = cfg.workload, model.embed_tokens.weight.device
     sampling = SamplingConfig(w.temperature, w.top_k, w.top_p, w.seed)
     eos = frozenset(_eos_ids(tokenizer, model)) if w.stop_on_eos else frozenset()

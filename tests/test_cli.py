@@ -152,6 +152,10 @@ def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
         tiny = ["workload.prompt_len=64", "workload.new_tokens=2", "workload.prefill_chunk=16"]
         tiny += ["eval.ppl.max_windows=1", "eval.ppl.chunk=16", "eval.longctx.samples=1"]
         tiny += ["eval.longctx.depths=[0.5]", "eval.longctx.max_new_tokens=4"]
+    if experiment == "serving_capacity":  # two points of the grid, two short requests
+        tiny = ["cache=full,paged", "workload.serving.rate=0", "workload.serving.num_requests=2"]
+        tiny += ["workload.serving.prompt_len={kind: fixed, value: 16}"]
+        tiny += ["workload.serving.output_len={kind: fixed, value: 3}"]
     done = kvlab("-m", f"+experiment={experiment}", *tiny, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = load_results(sweep)

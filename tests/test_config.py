@@ -11,8 +11,11 @@ from hydra import compose, initialize_config_dir
 from kvlab.cli import CONF_DIR
 from kvlab.config import (
     CacheConfig,
+    EngineConfig,
+    LengthConfig,
     ModelConfig,
     RunConfig,
+    ServingConfig,
     WorkloadConfig,
     check_context,
     to_run_config,
@@ -47,6 +50,24 @@ def test_every_config_file_composes(group, option):
         (lambda: CacheConfig(name="bogus"), r"cache.name='bogus' .*full.*nocache"),
         (lambda: ModelConfig(dtype="int3"), r"model.dtype='int3' .*float32"),
         (lambda: RunConfig(threads=-2), r"threads=-2"),
+        (lambda: ServingConfig(), r"kv_budget_bytes/kv_budget_gib=\(0, 0.0\) .*exactly one"),
+        (lambda: ServingConfig(kv_budget_gib=1, rate=-1), r"workload.serving.rate=-1"),
+        (
+            lambda: ServingConfig(kv_budget_gib=1, prompt_len=LengthConfig("zipf")),
+            r"workload.serving.prompt_len: kind='zipf' is invalid; allowed: .*longtail",
+        ),
+        (lambda: WorkloadConfig(kind="offline"), r"workload.kind='offline' .*serving"),
+        (
+            lambda: WorkloadConfig(serving=ServingConfig(kv_budget_gib=1)),
+            r"workload.serving=.* exactly when workload.kind=serving",
+        ),
+        (
+            lambda: RunConfig(
+                workload=WorkloadConfig("serving", ServingConfig(kv_budget_gib=1)),
+                engine=EngineConfig(compile=True),
+            ),
+            r"engine.compile=True .*false with workload=serving",
+        ),
     ],
 )
 def test_bad_values_name_field_value_and_allowed(build, message):
@@ -70,6 +91,14 @@ def test_every_launcher_config_composes(launcher):
             config_name="config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True
         )
     assert "launcher" in cfg.hydra.launcher._target_.lower()
+
+
+def test_a_serving_trace_longer_than_the_context_fails_before_loading():
+    lengths = dict(prompt_len=LengthConfig("uniform", 100, 10, 8000))
+    serving = ServingConfig(kv_budget_gib=1, shared_prefix=100, **lengths)
+    cfg = RunConfig(workload=WorkloadConfig("serving", serving))
+    with pytest.raises(ValueError, match=r"longest workload.serving request = 8356 tokens"):
+        check_context(cfg)
 
 
 def test_cache_positions_may_run_past_the_context():

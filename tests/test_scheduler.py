@@ -144,3 +144,35 @@ def test_paged_reuses_a_stored_prefix_and_feeds_only_the_rest(tiny_llama):
     for seq, request in zip(result.seqs, requests, strict=True):
         cfg = GenerationConfig(request.max_new_tokens, stop_on_eos=False)
         assert seq.output == alone.generate([list(request.prompt)], cfg).tokens[0]
+
+
+@pytest.mark.parametrize("name", [n for n in SERVING if n != "paged"])
+def test_a_contiguous_row_holds_what_the_memory_model_reserves_for_it(name, tiny_llama):
+    """Admission's arithmetic is the tensors': rows that joined hold exactly their
+    ``request_bytes`` each (the memory model's line for one row at the capacity)."""
+    options = LOSSY[name]
+    cache = build_cache(name, tiny_llama.cache_spec(), options)
+    cache.serve(2**24, 40)
+    for rows in (2, 1):
+        group = cache.spawn()
+        group.allocate(rows, 40)
+        cache.join(group)
+    assert cache.memory().held_bytes == 3 * cache.request_bytes(40)
+    assert cache.free_bytes() == 2**24 - 3 * cache.request_bytes(40)
+    cache.free([1])
+    assert cache.memory().held_bytes == 2 * cache.request_bytes(40)
+
+
+def test_serving_refuses_a_cache_that_keeps_nothing(tiny_llama):
+    from kvlab.config import ServingConfig
+    from kvlab.engine import SamplingConfig
+    from kvlab.serving.study import measure_serving
+
+    def factory():
+        return build_cache("nocache", tiny_llama.cache_spec())
+
+    with pytest.raises(ValueError, match="stores the past.*cache=nocache"):
+        measure_serving(
+            tiny_llama, None, factory, ServingConfig(kv_budget_gib=1), SamplingConfig(),
+            frozenset(), False, None,
+        )  # fmt: skip

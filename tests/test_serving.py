@@ -20,6 +20,17 @@ def test_trace_is_seeded_and_offline_traces_arrive_at_once():
     assert all(r.arrival_s == 0.0 for r in make_trace(cfg, CORPUS))
 
 
+def test_the_same_requests_arrive_at_any_rate():
+    """A rate sweep compares one workload: only the arrival times change with the rate."""
+    lengths = dict(prompt_len=LengthDistribution("longtail", 64, 8, 512, 0.8))
+    traces = [make_trace(TraceConfig(12, rate, **lengths), CORPUS) for rate in (0, 0.5, 4)]
+    for trace in traces[1:]:
+        assert [(r.prompt, r.max_new_tokens) for r in trace] == [
+            (r.prompt, r.max_new_tokens) for r in traces[0]
+        ]
+    assert traces[1][-1].arrival_s > traces[2][-1].arrival_s > 0
+
+
 def test_poisson_arrivals_have_the_rate_asked_for():
     trace = make_trace(TraceConfig(num_requests=4000, rate=2.0, seed=3), CORPUS * 6)
     gaps = [b.arrival_s - a.arrival_s for a, b in zip(trace, trace[1:], strict=False)]

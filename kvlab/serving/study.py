@@ -44,16 +44,16 @@ def measure_serving(
     warmup: bool,
     out_dir: Path | None,
 ) -> dict[str, Any]:
+    if not new_cache().stores_past:
+        raise ValueError(
+            "workload=serving needs a cache that stores the past; a strategy that keeps "
+            "nothing re-feeds every token each step (cache=nocache)"
+        )
     requests = build_trace(tokenizer, cfg, sampling.seed)
     serve_cfg = ServeConfig(
         cfg.budget_bytes, cfg.chunk, cfg.max_running, cfg.max_joining, sampling=sampling
     )
     device = model.embed_tokens.weight.device
-    if not new_cache().stores_past:
-        raise ValueError(
-            "workload=serving needs a cache that stores the past; a strategy that keeps "
-            "nothing re-feeds every token each step"
-        )
     if warmup:  # the first forwards load kernels; a request's worth, never measured
         short = [Request(0, 0.0, requests[0].prompt, 2)]
         serve(model, new_cache(), short, serve_cfg, WallClock(device), eos_ids)

@@ -100,12 +100,12 @@ def make_trace(cfg: TraceConfig, corpus_ids: list[int]) -> list[Request]:
             f"the trace needs up to {cfg.tokens_needed()} corpus tokens (shared_prefix + "
             f"num_requests x the largest prompt_len); the corpus has {len(corpus_ids)}"
         )
-    rng = random.Random(cfg.seed)
+    rng, arrivals = random.Random(cfg.seed), random.Random(f"arrivals-{cfg.seed}")
     prefix, cursor = tuple(corpus_ids[: cfg.shared_prefix]), cfg.shared_prefix
     clock, requests = 0.0, []
-    for index in range(cfg.num_requests):
+    for index in range(cfg.num_requests):  # the same requests at any rate: apart streams
         if cfg.rate > 0 and index > 0:
-            clock += rng.expovariate(cfg.rate)
+            clock += arrivals.expovariate(cfg.rate)
         length = cfg.prompt_len.draw(rng)
         prompt = prefix + tuple(corpus_ids[cursor : cursor + length])
         cursor += length
