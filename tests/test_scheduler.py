@@ -77,6 +77,8 @@ def test_admission_retirement_order_and_metrics_on_a_fake_clock(tiny_llama):
     assert m["max_concurrency"] == 2
     assert m["mean_concurrency"] == pytest.approx(7 / 4)  # 2 for 3 s, 1 for 1 s
     assert m["kv_bytes_peak"] == budget and m["preemptions"] == 0
+    assert m["decode_batch_mean"] == 1.5 and m["steps_with_prefill"] == 2  # steps 0 and 2
+    assert result.profile.prefill_tokens == 12 and result.profile.decode_rows == 3
 
 
 def test_paged_preempts_the_latest_request_and_recomputes_it(tiny_llama):

@@ -1,4 +1,5 @@
-"""Serving studies: seeded request traces and the serving metrics (vLLM's definitions)."""
+"""Serving studies: seeded request traces, the serving loop (continuous batching under a KV
+budget) and the serving metrics (vLLM's definitions)."""
 
 from kvlab.serving.metrics import RequestTimes, serving_metrics
 from kvlab.serving.trace import LengthDistribution, Request, TraceConfig, make_trace

@@ -51,12 +51,25 @@ class Profile:
     forward_s: float = 0.0
     moves_s: float = 0.0
     steps_s: float = 0.0
+    decode_s: float = 0.0  # decode forwards alone, and the rows they decoded
+    decode_steps: int = 0
+    decode_rows: int = 0
+    prefill_s: float = 0.0  # prefill-chunk forwards alone, and the tokens they fed
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
 
     def shares(self) -> dict[str, float]:
+        """The step's parts, and what a decode and a prefill forward cost on their own."""
+        out = {
+            "decode_step_ms_mean": 1e3 * self.decode_s / max(self.decode_steps, 1),
+            "decode_batch_mean": self.decode_rows / max(self.decode_steps, 1),
+            "prefill_forward_tok_s": self.prefill_tokens / self.prefill_s if self.prefill_s else 0,
+            "steps_with_prefill": self.prefill_steps,
+        }
         if not self.steps_s:
-            return {"scheduler_share": 0.0, "kv_moves_share": 0.0}
+            return out | {"scheduler_share": 0.0, "kv_moves_share": 0.0}
         rest = self.steps_s - self.forward_s - self.moves_s
-        return {
+        return out | {
             "scheduler_share": rest / self.steps_s,
             "kv_moves_share": self.moves_s / self.steps_s,
         }
@@ -124,8 +137,8 @@ def serve(
         if not (sched.running or sched.joining):
             raise RuntimeError(f"request {sched.waiting[0].index} waits with nothing running")
         forward = time.perf_counter()
-        _prefill(sched, runner, cfg.chunk, clock)
-        _decode(sched, runner, clock)
+        _prefill(sched, runner, cfg.chunk, clock, profile)
+        _decode(sched, runner, clock, profile)
         moves = time.perf_counter()
         sched.retire()
         sched.absorb()
@@ -154,7 +167,9 @@ def _retrying(sched: Scheduler, work: Callable[[], Any]) -> Any:
                 raise full from None
 
 
-def _prefill(sched: Scheduler, runner: ModelRunner, chunk: int, clock: Any) -> None:
+def _prefill(
+    sched: Scheduler, runner: ModelRunner, chunk: int, clock: Any, profile: Profile
+) -> None:
     """The joining group's step: the next chunk of each prompt (a request whose prompt is
     fed decodes its next token in the same forward, which computes its row at the chunk's
     width anyway); requests whose tokens are all fed get their next token."""
@@ -168,25 +183,34 @@ def _prefill(sched: Scheduler, runner: ModelRunner, chunk: int, clock: Any) -> N
             else None
         )
 
+    unfed = {s.index: s.to_feed for s in sched.joining}
+    began = time.perf_counter()
     tokens = _retrying(sched, step)
     if tokens is None:
         return
     t = clock.mark()
+    profile.prefill_s += time.perf_counter() - began
+    profile.prefill_steps += 1
+    profile.prefill_tokens += sum(unfed[s.index] - s.to_feed for s in sched.joining)
     for seq, token in zip(sched.joining, tokens, strict=True):
         if token is not None:
             seq.emit(token, t)
             seq.status = Status.READY
 
 
-def _decode(sched: Scheduler, runner: ModelRunner, clock: Any) -> None:
+def _decode(sched: Scheduler, runner: ModelRunner, clock: Any, profile: Profile) -> None:
     """One token for every request of the running batch."""
     if not sched.running:
         return
+    began = time.perf_counter()
     tokens = _retrying(
         sched, lambda: runner.decode(sched.cache, sched.running) if sched.running else None
     )
     if tokens is None:
         return
     t = clock.mark()
+    profile.decode_s += time.perf_counter() - began
+    profile.decode_steps += 1
+    profile.decode_rows += len(sched.running)
     for seq, token in zip(sched.running, tokens, strict=True):
         seq.emit(token, t)
