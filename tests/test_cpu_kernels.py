@@ -70,9 +70,10 @@ def test_fp32_gets_the_decode_kernel_off_intel_and_stays_plain_on_intel(tiny_che
 
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 16, 21, 32, 33])
 def test_decode_linear_equals_linear(dtype, rows):
-    """kvlab's matrix-vector kernel (decode rows) and F.linear (more rows) agree."""
+    """kvlab's matrix-vector kernel (decode rows, in blocks of up to 8 of every size, with
+    a channel tail: 200 = 12 x 16 + 8) and F.linear (more rows) agree."""
     from kvlab.kernels.linear import DecodeLinear
 
     torch.manual_seed(0)

@@ -17,5 +17,6 @@ kvlab -m +experiment=serving_capacity cache=paged workload.serving.rate=0.5 \
   cache.options.prefix_sharing=true,false workload.serving.shared_prefix=1024 \
   workload.serving.num_requests=12 workload.serving.kv_budget_gib=0.5 \
   'workload.serving.prompt_len={kind: fixed, value: 64}' \
-  'workload.serving.output_len={kind: fixed, value: 32}' hydra.sweep.dir="$out/prefix"
+  'workload.serving.output_len={kind: fixed, value: 32}' hydra.sweep.dir="$out/prefix" \
+  'hydra.sweep.subdir=${hydra.job.num}'
 python experiments/serving_capacity/summarize.py "$out"
