@@ -1,11 +1,13 @@
 """Tables and plots of the serving-capacity study from its result files.
 
-Usage: python experiments/serving_capacity/summarize.py multirun/serving_capacity
-Prints the README's tables (markdown) and writes the plots into this folder.
+Usage: python experiments/serving_capacity/summarize.py multirun/serving_capacity [TAG]
+Prints the README's tables (markdown), writes the plots into this folder (names end with
+TAG) and every point's config and metrics to ``results{TAG}.json`` beside them.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -88,7 +90,7 @@ def rate_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plots(rows: list[dict]) -> None:
+def plots(rows: list[dict], tag: str) -> None:
     names = list(dict.fromkeys(label(r) for r in rows))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for name in names:
@@ -109,7 +111,7 @@ def plots(rows: list[dict]) -> None:
         ax.set_xlabel("arrival rate")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(HERE / "serving_vs_rate.png", dpi=100)
+    fig.savefig(HERE / f"serving_vs_rate{tag}.png", dpi=100)
     plt.close(fig)
     offline = [r for r in rows if r["workload.serving.rate"] == 0]
     fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -121,14 +123,17 @@ def plots(rows: list[dict]) -> None:
     ax.set_ylabel("concurrent requests")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(HERE / "predicted_vs_measured.png", dpi=100)
+    fig.savefig(HERE / f"predicted_vs_measured{tag}.png", dpi=100)
     plt.close(fig)
 
 
-def main(root: Path) -> None:
+def main(root: Path, tag: str = "") -> None:
     rows = []
     for sweep in ("main", "paged_int4", "sliding"):
         rows += ok_rows(root, sweep)
+    everything = rows + ok_rows(root, "one_at_a_time") + ok_rows(root, "prefix")
+    keep = [{k: v for k, v in r.items() if k != "path"} for r in everything]
+    (HERE / f"results{tag}.json").write_text(json.dumps(keep, indent=1, default=str))
     print("## Capacity, offline (all 24 requests at t=0)\n")
     print(capacity_table(rows + ok_rows(root, "one_at_a_time")))
     print("\n## By arrival rate\n")
@@ -142,8 +147,11 @@ def main(root: Path) -> None:
             f"{r['p90_ttft_ms']:.0f} | {r['prefix_cache_hit_rate']:.3f} | "
             f"{r['output_throughput']:.1f} |"
         )
-    plots(rows)
+    plots(rows, tag)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "multirun/serving_capacity"))
+    main(
+        Path(sys.argv[1] if len(sys.argv) > 1 else "multirun/serving_capacity"),
+        sys.argv[2] if len(sys.argv) > 2 else "",
+    )
