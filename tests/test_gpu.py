@@ -1,6 +1,7 @@
 """The CUDA lane (skipped without CUDA; ``scripts/gpu_check.sh`` runs it on a GPU machine):
 every strategy exact on the GPU, the decode attention's torch path against the CPU kernel,
-a compiled decode step (CUDA graphs) equal to eager, quantized layers built on the GPU, and
+a compiled decode step (CUDA graphs) equal to eager, quantized layers built on the GPU,
+continuous batching (serving) equal to each request alone, and
 the roofline measured on the GPU rather than its host."""
 
 from __future__ import annotations
@@ -116,3 +117,27 @@ def test_roofline_peaks_are_the_gpus():
     peaks = measure_peaks(matmul_size=1024, bandwidth_bytes=256 * 2**20, repeats=2, device="cuda")
     assert torch.cuda.get_device_name() in peaks.machine
     assert peaks.bandwidth > 2e11  # any datacenter GPU streams > 200 GB/s; a host CPU does not
+
+
+@pytest.mark.parametrize("name", ["full", "int4", "paged"])
+def test_serving_on_cuda_gives_each_request_what_it_generates_alone(tiny_cuda, name):
+    """Continuous batching on the GPU: joins, retirements and the KV budget change nothing
+    but timing."""
+    from test_cache_contract import LOSSY
+
+    from kvlab.serving.clock import FakeClock
+    from kvlab.serving.server import ServeConfig, serve
+    from kvlab.serving.trace import Request
+
+    gen = torch.Generator().manual_seed(5)
+    requests = [
+        Request(i, 0.5 * i, tuple(torch.randint(0, 256, (n,), generator=gen).tolist()), out)
+        for i, (n, out) in enumerate([(11, 6), (5, 3), (17, 5), (9, 7)])
+    ]
+    spec, options = tiny_cuda.cache_spec(), LOSSY[name]
+    result = serve(tiny_cuda, build_cache(name, spec, options), requests,
+                   ServeConfig(2**22, chunk=4), FakeClock())  # fmt: skip
+    alone = Engine(tiny_cuda, build_cache(name, spec, options))
+    for seq, request in zip(result.seqs, requests, strict=True):
+        cfg = GenerationConfig(request.max_new_tokens, stop_on_eos=False, prefill_chunk=4)
+        assert seq.output == alone.generate([list(request.prompt)], cfg).tokens[0]
