@@ -101,10 +101,7 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
         engine.generate(prompts, generation_config(cfg, new_tokens=2))
     with PeakMemory(device) as peak:
         run = engine.generate(prompts, generation_config(cfg))
-    metrics = generation_metrics(run.stats) | peak.metrics
-    metrics["weight_bytes"] = weight_bytes(model)
-    metrics["device"] = str(device)
-    metrics["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    metrics = generation_metrics(run.stats) | peak.metrics | _model_facts(model)
     metrics["new_tokens"] = sum(len(t) for t in run.tokens)
     metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
     return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)
@@ -121,11 +118,18 @@ def _measure_serving(cfg, model, tokenizer, new_cache, out_dir) -> dict[str, Any
         metrics = measure_serving(
             model, tokenizer, new_cache, w.serving, sampling, eos, w.warmup, out_dir
         )
-    metrics |= peak.metrics
-    metrics["weight_bytes"] = weight_bytes(model)
-    metrics["device"] = str(device)
-    metrics["dtype"] = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    metrics |= peak.metrics | _model_facts(model)
     return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)
+
+
+def _model_facts(model: Decoder) -> dict[str, Any]:
+    """What every workload's metrics say of the model: its weight bytes, device and dtype."""
+    weight = model.embed_tokens.weight
+    return {
+        "weight_bytes": weight_bytes(model),
+        "device": str(weight.device),
+        "dtype": str(weight.dtype).removeprefix("torch."),
+    }
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> list[int]:

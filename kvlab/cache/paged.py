@@ -24,6 +24,7 @@ from kvlab.cache.base import (
     Step,
     StepInfo,
     cat_rows,
+    nbytes,
     register,
     sdpa,
 )
@@ -106,13 +107,8 @@ class PagedCache(KVCache):
         s, o = self.spec, self.options
         self.pool = BlockPool(blocks, o.block_size)
         self.codes = o.token_codes(s.head_dim)
-        lead = (s.num_kv_heads, blocks + 1, o.block_size)
-        if self.codes is None:
-            layout = [((*lead, s.head_dim), s.dtype)]
-        else:
-            groups = s.head_dim // self.codes.group
-            layout = [((*lead, s.head_dim * self.codes.bits // 32), torch.int32)]
-            layout += [((*lead, groups), s.dtype)] * 2
+        lead = (s.num_kv_heads, blocks + 1)
+        layout = [((*lead, *shape), t) for shape, t in self._block_layout(s, o)]
 
         def make() -> list[torch.Tensor]:
             # head-major storage, seen block-major: a head's consecutive blocks are adjacent
@@ -149,14 +145,20 @@ class PagedCache(KVCache):
         self.allocate(0, max_tokens)
 
     @staticmethod
-    def block_bytes(spec, options: PagedOptions) -> int:
+    def _block_layout(spec, options: PagedOptions) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of one block of one KV head, per stored component: the rows, or
+        their codes with a scale and a zero per group."""
+        codes, size, dim = options.token_codes(spec.head_dim), options.block_size, spec.head_dim
+        if codes is None:
+            return [((size, dim), spec.dtype)]
+        groups = dim // codes.group
+        return [((size, dim * codes.bits // 32), torch.int32)] + [((size, groups), spec.dtype)] * 2
+
+    @classmethod
+    def block_bytes(cls, spec, options: PagedOptions) -> int:
         """Bytes of one block across layers, keys and values (the memory model's unit)."""
-        codes = options.token_codes(spec.head_dim)
-        per_token = spec.head_dim * spec.dtype.itemsize
-        if codes is not None:
-            groups = spec.head_dim // codes.group
-            per_token = spec.head_dim * codes.bits // 8 + 2 * groups * spec.dtype.itemsize
-        return 2 * spec.num_layers * spec.num_kv_heads * options.block_size * per_token
+        per_head = sum(nbytes(shape, dtype) for shape, dtype in cls._block_layout(spec, options))
+        return 2 * spec.num_layers * spec.num_kv_heads * per_head
 
     def spawn(self) -> PagedCache:
         """Rows that share this cache's pool (and prefix index): joining moves no KV."""

@@ -211,10 +211,7 @@ class Engine:
         to the device in one copy; the layers run compiled when the engine compiles."""
         if not self.cache.stores_past:
             return self._forward_whole(seqs)
-        rows = torch.tensor([[s[-1], len(s) - 1] for s in seqs], device=self.device)  # (B, 2)
-        ids, positions = rows[:, :1], rows[:, 1:]  # (B, 1) each
-        logits = self.model(ids, positions, self.cache, layers=self._decode_layers)
-        return logits[:, 0]
+        return decode_logits(self.model, self.cache, seqs, self._decode_layers)
 
     def _forward_whole(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
         """Recompute every token of every sequence (the no-cache baseline)."""
@@ -229,6 +226,16 @@ class Engine:
         width = max(map(len, seqs))
         rows = [list(s) + [0] * (width - len(s)) for s in seqs]
         return torch.tensor(rows, device=self.device)
+
+
+def decode_logits(
+    model: Decoder, cache: KVCache, seqs: Sequence[Sequence[int]], layers=None
+) -> torch.Tensor:
+    """One decode step over ``cache``'s rows: each sequence feeds its last token (not yet
+    stored) at its position; logits (B, V). Ids and positions go to the device in one copy."""
+    device = model.embed_tokens.weight.device
+    rows = torch.tensor([[s[-1], len(s) - 1] for s in seqs], device=device)  # (B, 2)
+    return model(rows[:, :1], rows[:, 1:], cache, layers=layers)[:, 0]
 
 
 def compiled_layers(model: Decoder):

@@ -10,6 +10,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvlab.cache.base import KVCache
+from kvlab.engine.generate import decode_logits
 from kvlab.engine.sampling import SamplingConfig, sample
 from kvlab.engine.sequence import Sequence
 from kvlab.models.llama import Decoder
@@ -53,8 +54,7 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, cache: KVCache, seqs: Seq[Sequence]) -> list[int]:
         """One token per sequence: each feeds its last token (the one not yet stored)."""
-        rows = torch.tensor([[s.tokens[-1], len(s.tokens) - 1] for s in seqs], device=self.device)
-        logits = self.model(rows[:, :1], rows[:, 1:], cache)[:, 0]
+        logits = decode_logits(self.model, cache, [s.tokens for s in seqs])
         for s in seqs:
             s.computed += 1
         return sample(logits, self.sampling, self._gen).tolist()

@@ -132,7 +132,8 @@ class Scheduler:
             if rows:
                 cache.free(rows)
                 finished += [seqs[r] for r in rows]
-                seqs[:] = [s for r, s in enumerate(seqs) if r not in set(rows)]
+                leaving = set(rows)
+                seqs[:] = [s for r, s in enumerate(seqs) if r not in leaving]
         for seq in finished:
             seq.status = Status.FINISHED
             self.events.append(Event(self.step, "retire", seq.index))

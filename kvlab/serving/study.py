@@ -44,7 +44,8 @@ def measure_serving(
     warmup: bool,
     out_dir: Path | None,
 ) -> dict[str, Any]:
-    if not new_cache().stores_past:
+    cache = new_cache()  # the measured run's
+    if not cache.stores_past:
         raise ValueError(
             "workload=serving needs a cache that stores the past; a strategy that keeps "
             "nothing re-feeds every token each step (cache=nocache)"
@@ -57,7 +58,6 @@ def measure_serving(
     if warmup:  # the first forwards load kernels; a request's worth, never measured
         short = [Request(0, 0.0, requests[0].prompt, 2)]
         serve(model, new_cache(), short, serve_cfg, WallClock(device), eos_ids)
-    cache = new_cache()
     result = serve(model, cache, requests, serve_cfg, WallClock(device), eos_ids)
     metrics = result.metrics()
     metrics["predicted_max_concurrency"] = predicted_concurrency(cache, requests)
