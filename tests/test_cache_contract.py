@@ -22,6 +22,7 @@ LOSSY = {
     "gqa_shared": dict(factor=2),
     "paged": dict(block_size=4),
     "compressed": dict(csa_ratio=2, hca_ratio=4, window=3, sinks=1, top_k=2),
+    "evict": dict(scorer="snapkv", ratio=0.5, window=2, kernel=3),
 }
 EXACT = {
     "full": {},
@@ -33,6 +34,7 @@ EXACT = {
     "gqa_shared": dict(factor=1),
     "paged": dict(block_size=3),
     "compressed": dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0, sinks=0),
+    "evict": dict(scorer="snapkv", ratio=0.0, window=2, kernel=3),
 }
 STRATEGIES = sorted(registered())
 TOLERANCE = 1e-4
@@ -40,6 +42,7 @@ TOLERANCE = 1e-4
 COMPOSED = [
     ("paged", dict(block_size=4, kv_bits=4, kv_group_size=8)),
     ("sliding", dict(sinks=2, window=6, kv_bits=8, kv_group_size=16)),
+    ("evict", dict(scorer="knorm", ratio=0.5, budget="adaptive", kv_bits=4, kv_group_size=8)),
 ]
 
 
@@ -202,6 +205,7 @@ DEFAULT_MODEL_EXACT = {
     "int4": dict(residual=1024),
     "int2": dict(residual=1024),
     "compressed": dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0, sinks=0),
+    "evict": dict(ratio=0.0),
 }
 
 

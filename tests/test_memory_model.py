@@ -95,6 +95,7 @@ HAND_OPTIONS = {
     "int2": dict(group_size=4, residual=6, key_axis="token"),
     "sliding": dict(sinks=2, window=6), "paged": dict(block_size=4),
     "compressed": dict(csa_ratio=2, hca_ratio=4, window=3, sinks=1, top_k=2),
+    "evict": dict(ratio=0.0),  # lossy ratios: tests/test_evict.py
 }  # fmt: skip
 
 
@@ -118,6 +119,9 @@ def hand_bytes(name: str, batch: int, tokens: int) -> int:
         per_row = -(-tokens // 4)
         blocks = batch * per_row + batch + 1
         return L * 2 * blocks * H * 4 * D * F32 + batch * per_row * 8
+    if name == "evict":  # every token kept: 23 per head in blocks of 16, table + count
+        blocks = -(-tokens // 16)
+        return L * 2 * rows(blocks * 16) + L * batch * H * (blocks + 1) * 8
     assert name == "compressed"  # window (1 sink + 3) + CSA (ratio 2) and HCA (ratio 4)
     window = L * 2 * rows(1 + 3 + 1) + batch * (1 + 3 + 1) * 8
     csa = 2 * rows(tokens // 2 + 1) + 2 * rows(4 + 1)  # entries + trash, raw span 4 + trash

@@ -15,7 +15,7 @@ from kvlab.serving.server import ServeConfig, serve
 from kvlab.serving.trace import Request
 from tests.test_cache_contract import LOSSY
 
-SERVING = sorted(n for n, cls in registered().items() if cls.stores_past)
+SERVING = sorted(n for n, cls in registered().items() if cls.stores_past and cls.serves)
 COMPOSED = [("paged", dict(block_size=4, kv_bits=4, kv_group_size=8))]
 
 

@@ -2,6 +2,7 @@
 
 from kvlab.cache import (  # noqa: F401  (registers the strategies)
     compressed,
+    evict,
     full,
     gqa_shared,
     nocache,

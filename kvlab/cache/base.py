@@ -41,12 +41,14 @@ class StepInfo:
     """One forward step as the model sees it: ``positions`` (B, T) absolute token positions;
     ``num_new[b]`` of the T tokens of row b are real, the rest right padding; ``rope``
     rotates at those positions; ``ids`` (B, T) are the tokens themselves (prefix sharing
-    hashes them)."""
+    hashes them); ``context_end[b]``: row b's context ends in this step."""
 
     positions: torch.Tensor
     num_new: list[int]
     rope: RotaryTables
     ids: torch.Tensor | None = None
+    context_end: list[bool] | None = None  # rows whose context (prompt, or the part before
+    # a question) ends in this step: eviction compresses them here
 
     @property
     def steps(self) -> int:
@@ -102,11 +104,13 @@ class KVCache(ABC):
     """Base of every strategy. Subclasses set ``name`` via :func:`register` and may set:
 
     - ``stores_past = False``: keeps nothing, so the engine re-feeds the whole sequence;
+    - ``serves = False``: rows cannot join a running batch (``workload=serving`` refuses);
     - ``Options``: a :class:`CacheOptions` dataclass of the strategy's knobs.
     """
 
     name: ClassVar[str]
     stores_past: ClassVar[bool] = True
+    serves: ClassVar[bool] = True  # implements the serving contract (spawn/join/free)
     Options: ClassVar[type[CacheOptions]] = CacheOptions
 
     @classmethod

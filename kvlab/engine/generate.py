@@ -63,10 +63,25 @@ class Generation:
     """A running generation: iterate to get ``{row: token}`` per step; ``tokens`` and
     ``stats`` hold the results once it is exhausted."""
 
-    def __init__(self, engine: Engine, prompts: Sequence[Sequence[int]], cfg: GenerationConfig):
+    def __init__(
+        self,
+        engine: Engine,
+        prompts: Sequence[Sequence[int]],
+        cfg: GenerationConfig,
+        contexts: Sequence[int] | None = None,
+    ):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
+        if contexts is not None and (
+            len(contexts) != len(prompts)
+            or any(not 0 < c <= len(p) for c, p in zip(contexts, prompts, strict=True))
+        ):
+            raise ValueError(
+                f"contexts={list(contexts)} is invalid; allowed: one length per prompt, "
+                "1 <= context <= the prompt's length"
+            )
         self.engine, self.cfg = engine, cfg
+        self.contexts = list(contexts) if contexts is not None else None
         self.seqs = [list(p) for p in prompts]
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.active = list(range(len(prompts)))  # prompt index of each cache row
@@ -101,7 +116,8 @@ class Generation:
             )
             start = now(device)
             try:
-                logits = engine.prefill(seqs, chunk)
+                contexts = self.contexts and [self.contexts[i] for i in self.active]
+                logits = engine.prefill(seqs, chunk, contexts)
                 break
             except CacheFull as full:
                 self._preempt(waiting, full, free=False)
@@ -176,31 +192,52 @@ class Engine:
         self._decode_layers = compiled_layers(model) if compile else None
         cache.static = compile
 
-    def stream(self, prompts: Sequence[Sequence[int]], cfg: GenerationConfig) -> Generation:
-        """A generation to iterate over, step by step (tokens as they come)."""
-        return Generation(self, prompts, cfg)
+    def stream(
+        self,
+        prompts: Sequence[Sequence[int]],
+        cfg: GenerationConfig,
+        contexts: Sequence[int] | None = None,
+    ) -> Generation:
+        """A generation to iterate over, step by step (tokens as they come). ``contexts``:
+        how many of each prompt's first tokens are its context (default: all); the rest (a
+        question) is prefilled after it, so eviction compresses the context alone
+        (kvpress's protocol)."""
+        return Generation(self, prompts, cfg, contexts)
 
-    def generate(self, prompts: Sequence[Sequence[int]], cfg: GenerationConfig) -> Generation:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        cfg: GenerationConfig,
+        contexts: Sequence[int] | None = None,
+    ) -> Generation:
         """Run a generation to the end; read ``.tokens`` and ``.stats``."""
-        run = self.stream(prompts, cfg)
+        run = self.stream(prompts, cfg, contexts)
         for _ in run:
             pass
         return run
 
     @torch.inference_mode()
-    def prefill(self, seqs: Sequence[Sequence[int]], chunk: int) -> torch.Tensor:
-        """Feed the prompts (in chunks of ``chunk`` tokens); logits (B, V) at each last token."""
+    def prefill(
+        self, seqs: Sequence[Sequence[int]], chunk: int, contexts: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Feed the prompts (in chunks of ``chunk`` tokens, a step ending where each
+        context ends); logits (B, V) at each last token."""
         if not self.cache.stores_past:
             return self._forward_whole(seqs)
         lengths = torch.tensor([len(s) for s in seqs], device=self.device)
         ids = self.padded(seqs)  # (B, T)
+        cuts = list(contexts or [])  # a given context ends a step; a prompt's end need not
+        contexts = cuts or [len(s) for s in seqs]
         last = torch.empty(len(seqs), self.model.config.vocab_size, device=self.device)
-        for begin in range(0, ids.shape[1], chunk):
-            piece = ids[:, begin : begin + chunk]  # (B, C)
+        for begin, stop in prefill_spans(ids.shape[1], chunk, cuts):
+            piece = ids[:, begin:stop]  # (B, C)
             num_new = [min(max(len(s) - begin, 0), piece.shape[1]) for s in seqs]
             positions = begin + torch.arange(piece.shape[1], device=self.device)
             index = (torch.tensor(num_new, device=self.device) - 1).clamp(min=0)
-            logits = self.model(piece, positions.expand_as(piece), self.cache, num_new, index)
+            ends = [begin < c <= stop for c in contexts]
+            logits = self.model(
+                piece, positions.expand_as(piece), self.cache, num_new, index, context_end=ends
+            )
             ends_here = (lengths > begin) & (lengths <= begin + piece.shape[1])
             last[ends_here] = logits[ends_here]
         return last
@@ -226,6 +263,14 @@ class Engine:
         width = max(map(len, seqs))
         rows = [list(s) + [0] * (width - len(s)) for s in seqs]
         return torch.tensor(rows, device=self.device)
+
+
+def prefill_spans(width: int, chunk: int, contexts: Sequence[int]) -> list[tuple[int, int]]:
+    """[begin, stop) of each prefill step over ``width`` columns: chunks of ``chunk``, cut
+    where a row's context ends too, so a context never shares a step with what follows."""
+    cuts = {*range(0, width, chunk), *(c for c in contexts if c < width), width}
+    ordered = sorted(cuts)
+    return list(zip(ordered[:-1], ordered[1:], strict=True))
 
 
 def decode_logits(

@@ -133,8 +133,10 @@ class Decoder(nn.Module):
         num_new: list[int] | None = None,
         logit_index: torch.Tensor | None = None,
         layers: Callable | None = None,
+        context_end: list[bool] | None = None,
     ) -> torch.Tensor:
-        """ids, positions (B, T); ``num_new[b]`` real tokens in row b (default: all T).
+        """ids, positions (B, T); ``num_new[b]`` real tokens in row b (default: all T);
+        ``context_end[b]``: row b's context ends in this step (see :class:`StepInfo`).
 
         Returns logits (B, T, V), or (B, V) at ``logit_index[b]`` of each row when given,
         so prefill does not pay for the vocabulary projection of every prompt token.
@@ -143,7 +145,7 @@ class Decoder(nn.Module):
         """
         batch, steps = ids.shape
         rope = RotaryTables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
-        cache.begin(StepInfo(positions, num_new or [steps] * batch, rope, ids))
+        cache.begin(StepInfo(positions, num_new or [steps] * batch, rope, ids, context_end))
         logits = (layers or self.logits)(ids, rope, cache, logit_index)
         cache.end()
         return logits

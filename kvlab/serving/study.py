@@ -50,6 +50,11 @@ def measure_serving(
             "workload=serving needs a cache that stores the past; a strategy that keeps "
             "nothing re-feeds every token each step (cache=nocache)"
         )
+    if not cache.serves:
+        raise ValueError(
+            f"workload=serving: cache={cache.name!r} does not implement joining a running "
+            "batch; allowed: a strategy whose rows join and leave (full, paged, int8, ...)"
+        )
     requests = build_trace(tokenizer, cfg, sampling.seed)
     serve_cfg = ServeConfig(
         cfg.budget_bytes, cfg.chunk, cfg.max_running, cfg.max_joining, sampling=sampling

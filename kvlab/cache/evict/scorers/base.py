@@ -1,0 +1,104 @@
+"""What a scorer sees and the scorer registry (kvpress's ``ScorerPress.score`` shape: one
+score per (row, KV head, token), higher = keep; the policy of :mod:`..policy` keeps the
+top ones)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvlab.models.rope import RotaryTables
+
+QUERY_CHUNK = 512  # queries per attention block when a scorer needs all of them
+
+
+@dataclass
+class Observation:
+    """One layer's cache as a scorer sees it when the policy compresses it.
+
+    ``keys``/``values`` (B, H_kv, L, D): what is held, rotated, fp32, padded per head;
+    ``valid`` (B, H_kv, L): which of the L entries hold a token; ``positions`` (B, H_kv, L)
+    their absolute positions; ``queries`` (B, H, W, D): the last W queries the layer saw
+    (rotated) at ``query_positions`` (B, W); ``inv_freq``: RoPE's frequencies (to undo or
+    average rotations); ``layer`` of ``num_layers``; ``options``: the strategy's options."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+    queries: torch.Tensor
+    query_positions: torch.Tensor
+    inv_freq: torch.Tensor
+    layer: int
+    num_layers: int
+    options: Any
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.queries.shape[1] // self.keys.shape[1]
+
+    def attention(self, last: int = 0) -> torch.Iterator[tuple[slice, torch.Tensor]]:
+        """Softmax attention (B, H, w, L) of the observed queries (the ``last`` ones, or
+        all) over the held keys, each query seeing the keys at positions <= its own, in
+        blocks of :data:`QUERY_CHUNK` queries: yields (query slice, probabilities)."""
+        queries, qpos = self.queries, self.query_positions
+        if last:
+            queries, qpos = queries[:, :, -last:], qpos[:, -last:]
+        keys = self.keys.repeat_interleave(self.group, dim=1)  # (B, H, L, D)
+        seen = self.valid.repeat_interleave(self.group, dim=1)[:, :, None]  # (B, H, 1, L)
+        kpos = self.positions.repeat_interleave(self.group, dim=1)[:, :, None]
+        scale = queries.shape[-1] ** -0.5
+        for start in range(0, queries.shape[2], QUERY_CHUNK):
+            block = slice(start, start + QUERY_CHUNK)
+            logits = queries[:, :, block].float() @ keys.transpose(-1, -2) * scale
+            visible = seen & (kpos <= qpos[:, None, block, None])  # (B, H, w, L)
+            yield block, logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+
+    def raw_queries(self) -> torch.Tensor:
+        """The observed queries before RoPE (rotated back by their positions)."""
+        back = RotaryTables(self.inv_freq, -self.query_positions, torch.float32)
+        return back.rotate_heads_first(self.queries.float())
+
+    def per_kv_head(self, scores: torch.Tensor) -> torch.Tensor:
+        """(B, H, L) scores of query heads averaged over each KV head's group."""
+        batch, heads, length = scores.shape
+        return scores.view(batch, heads // self.group, self.group, length).mean(2)
+
+
+Scorer = Callable[[Observation], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ScorerEntry:
+    """``fn(obs) -> (B, H_kv, L)`` scores; ``queries``: how many recent queries it needs
+    (0: none, -1: every query of the step); ``sinks``: first tokens it keeps by default."""
+
+    fn: Scorer
+    queries: int | str = 0
+    sinks: int = 0
+
+
+_SCORERS: dict[str, ScorerEntry] = {}
+
+
+def register_scorer(name: str, queries: int | str = 0, sinks: int = 0):
+    """Function decorator: register a scorer under ``name`` (``cache.options.scorer``).
+    ``queries``: 0 (none), "window" (the last ``window`` queries), "last" (the last one),
+    "all" (every observed query)."""
+
+    def wrap(fn: Scorer) -> Scorer:
+        if name in _SCORERS:
+            raise ValueError(f"scorer {name!r} is registered twice")
+        _SCORERS[name] = ScorerEntry(fn, queries, sinks)
+        return fn
+
+    return wrap
+
+
+def scorers() -> dict[str, ScorerEntry]:
+    """Name -> entry of every registered scorer."""
+    return dict(_SCORERS)
