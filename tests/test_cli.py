@@ -135,9 +135,9 @@ EXPERIMENTS = sorted(
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
     sweep = tmp_path / experiment
+    tiny_workload = ["workload.prompt_len=16", "workload.new_tokens=2"]
     tiny = [
-        "workload.prompt_len=16",
-        "workload.new_tokens=2",
+        *tiny_workload,
         "eval.ppl.seqlen=32",
         "eval.ppl.max_windows=1",
         "eval.ppl.chunk=8",
@@ -156,6 +156,10 @@ def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
         tiny = ["cache=full,paged", "workload.serving.rate=0", "workload.serving.num_requests=2"]
         tiny += ["workload.serving.prompt_len={kind: fixed, value: 16}"]
         tiny += ["workload.serving.output_len={kind: fixed, value: 3}"]
+    if experiment == "eviction_ruler":  # one scorer, one ratio, one short item
+        tiny = ["cache.options.scorer=snapkv", "cache.options.ratio=0.5", "cache.options.window=8"]
+        tiny += ["eval.ruler.tasks=[niah_single_1]", "eval.ruler.length=256"]
+        tiny += ["eval.ruler.samples=1", "eval.ruler.max_new_tokens=4", *tiny_workload]
     done = kvlab("-m", f"+experiment={experiment}", *tiny, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     rows = load_results(sweep)

@@ -251,7 +251,28 @@ class EvictCache(KVCache):
         """A multi-token step: attend over what is held and the new tokens, then repack
         the layer with the new tokens — keeping only the top-scored ones of the rows whose
         context ends here."""
-        step, batch, heads = self.step, q.shape[0], self.spec.num_kv_heads
+        step, context = self.step, self._with_step(layer, k, v)
+        held_parts, keys, values, valid, positions = context
+        if held_parts[0].shape[2] == 0 and all(n == step.info.steps for n in step.info.num_new):
+            out = sdpa(q, k, v, causal=True)  # nothing held, no padding: plain causal
+        else:
+            group = q.shape[1] // self.spec.num_kv_heads
+            seen = valid[:, :, None] & (positions[:, :, None] <= step.positions[:, None, :, None])
+            out = sdpa(q, keys, values, mask=seen.repeat_interleave(group, dim=1))
+        self._store_step(layer, q, k, v, context)
+        return out
+
+    def compress_step(self, layer: int, q, k, v) -> None:
+        """What :meth:`attend` leaves in ``layer``'s store for a multi-token step, without
+        its attention output: one recorded context step replays under many policies (its
+        queries and keys do not depend on what the cache keeps; experiments/eviction_ruler
+        checks the replay against :meth:`attend`)."""
+        self._store_step(layer, q, k, v, self._with_step(layer, k, v))
+
+    def _with_step(self, layer: int, k, v):
+        """(held parts, keys, values, valid, positions): what ``layer`` holds followed by
+        the step's new tokens, dense (B, H_kv, S + T, ...)."""
+        step, batch, heads = self.step, k.shape[0], self.spec.num_kv_heads
         held_parts, held_valid, held_pos = self._held(layer, batch)
         half = len(held_parts) // 2
         keys = torch.cat([self._decoded(held_parts[:half]), k], dim=2)
@@ -259,13 +280,11 @@ class EvictCache(KVCache):
         new_valid = step.real[:, None].expand(batch, heads, -1)
         valid = torch.cat([held_valid, new_valid], dim=2)
         positions = torch.cat([held_pos, step.positions[:, None].expand(batch, heads, -1)], 2)
-        positions = positions.masked_fill(~valid, -1)
-        if held_valid.shape[-1] == 0 and all(n == step.info.steps for n in step.info.num_new):
-            out = sdpa(q, k, v, causal=True)  # nothing held, no padding: plain causal
-        else:
-            group = q.shape[1] // heads
-            seen = valid[:, :, None] & (positions[:, :, None] <= step.positions[:, None, :, None])
-            out = sdpa(q, keys, values, mask=seen.repeat_interleave(group, dim=1))
+        return held_parts, keys, values, valid, positions.masked_fill(~valid, -1)
+
+    def _store_step(self, layer: int, q, k, v, context) -> None:
+        step = self.step
+        held_parts, keys, values, valid, positions = context
         keep = valid
         if any(step.seal):
             queries, query_positions = self._observed(q)
@@ -276,7 +295,6 @@ class EvictCache(KVCache):
         new_parts = self._encode(k) + self._encode(v)
         parts = [torch.cat([a, b], dim=2) for a, b in zip(held_parts, new_parts, strict=True)]
         self.stores[layer] = self._pack(parts, keep, positions, step.end)
-        return out
 
     def _observed(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's queries a scorer observes and their positions (-1: padding): all of
@@ -345,7 +363,9 @@ class EvictCache(KVCache):
     def _compress_decode(self, layer: int) -> None:
         batch = len(self.lengths)
         parts, valid, positions = self._held(layer, batch)
-        if int(valid.sum(-1).max()) <= self.target:
+        room = torch.full((batch,), self.options.interval, device=valid.device)
+        if int(valid.sum(-1).max()) <= self.target:  # under the target: only make room
+            self.stores[layer] = pack(parts, valid, room, positions)
             return
         half = len(parts) // 2
         queries, qpos = self.recent[layer] or (None, None)
@@ -354,7 +374,6 @@ class EvictCache(KVCache):
             qpos = torch.zeros(batch, 0, dtype=torch.long)
         keys, values = self._decoded(parts[:half]), self._decoded(parts[half:])
         obs = self._observation(layer, keys, values, valid, positions, queries, qpos)
-        room = torch.full((batch,), self.options.interval, device=valid.device)
         self.stores[layer] = pack(parts, self._policy_keep(obs), room, positions)
 
     # ---- accounting ------------------------------------------------------------------

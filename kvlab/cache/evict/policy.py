@@ -9,7 +9,7 @@ scores within it. Budgets follow kvpress's definitions so kept sets compare one 
   across heads, so heads keep different counts (Feng et al., arXiv 2407.11550).
 
 Protected tokens (the first ``sinks``, the last ``protect_last``, a scorer's own +inf)
-are kept first; entries that hold no token are never kept. Ties keep the earlier token.
+are kept first; entries that hold no token are never kept.
 """
 
 from __future__ import annotations
@@ -59,7 +59,14 @@ def keep_mask(scores, valid, forced, options, layer: int, layers: int, limit=Non
 
 
 def _top(scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    """(..., L) bool: the ``budget[...]`` highest scores of each row (ties: earlier first)."""
+    """(..., L) bool: the ``budget[...]`` highest scores of each row. One budget for all
+    rows: ``torch.topk``, so ties (two equal key norms: the same token twice) break as
+    kvpress's ``ScorerPress`` breaks them; budgets that differ by row: a stable sort
+    (earlier first)."""
+    most = int(budget.max()) if budget.numel() else 0
+    if bool((budget == most).all()):
+        kept = torch.zeros_like(scores, dtype=torch.bool)
+        return kept.scatter_(-1, scores.topk(most, dim=-1).indices, True)
     order = scores.sort(dim=-1, descending=True, stable=True).indices
     ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
     rank = torch.empty_like(order).scatter_(-1, order, ranks)

@@ -4,7 +4,7 @@ top ones)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,22 +41,31 @@ class Observation:
         """Query heads per KV head."""
         return self.queries.shape[1] // self.keys.shape[1]
 
-    def attention(self, last: int = 0) -> torch.Iterator[tuple[slice, torch.Tensor]]:
+    def attention(self, last: int = 0) -> Iterator[tuple[slice, torch.Tensor]]:
         """Softmax attention (B, H, w, L) of the observed queries (the ``last`` ones, or
         all) over the held keys, each query seeing the keys at positions <= its own, in
-        blocks of :data:`QUERY_CHUNK` queries: yields (query slice, probabilities)."""
+        blocks of :data:`QUERY_CHUNK` queries: yields (query slice, probabilities). Keys
+        must be in position order, valid ones first (the policy's layout)."""
         queries, qpos = self.queries, self.query_positions
         if last:
             queries, qpos = queries[:, :, -last:], qpos[:, -last:]
-        keys = self.keys.repeat_interleave(self.group, dim=1)  # (B, H, L, D)
-        seen = self.valid.repeat_interleave(self.group, dim=1)[:, :, None]  # (B, H, 1, L)
-        kpos = self.positions.repeat_interleave(self.group, dim=1)[:, :, None]
-        scale = queries.shape[-1] ** -0.5
-        for start in range(0, queries.shape[2], QUERY_CHUNK):
+        batch, heads, count, dim = queries.shape
+        kv_heads, length = self.keys.shape[1], self.keys.shape[2]
+        grouped = queries.float().view(batch, kv_heads, self.group, count, dim)
+        for start in range(0, count, QUERY_CHUNK):
             block = slice(start, start + QUERY_CHUNK)
-            logits = queries[:, :, block].float() @ keys.transpose(-1, -2) * scale
-            visible = seen & (kpos <= qpos[:, None, block, None])  # (B, H, w, L)
-            yield block, logits.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num(0.0)
+            newest = qpos[:, block].amax()
+            # keys in position order: those a block's queries can see are a prefix
+            width = max(1, int((self.valid & (self.positions <= newest)).sum(-1).max()))
+            width = min(width, length)
+            keys, kpos = self.keys[:, :, :width], self.positions[:, :, :width]
+            logits = grouped[:, :, :, block] @ keys[:, :, None].transpose(-1, -2)
+            visible = self.valid[:, :, None, None, :width] & (
+                kpos[:, :, None, None] <= qpos[:, None, None, block, None]
+            )  # (B, H_kv, 1, w, width)
+            logits = (logits * dim**-0.5).masked_fill_(~visible, float("-inf"))
+            probs = logits.softmax(-1).nan_to_num_(0.0).view(batch, heads, -1, width)
+            yield block, torch.nn.functional.pad(probs, (0, length - width))
 
     def raw_queries(self) -> torch.Tensor:
         """The observed queries before RoPE (rotated back by their positions)."""

@@ -16,9 +16,9 @@ def averaged_rotation(inv_freq: torch.Tensor, start: int, count: int) -> torch.T
     dim = 2 * inv_freq.shape[0]
     positions = torch.arange(start, start + count, device=inv_freq.device)[None]  # (1, n)
     rope = RotaryTables(inv_freq, positions, torch.float32)
-    basis = torch.eye(dim, device=inv_freq.device).expand(1, count, dim, dim)  # rows: e_j
-    rotated = rope.rotate(basis.transpose(1, 2)).transpose(1, 2)  # (1, n, j, D): R e_j
-    return rotated[0].mean(0).T  # column j = mean R e_j
+    basis = torch.eye(dim, device=inv_freq.device).expand(1, count, dim, dim)  # [0, p, j] = e_j
+    rotated = rope.rotate(basis)  # [0, p, j] = R(p) e_j
+    return rotated[0].mean(0).T  # column j = mean over p of R(p) e_j
 
 
 def query_statistics(obs: Observation, sinks: int) -> tuple[torch.Tensor, torch.Tensor]:

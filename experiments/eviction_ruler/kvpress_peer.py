@@ -1,0 +1,119 @@
+"""kvpress 0.5.5 as a peer, run in its own environment (``bash scripts/peer_kvpress.sh``;
+then ``.venv-kvpress/bin/python experiments/eviction_ruler/kvpress_peer.py ...``). It does
+not import kvlab: it reads kvlab's converted checkpoint (a plain HF Llama directory) and
+kvlab's generated items, and writes what kvpress does with them.
+
+  fixture CHECKPOINT IDS_JSON OUT_JSON   kept (layer, head, token) sets of knorm, snapkv,
+                                         tova and streaming at ratio 0.5 on one prompt
+  ruler CHECKPOINT ITEMS_JSONL OUT_JSON [press:ratio ...]
+                                         RULER answers and scores through kvpress's
+                                         pipeline (context compressed, question after)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+from kvpress import (
+    ExpectedAttentionPress,
+    KnormPress,
+    ObservedAttentionPress,
+    RandomPress,
+    SnapKVPress,
+    StreamingLLMPress,
+    TOVAPress,
+)
+from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+PRESSES = {
+    "knorm": KnormPress, "snapkv": SnapKVPress, "tova": TOVAPress,
+    "streaming": StreamingLLMPress, "expected_attention": ExpectedAttentionPress,
+    "h2o": ObservedAttentionPress, "random": RandomPress,
+}  # fmt: skip
+FIXTURE_PRESSES = ("knorm", "snapkv", "tova", "streaming")
+
+
+def load(checkpoint: str, attn: str = "sdpa"):
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, attn_implementation=attn
+    )
+    return model.eval(), AutoTokenizer.from_pretrained(checkpoint)
+
+
+def kept_sets(model, press, ids: list[int]) -> list[list[str]]:
+    """Per layer and KV head, the kept token indices as a bit string over the prompt:
+    the top-k of the press's own scores, exactly as ``ScorerPress.compress`` takes them."""
+    kept: dict[int, torch.Tensor] = {}
+    score = press.score
+
+    def recording(module, hidden_states, keys, values, attentions, kwargs):
+        scores = score(module, hidden_states, keys, values, attentions, kwargs)
+        n_kept = int(keys.shape[2] * (1 - press.compression_ratio))
+        kept[module.layer_idx] = scores.topk(n_kept, dim=-1).indices[0]  # (H_kv, n_kept)
+        return scores
+
+    press.score = recording
+    with torch.inference_mode(), press(model):
+        model.model(input_ids=torch.tensor([ids]))
+    length = len(ids)
+    out = []
+    for layer in range(len(kept)):
+        heads = []
+        for indices in kept[layer]:
+            bits = ["0"] * length
+            for i in indices.tolist():
+                bits[i] = "1"
+            heads.append("".join(bits))
+        out.append(heads)
+    return out
+
+
+def fixture(checkpoint: str, ids_path: str, out_path: str) -> None:
+    model, _ = load(checkpoint)
+    ids = json.load(open(ids_path))["ids"]
+    sets = {
+        name: kept_sets(model, PRESSES[name](compression_ratio=0.5), ids)
+        for name in FIXTURE_PRESSES
+    }
+    json.dump({"ids": ids, "ratio": 0.5, "kvpress": "0.5.5", "kept": sets}, open(out_path, "w"))
+
+
+def string_match_all(answer: str, references: list[str]) -> float:
+    lowered = answer.lower()
+    return sum(r.lower() in lowered for r in references) / len(references)
+
+
+def ruler(checkpoint: str, items_path: str, out_path: str, specs: list[str]) -> None:
+    items = [json.loads(line) for line in open(items_path)]
+    needs_eager = any(s.split(":")[0] == "h2o" for s in specs)
+    model, tokenizer = load(checkpoint, "eager" if needs_eager else "sdpa")
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    results = []
+    for spec in specs:
+        name, ratio = spec.split(":")
+        press = None if name == "none" else PRESSES[name](compression_ratio=float(ratio))
+        for item in items:
+            start = time.perf_counter()
+            answer = pipe(
+                item["context"], question=item["question"], answer_prefix=item["answer_prefix"],
+                press=press, max_new_tokens=item.get("max_new_tokens", 32),
+            )["answer"]  # fmt: skip
+            results.append({
+                "press": name, "ratio": float(ratio), "task": item["task"], "answer": answer,
+                "score": 100 * string_match_all(answer, item["references"]),
+                "seconds": time.perf_counter() - start,
+            })  # fmt: skip
+            print(name, ratio, item["task"], results[-1]["score"], repr(answer[:60]), flush=True)
+            json.dump(results, open(out_path, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    command, *args = sys.argv[1:]
+    if command == "fixture":
+        fixture(*args)
+    else:
+        ruler(args[0], args[1], args[2], args[3:])
