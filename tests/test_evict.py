@@ -216,3 +216,11 @@ def test_serving_refuses_eviction(tiny_llama):
 
     with pytest.raises(ValueError, match="does not implement joining"):
         measure_serving(tiny_llama, None, new_cache, None, None, frozenset(), False, None)
+
+
+def test_protected_tokens_are_always_kept(tiny_llama):
+    prompt = tiny_prompt(tiny_llama, 64)
+    options = dict(scorer="random", ratio=0.75, protect_last=6, sinks=2)
+    seen, _, _ = kept_positions(tiny_llama, options, prompt)
+    protected = {0, 1, *range(58, 64)}
+    assert all(protected <= set(head) and len(head) == 16 for layer in seen for head in layer[0])
