@@ -5,6 +5,9 @@ kvlab's generated items, and writes what kvpress does with them.
 
   fixture CHECKPOINT IDS_JSON OUT_JSON   kept (layer, head, token) sets of knorm, snapkv,
                                          tova and streaming at ratio 0.5 on one prompt
+  bytes CHECKPOINT ITEMS_JSONL OUT_JSON  bytes kvpress's cache holds after compressing the
+                                         first item's context: no press, SnapKV and
+                                         AdaKV(SnapKV) at ratio 0.5
   ruler CHECKPOINT ITEMS_JSONL OUT_JSON [press:ratio ...]
                                          RULER answers and scores through kvpress's
                                          pipeline (context compressed, question after)
@@ -15,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 from kvpress import (
@@ -81,6 +85,30 @@ def fixture(checkpoint: str, ids_path: str, out_path: str) -> None:
     json.dump({"ids": ids, "ratio": 0.5, "kvpress": "0.5.5", "kept": sets}, open(out_path, "w"))
 
 
+def cache_bytes(checkpoint: str, items_path: str, out_path: str) -> None:
+    from kvpress import AdaKVPress
+    from transformers import DynamicCache
+
+    model, tokenizer = load(checkpoint)
+    item = json.loads(open(items_path).readline())
+    pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
+    context = pipe.preprocess(item["context"], [item["question"]], "", 100_000)["context_ids"]
+    presses = {
+        "none": None, "snapkv@0.5": SnapKVPress(compression_ratio=0.5),
+        "adakv(snapkv)@0.5": AdaKVPress(SnapKVPress(compression_ratio=0.5)),
+    }  # fmt: skip
+    out = {"context_tokens": context.shape[1]}
+    for name, press in presses.items():
+        cache = DynamicCache()
+        with torch.inference_mode(), press(model) if press else nullcontext():
+            model.model(input_ids=context, past_key_values=cache)
+        held = sum(t.numel() * t.element_size() for layer in cache.layers
+                   for t in (layer.keys, layer.values))  # fmt: skip
+        out[name] = held
+        print(name, held, flush=True)
+    json.dump(out, open(out_path, "w"), indent=1)
+
+
 def string_match_all(answer: str, references: list[str]) -> float:
     lowered = answer.lower()
     return sum(r.lower() in lowered for r in references) / len(references)
@@ -115,5 +143,7 @@ if __name__ == "__main__":
     command, *args = sys.argv[1:]
     if command == "fixture":
         fixture(*args)
+    elif command == "bytes":
+        cache_bytes(*args)
     else:
         ruler(args[0], args[1], args[2], args[3:])

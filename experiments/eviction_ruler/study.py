@@ -15,6 +15,7 @@ against ``eval=ruler``'s own path) and answers the question. ``sliding`` and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 from kvlab import load_model
 from kvlab.cache import build_cache, cache_factory
 from kvlab.cache.base import StepInfo
+from kvlab.cache.evict.scorers.base import _SCORERS, scorers
 from kvlab.engine.generate import decode_logits
 from kvlab.eval.longctx_tasks import score
 from kvlab.eval.ruler import RulerOptions, answer, full_bytes, ruler_items
@@ -96,6 +98,24 @@ def continue_answer(model, tokenizer, cache, context_len, question, max_new):
     return tokenizer.decode(tokens, skip_special_tokens=True), peak, steps
 
 
+def memoize_scorers() -> dict:
+    """Scores depend on the recorded context and the scorer's own options, not on the ratio
+    or the budget: compute each (scorer, layer) once per item. Returns the memo (cleared
+    per item)."""
+    memo: dict = {}
+    for name, entry in list(scorers().items()):
+
+        def cached(obs, name=name, fn=entry.fn):
+            o = obs.options
+            key = (name, obs.layer, o.window, o.kernel, o.kept_sinks, o.future, o.seed)
+            if key not in memo:
+                memo[key] = fn(obs)
+            return memo[key].clone()
+
+        _SCORERS[name] = dataclasses.replace(entry, fn=cached)
+    return memo
+
+
 def settings():
     """(label, strategy, options) of every replayed setting."""
     out = [(name, name, opts) for name, opts in REPLAYED]
@@ -112,6 +132,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model, tokenizer = load_model("smollm2-135m")
+    memo = memoize_scorers()
     options = RulerOptions(samples=args.samples)
     path = args.out / "kvlab_ruler.jsonl"  # resumed: settings already there are kept
     rows = [json.loads(line) for line in path.open()] if path.exists() else []
@@ -120,6 +141,7 @@ def main() -> None:
         context, question = prompt_ids(tokenizer, item)
         capacity = len(context) + len(question) + options.max_new_tokens
         todo = [s for s in settings() if (item.task, s[0]) not in done]
+        memo.clear()
         recorded, ttft = record(model, context) if todo else (None, 0.0)
         for label, name, opts in todo:
             cache = build_cache(name, model.cache_spec(), opts)
@@ -141,6 +163,7 @@ def main() -> None:
                   f"{peak / row['full_bytes']:.3f}", repr(text[:40]), flush=True)  # fmt: skip
         if index == 0 and todo:  # the replay is what eval=ruler computes
             check = dict(scorer="snapkv", ratio=0.5)
+            memo.clear()  # the eval path scores its own forward
             new_cache = cache_factory("evict", model, check)
             text, _, _ = answer(model, tokenizer, new_cache, item, options)
             replayed = next(r for r in rows if r["setting"] == "snapkv@0.5")

@@ -224,17 +224,19 @@ def make_item(task: str, tokenizer, length: int, seed: int, index: int, haystack
 
 def prompt_ids(tokenizer, item: RulerItem) -> tuple[list[int], list[int]]:
     """(context ids, question ids) as kvpress's pipeline builds them: with a chat template,
-    the context is the template's text up to the user turn's content (BOS + context) and
-    the question is the rest of the turn + the assistant header + the answer prefix."""
+    the context is the template's text up to the end of the user turn's content and the
+    question is the rest of the turn + the assistant header + the answer prefix; without
+    one, BOS + context, then the question after a newline."""
     context, suffix = item.context, "\n"
     if getattr(tokenizer, "chat_template", None):
         separator = "#" * (len(context) + 10)
-        bos = getattr(tokenizer, "bos_token", "") or ""
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": bos + context + separator}],
+            [{"role": "user", "content": context + separator}],
             add_generation_prompt=True, tokenize=False,
         )  # fmt: skip
         context, suffix = text.split(separator)
+    else:
+        context = (getattr(tokenizer, "bos_token", "") or "") + context
     question = item.question + suffix + item.answer_prefix
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     return encode(context), encode(question)
