@@ -128,6 +128,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument(
+        "--replayed-only", action="store_true", help="skip sliding and compressed (run later)"
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -169,7 +172,8 @@ def main() -> None:
             replayed = next(r for r in rows if r["setting"] == "snapkv@0.5")
             assert text == replayed["answer"], (text, replayed["answer"])
             print("replay == eval=ruler on", item.task, flush=True)
-        for name, opts in [(n, o) for n, o in THROUGH_EVAL if (item.task, n) not in done]:
+        through_eval = [] if args.replayed_only else THROUGH_EVAL
+        for name, opts in [(n, o) for n, o in through_eval if (item.task, n) not in done]:
             new_cache = cache_factory(name, model, opts)
             text, peak, _ = answer(model, tokenizer, new_cache, item, options)
             row = dict(

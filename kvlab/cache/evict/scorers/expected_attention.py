@@ -10,9 +10,21 @@ import torch
 from kvlab.cache.evict.scorers.base import Observation, register_scorer
 from kvlab.models.rope import RotaryTables
 
+_ROTATIONS: dict[tuple, torch.Tensor] = {}
+
 
 def averaged_rotation(inv_freq: torch.Tensor, start: int, count: int) -> torch.Tensor:
-    """(D, D): RoPE's rotation matrix averaged over positions start .. start + count - 1."""
+    """(D, D): RoPE's rotation matrix averaged over positions start .. start + count - 1
+    (the same for every layer of a step: built once, kept for the last few keys)."""
+    key = (tuple(inv_freq.tolist()), str(inv_freq.device), start, count)
+    if key not in _ROTATIONS:
+        if len(_ROTATIONS) > 8:
+            _ROTATIONS.clear()
+        _ROTATIONS[key] = _averaged_rotation(inv_freq, start, count)
+    return _ROTATIONS[key]
+
+
+def _averaged_rotation(inv_freq: torch.Tensor, start: int, count: int) -> torch.Tensor:
     dim = 2 * inv_freq.shape[0]
     positions = torch.arange(start, start + count, device=inv_freq.device)[None]  # (1, n)
     rope = RotaryTables(inv_freq, positions, torch.float32)
