@@ -24,6 +24,6 @@ if [ -x .venv-kvpress/bin/python ]; then
     none:0 snapkv:0.5 knorm:0.5 tova:0.5 streaming:0.5
 fi
 python experiments/eviction_ruler/study.py "$out/study" --replayed-only
-python experiments/eviction_ruler/study.py "$out/study"  # then sliding, compressed (eval path)
+python experiments/eviction_ruler/study.py "$out/study" --eval-path-only  # sliding, compressed
 python experiments/eviction_ruler/summarize.py "$out"
 python scripts/bench_evict.py --prompt-len 4096 --new-tokens 32 --rounds 2

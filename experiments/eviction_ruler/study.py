@@ -131,19 +131,25 @@ def main() -> None:
     parser.add_argument(
         "--replayed-only", action="store_true", help="skip sliding and compressed (run later)"
     )
+    parser.add_argument(
+        "--eval-path-only", action="store_true",
+        help="only sliding and compressed, into kvlab_ruler_evalpath.jsonl (a second process)",
+    )  # fmt: skip
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     model, tokenizer = load_model("smollm2-135m")
     memo = memoize_scorers()
     options = RulerOptions(samples=args.samples)
-    path = args.out / "kvlab_ruler.jsonl"  # resumed: settings already there are kept
+    name = "kvlab_ruler_evalpath.jsonl" if args.eval_path_only else "kvlab_ruler.jsonl"
+    path = args.out / name  # resumed: settings already there are kept
     rows = [json.loads(line) for line in path.open()] if path.exists() else []
     done = {(r["task"], r["setting"]) for r in rows}
     for index, item in enumerate(ruler_items(tokenizer, options)):
         context, question = prompt_ids(tokenizer, item)
         capacity = len(context) + len(question) + options.max_new_tokens
-        todo = [s for s in settings() if (item.task, s[0]) not in done]
+        todo = [] if args.eval_path_only else settings()
+        todo = [s for s in todo if (item.task, s[0]) not in done]
         memo.clear()
         recorded, ttft = record(model, context) if todo else (None, 0.0)
         for label, name, opts in todo:

@@ -9,7 +9,6 @@ both result files into this folder.
 from __future__ import annotations
 
 import json
-import shutil
 import statistics
 import sys
 from collections import defaultdict
@@ -103,7 +102,10 @@ def plots(summary: dict) -> None:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    rows = [json.loads(line) for line in (out / "study" / "kvlab_ruler.jsonl").open()]
+    rows = []
+    for name in ("kvlab_ruler.jsonl", "kvlab_ruler_evalpath.jsonl"):
+        if (out / "study" / name).exists():
+            rows += [json.loads(line) for line in (out / "study" / name).open()]
     peer_path = out / "kvpress_ruler.json"
     peer_rows = json.loads(peer_path.read_text()) if peer_path.exists() else []
     summary = by_setting(rows)
@@ -115,9 +117,9 @@ def main() -> None:
         print("\n## kvlab vs kvpress, per task\n")
         print(peer_table(summary, peer_rows))
     plots(summary)
-    shutil.copy(out / "study" / "kvlab_ruler.jsonl", HERE / "results_kvlab.jsonl")
+    (HERE / "results_kvlab.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     if peer_rows:
-        shutil.copy(peer_path, HERE / "results_kvpress.json")
+        (HERE / "results_kvpress.json").write_text(peer_path.read_text())
 
 
 if __name__ == "__main__":
