@@ -145,7 +145,7 @@ def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
     if experiment not in ("kv_strategies", "weight_quant", "joint"):  # the ones with ppl
         tiny = tiny[:2]
     if experiment == "weight_quant":  # GPTQModel on the default model takes minutes;
-        tiny.append("quant=none,rtn_int8,bnb")  # test_quant runs it on a tiny model
+        tiny += ["quant=none,rtn_int8,bnb", "cache=full"]  # test_quant runs it on a tiny model
     if experiment == "joint":  # the grid of weights x KV: one weight point, every KV one
         tiny.append("quant=rtn_int8")
     if experiment == "compressed_attention":  # ppl and passkey at the prompt length

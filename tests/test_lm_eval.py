@@ -48,7 +48,7 @@ def test_hellaswag_first_16_items_match_the_hf_backend():
 
 
 def test_lambada_and_wikitext_match_the_hf_backend():
-    _compare_with_hf("lambada_openai_local", 16, ("acc,none",))
+    _compare_with_hf("lambada_openai_local", 8, ("acc,none",))
     _compare_with_hf("wikitext_local", 1, ())
 
 
