@@ -116,10 +116,10 @@ def memoize_scorers() -> dict:
     return memo
 
 
-def settings():
+def settings(ratios=RATIOS, replayed=REPLAYED):
     """(label, strategy, options) of every replayed setting."""
-    out = [(name, name, opts) for name, opts in REPLAYED]
-    out += [(f"{s}@{r}", "evict", dict(scorer=s, ratio=r)) for s in SCORERS for r in RATIOS]
+    out = [(name, name, opts) for name, opts in replayed]
+    out += [(f"{s}@{r}", "evict", dict(scorer=s, ratio=r)) for s in SCORERS for r in ratios]
     out += [(f"{s}@{r}/{b}", "evict", dict(scorer=s, ratio=r, budget=b)) for s, r, b in BUDGETS]
     return out
 
@@ -128,6 +128,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--ratios", type=float, nargs="+", default=RATIOS)
+    parser.add_argument("--replayed", nargs="+", default=[n for n, _ in REPLAYED])
     parser.add_argument(
         "--replayed-only", action="store_true", help="skip sliding and compressed (run later)"
     )
@@ -148,7 +150,8 @@ def main() -> None:
     for index, item in enumerate(ruler_items(tokenizer, options)):
         context, question = prompt_ids(tokenizer, item)
         capacity = len(context) + len(question) + options.max_new_tokens
-        todo = [] if args.eval_path_only else settings()
+        replayed = [(n, o) for n, o in REPLAYED if n in args.replayed]
+        todo = [] if args.eval_path_only else settings(args.ratios, replayed)
         todo = [s for s in todo if (item.task, s[0]) not in done]
         memo.clear()
         recorded, ttft = record(model, context) if todo else (None, 0.0)
