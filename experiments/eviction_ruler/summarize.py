@@ -43,12 +43,12 @@ def by_setting(rows: list[dict]) -> dict[str, dict]:
     return out
 
 
-def ratio_table(summary: dict) -> str:
-    lines = ["| scorer | " + " | ".join(f"ratio {r}" for r in [0, *RATIOS]) + " |"]
-    lines.append("|---" * (len(RATIOS) + 2) + "|")
+def ratio_table(summary: dict, ratios=RATIOS) -> str:
+    lines = ["| scorer | " + " | ".join(f"ratio {r}" for r in [0, *ratios]) + " |"]
+    lines.append("|---" * (len(ratios) + 2) + "|")
     for scorer in SCORERS:
         cells = [summary["full"]["score"]] + [
-            summary.get(f"{scorer}@{r}", {}).get("score", float("nan")) for r in RATIOS
+            summary.get(f"{scorer}@{r}", {}).get("score", float("nan")) for r in ratios
         ]
         lines.append(f"| {scorer} | " + " | ".join(f"{c:.1f}" for c in cells) + " |")
     return "\n".join(lines)
@@ -77,17 +77,18 @@ def peer_table(summary: dict, peer_rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plots(summary: dict) -> None:
+def plots(summary: dict, ratios=(0.5, 0.875)) -> None:
+    """Ratios measured on every task only (a point must average the same items)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for scorer in SCORERS:
-        xs = [0, *RATIOS]
+        xs = [0, *ratios]
         ys = [summary["full"]["score"]]
-        ys += [summary.get(f"{scorer}@{r}", {}).get("score", float("nan")) for r in RATIOS]
+        ys += [summary.get(f"{scorer}@{r}", {}).get("score", float("nan")) for r in ratios]
         left.plot(xs, ys, marker="o", label=scorer)
-        kv = [summary["full"]["kv"]] + [summary.get(f"{scorer}@{r}", {}).get("kv") for r in RATIOS]
+        kv = [summary["full"]["kv"]] + [summary.get(f"{scorer}@{r}", {}).get("kv") for r in ratios]
         right.plot(kv, ys, marker="o", label=scorer)
     for other in ("int4", "int2", "sliding", "compressed"):
-        if other in summary:
+        if other in summary and summary[other]["items"] == summary["full"]["items"]:
             s = summary[other]
             right.scatter([s["kv"]], [s["score"]], marker="s", s=60, label=other, zorder=3)
     left.set(xlabel="compression ratio (fraction of context removed)", ylabel="RULER avg (%)",
@@ -109,8 +110,16 @@ def main() -> None:
     peer_path = out / "kvpress_ruler.json"
     peer_rows = json.loads(peer_path.read_text()) if peer_path.exists() else []
     summary = by_setting(rows)
-    print("## RULER average (%) by scorer and ratio\n")
-    print(ratio_table(summary))
+    tasks = sorted({r["task"] for r in rows})
+    print(f"## RULER average (%) over {len(tasks)} tasks, by scorer and ratio\n")
+    print(ratio_table(summary, [0.5, 0.875]))
+    every_ratio = {r["task"] for r in rows if r["setting"] == "knorm@0.25"}
+    subset = by_setting([r for r in rows if r["task"] in every_ratio])
+    print(
+        f"\n## Every ratio, on the {len(every_ratio)} tasks measured at all of them "
+        f"({', '.join(sorted(every_ratio))})\n"
+    )
+    print(ratio_table(subset))
     print("\n## Every setting: score and measured KV bytes\n")
     print(bytes_table(summary))
     if peer_rows:
