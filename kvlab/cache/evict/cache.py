@@ -158,8 +158,9 @@ class EvictCache(KVCache):
             if store is not None:
                 parts, valid, positions = store.dense(len(self.lengths) + len(set(rows)))
                 pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
-                self.stores[layer] = pack(
-                    [pick(p) for p in parts], pick(valid), self._room(), pick(positions)
+                lengths = torch.tensor(self.lengths, device=valid.device)
+                self.stores[layer] = self._pack(
+                    [pick(p) for p in parts], pick(valid), pick(positions), lengths
                 )
             if self.recent[layer] is not None:
                 q, qpos = self.recent[layer]
@@ -189,15 +190,6 @@ class EvictCache(KVCache):
         elif info.steps > 1:
             self.since_compression = 0
         return step
-
-    def _room(self) -> torch.Tensor:
-        """(B,) slots each head keeps free after a repack: the rest of the capacity, or
-        the tokens until the next decode-time compression."""
-        if self.options.when == "decode":
-            room = [self.options.interval] * len(self.lengths)
-        else:
-            room = [self.max_tokens - n for n in self.lengths]
-        return torch.tensor(room, device=self.spec.device)
 
     # ---- one layer -------------------------------------------------------------------
     def attend(self, layer, q, k, v, k_raw):
@@ -313,6 +305,9 @@ class EvictCache(KVCache):
         return gathered, positions.gather(1, at).masked_fill(index < 0, -1)
 
     def _pack(self, parts, keep, positions, end) -> HeadStore:
+        """A store of the ``keep`` tokens with room for what comes next: the rest of the
+        capacity after ``end`` (B,) tokens seen, or (``when="decode"``, positions kept)
+        the tokens until the next compression."""
         if self.options.when == "decode":
             room = torch.full_like(end, self.options.interval)
             return pack(parts, keep, room, positions)
@@ -321,11 +316,9 @@ class EvictCache(KVCache):
     def _observation(self, layer, keys, values, valid, positions, queries, query_positions):
         return Observation(
             keys.float(), values.float(), valid, positions, queries, query_positions,
-            self.inv_freq(queries), layer, self.spec.num_layers, self.options,
+            self.step.info.rope.inv_freq.to(queries.device), layer, self.spec.num_layers,
+            self.options,
         )  # fmt: skip
-
-    def inv_freq(self, queries: torch.Tensor) -> torch.Tensor:
-        return self.step.info.rope.inv_freq.to(queries.device)
 
     def _policy_keep(self, obs: Observation) -> torch.Tensor:
         """(B, H_kv, L) kept entries: the scorer's top ones under the budget, protected
@@ -363,9 +356,9 @@ class EvictCache(KVCache):
     def _compress_decode(self, layer: int) -> None:
         batch = len(self.lengths)
         parts, valid, positions = self._held(layer, batch)
-        room = torch.full((batch,), self.options.interval, device=valid.device)
+        seen = torch.tensor(self.lengths, device=valid.device)
         if int(valid.sum(-1).max()) <= self.target:  # under the target: only make room
-            self.stores[layer] = pack(parts, valid, room, positions)
+            self.stores[layer] = self._pack(parts, valid, positions, seen)
             return
         half = len(parts) // 2
         queries, qpos = self.recent[layer] or (None, None)
@@ -374,7 +367,7 @@ class EvictCache(KVCache):
             qpos = torch.zeros(batch, 0, dtype=torch.long)
         keys, values = self._decoded(parts[:half]), self._decoded(parts[half:])
         obs = self._observation(layer, keys, values, valid, positions, queries, qpos)
-        self.stores[layer] = pack(parts, self._policy_keep(obs), room, positions)
+        self.stores[layer] = self._pack(parts, self._policy_keep(obs), positions, seen)
 
     # ---- accounting ------------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:
@@ -388,7 +381,3 @@ class EvictCache(KVCache):
                 per_token = sum(p[0, 0, 0].numel() * p.element_size() for p in store.parts)
                 total += int(store.held.sum()) * per_token
         return total
-
-    def held_tokens(self) -> list[int]:
-        """Tokens held per layer, summed over rows and heads."""
-        return [0 if s is None else int(s.held.sum()) for s in self.stores]
