@@ -1,6 +1,7 @@
-"""oneDNN-prepacked bf16 linears change speed only: outputs equal plain ``F.linear``. They
-exist only where oneDNN can reorder bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT: Intel Xeons
-here); on an AVX2-only CPU (AMD EPYC here) the plain layout must be kept, and bf16 must run."""
+"""CPU linear kernels change speed only: every candidate's outputs equal plain ``F.linear``.
+oneDNN prepacking exists only where oneDNN can reorder bf16 (AVX-512 BW/VL/DQ or
+AVX-NE-CONVERT); where several kernels apply, a timing decides, and a loaded model runs
+exactly the kernel that choice names, on every CPU kind."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from kvlab.engine.metrics import weight_bytes
 from kvlab.kernels import kernel_available
 from kvlab.models.cpu_kernels import (
     PrepackedLinear,
-    cpu_vendor,
+    applicable_kernels,
+    dtype_name,
+    linear_kernel,
     onednn_bf16_reorder_works,
-    prepack_supported,
 )
 
 needs_onednn_bf16 = pytest.mark.skipif(
@@ -40,9 +42,14 @@ def test_prepacked_linear_equals_linear(bias):
 
 
 @needs_onednn_bf16
-def test_prepacked_model_gives_identical_logits(tiny_checkpoints):
-    plain, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16, cpu_prepack=False)
-    packed, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16)
+def test_prepacked_model_gives_identical_logits(tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("KVLAB_CPU_LINEAR", "onednn")
+    linear_kernel.cache_clear()
+    try:
+        plain, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16, cpu_prepack=False)
+        packed, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16)
+    finally:
+        linear_kernel.cache_clear()
     assert (
         sum(isinstance(m, PrepackedLinear) for m in packed.modules()) == 4 * 2 + 1
     )  # qkv, o, gate_up, down per layer + head
@@ -56,16 +63,41 @@ def test_prepacked_model_gives_identical_logits(tiny_checkpoints):
     assert weight_bytes(packed) == weight_bytes(plain) + head.numel() * head.element_size()
 
 
-def test_fp32_gets_the_decode_kernel_off_intel_and_stays_plain_on_intel(tiny_checkpoints):
-    from kvlab.kernels.linear import DecodeLinear
+KERNEL_TYPES = {"plain": nn.Linear, "onednn": PrepackedLinear}
 
-    model, _ = load_model(str(tiny_checkpoints["smollm"]))
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loaded_model_runs_the_kernel_the_probe_chose(tiny_checkpoints, dtype):
+    """Whatever this CPU is, the model's linears are the kind the choice names; the choice
+    is one of the kernels that apply here, timed where more than one does, and recorded."""
+    from kvlab.kernels.linear import DecodeLinear
+    from kvlab.tracking import environment
+
+    choice = linear_kernel(dtype)
+    assert choice["kernel"] in choice["applicable"] == applicable_kernels(dtype)
+    if len(choice["applicable"]) > 1 and not choice.get("forced"):
+        assert set(choice["decode_ms"]) == set(choice["applicable"])
+        fastest = min(choice["decode_ms"], key=choice["decode_ms"].get)
+        assert choice["kernel"] in {fastest, "plain"}
+    model, _ = load_model(str(tiny_checkpoints["smollm"]), dtype)
     kernels = {type(m) for m in model.modules() if isinstance(m, nn.Linear | DecodeLinear)}
-    if cpu_vendor() == "GenuineIntel" or not kernel_available():
-        assert kernels == {nn.Linear}
-    else:
-        assert kernels == {DecodeLinear}
+    assert kernels == {KERNEL_TYPES.get(choice["kernel"], DecodeLinear)}
+    if choice["kernel"] != "onednn":
         assert model.lm_head.weight is model.embed_tokens.weight  # the tie survives
+    assert environment()["cpu_kernels"]["linear"][dtype_name(dtype)]["kernel"] == choice["kernel"]
+
+
+def test_a_forced_kernel_that_does_not_apply_falls_back_and_a_bad_name_fails(monkeypatch):
+    monkeypatch.setenv("KVLAB_CPU_LINEAR", "onednn")
+    linear_kernel.cache_clear()
+    try:
+        assert linear_kernel(torch.float32)["kernel"] == "plain"  # oneDNN packs bf16 only
+        monkeypatch.setenv("KVLAB_CPU_LINEAR", "mkl")
+        linear_kernel.cache_clear()
+        with pytest.raises(ValueError, match="KVLAB_CPU_LINEAR='mkl'.*plain, onednn, kvlab"):
+            linear_kernel(torch.float32)
+    finally:
+        linear_kernel.cache_clear()
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
@@ -102,8 +134,8 @@ def test_the_probe_agrees_with_the_cpu_flags():
 
 def test_bf16_model_runs_on_any_cpu(tiny_checkpoints):
     model, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16)
-    expected = 4 * 2 + 1 if prepack_supported(torch.zeros(1, dtype=torch.bfloat16)) else 0
-    assert sum(isinstance(m, PrepackedLinear) for m in model.modules()) == expected  # Intel
+    expected = 4 * 2 + 1 if linear_kernel(torch.bfloat16)["kernel"] == "onednn" else 0
+    assert sum(isinstance(m, PrepackedLinear) for m in model.modules()) == expected
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         logits = model(ids, torch.arange(5)[None], build_cache("nocache", model.cache_spec()))

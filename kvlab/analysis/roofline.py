@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvlab.analysis.memory import Architecture, linear_shapes
-from kvlab.models.loading import cache_dir
+from kvlab.paths import cache_dir
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from kvlab.paths import cache_dir
+
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 # fast-math for the code (vectorized expf from glibc's libmvec, reassociated reductions;
 # the kernels use a finite sentinel, not -inf, for "no score seen"), but never on the link
@@ -44,8 +46,6 @@ def _compiler() -> str | None:
 
 
 def _library_path(compiler: str) -> Path:
-    from kvlab.models.loading import cache_dir
-
     key = hashlib.sha256()
     for part in (*(s.read_bytes() for s in SOURCES), " ".join(FLAGS + LIBS + list(EXACT)).encode()):
         key.update(part)
@@ -75,6 +75,14 @@ def _compile(compiler: str, out: Path) -> None:
 
 def _flags(source: Path) -> list[str]:
     return [f for f in FLAGS if f != "-ffast-math"] if source.name in EXACT else FLAGS
+
+
+def library_identity() -> str:
+    """The loaded kernel build's name (sources, flags, compiler, CPU), or "none"."""
+    compiler = _compiler()
+    if library() is None or compiler is None:
+        return "none"
+    return _library_path(compiler).stem
 
 
 @functools.cache

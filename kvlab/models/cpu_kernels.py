@@ -1,28 +1,39 @@
-"""Linear-layer kernels for the CPU, picked per layer from what the CPU supports and what
-was measured to pay off (decode, one row per sequence, is memory-bound: the kernel's
-weight-read bandwidth is its speed):
+"""Linear-layer kernels for the CPU, chosen per weight dtype by what this CPU measurably
+does, never by its vendor. Every candidate gives ``F.linear``'s outputs (tests prove it):
 
-- **Intel (AVX-512/AMX), bf16**: oneDNN-prepacked weights. PyTorch's plain bf16
-  ``F.linear`` runs a matrix-vector product at about half the bandwidth of fp32 there;
-  the same weights reordered once into oneDNN's blocked layout run it about 2.5x faster
-  with bit-identical results (the path inductor's CPU freezing takes). oneDNN's bf16
-  reorder needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, so it is probed once.
-- **Intel, fp32**: plain (MKL's sgemv was measured at the bandwidth floor there).
-- **other CPUs (the AVX2-only AMD EPYCs here), fp32 and bf16**: kvlab's matrix-vector
-  kernel for decode (:class:`~kvlab.kernels.linear.DecodeLinear`): MKL's sgemv reads
-  ~9 GB/s there, oneDNN ~10, kvlab's kernel ~15-17 (prefill keeps ``F.linear``).
+- ``plain``: ``F.linear`` (MKL's sgemv in fp32, ATen's bf16 path);
+- ``onednn``: bf16 weights reordered once into oneDNN's blocked layout (inductor's CPU
+  freezing path), where oneDNN can reorder bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; probed);
+- ``kvlab``: kvlab's matrix-vector kernel for decode rows
+  (:class:`~kvlab.kernels.linear.DecodeLinear`), where the C kernels build.
 
-``KVLAB_CPU_PREPACK=0`` keeps every layer plain.
+A decode step is memory-bound, so where more than one candidate applies each one is timed
+for one row over a stack of weights larger than the last-level cache (the bytes a decode
+step streams), and the fastest wins (``plain`` unless another is ``MARGIN`` faster). The
+choice is cached per CPU (model and flags), threads, torch version and kernel build under
+``$KVLAB_CACHE/kernel_choice`` and recorded in result.json. ``KVLAB_CPU_LINEAR=<kernel>``
+forces a kernel where it applies; ``KVLAB_CPU_PREPACK=0`` keeps every layer plain.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from kvlab.paths import cache_dir
+
+KERNELS = ("plain", "onednn", "kvlab")
+MARGIN = 0.05  # a candidate replaces the plain layer only when this much faster
+TIMED_ELEMENTS = 128 * 2**20  # 512 MiB of fp32 weights (256 MiB bf16) per timing pass
+TIMED_SHAPES = ((1536, 576), (576, 1536))  # the default model's MLP, alternating
 
 
 @functools.cache
@@ -41,40 +52,6 @@ def onednn_bf16_reorder_works() -> bool:
     return True
 
 
-@functools.cache
-def cpu_vendor() -> str:
-    """``vendor_id`` of /proc/cpuinfo (GenuineIntel, AuthenticAMD, ...), or ""."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    return ""
-
-
-def prepack_supported(weight: torch.Tensor) -> bool:
-    """True where oneDNN's prepacked kernel applies and pays off: a bf16 weight on an Intel
-    CPU whose oneDNN can reorder bf16 (see the module)."""
-    return (
-        _enabled(weight)
-        and weight.dtype == torch.bfloat16
-        and cpu_vendor() == "GenuineIntel"
-        and onednn_bf16_reorder_works()
-    )
-
-
-def decode_kernel_supported(weight: torch.Tensor) -> bool:
-    """True where kvlab's matrix-vector kernel runs decode: fp32/bf16 weights on a CPU
-    other than Intel's (see the module), with the kernel built."""
-    from kvlab.kernels.linear import kernel_applies
-
-    return _enabled(weight) and cpu_vendor() != "GenuineIntel" and kernel_applies(weight)
-
-
-def _enabled(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and os.environ.get("KVLAB_CPU_PREPACK", "1") != "0"
-
-
 class PrepackedLinear(nn.Module):
     """``nn.Linear`` whose weight lives in oneDNN's blocked layout (same outputs)."""
 
@@ -89,27 +66,142 @@ class PrepackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+def applicable_kernels(dtype: torch.dtype) -> list[str]:
+    """The kernels that can run a CPU linear layer of ``dtype`` here (``plain`` always)."""
+    from kvlab.kernels.build import library
+
+    kernels = ["plain"]
+    if os.environ.get("KVLAB_CPU_PREPACK", "1") == "0":
+        return kernels
+    if dtype == torch.bfloat16 and onednn_bf16_reorder_works():
+        kernels.append("onednn")
+    if dtype in (torch.float32, torch.bfloat16) and library() is not None:
+        kernels.append("kvlab")
+    return kernels
+
+
+@functools.cache
+def linear_kernel(dtype: torch.dtype) -> dict:
+    """The kernel this CPU runs ``dtype`` linear layers with, and why: ``{"kernel",
+    "applicable", "decode_ms"}`` (``decode_ms``: one row through the timed stack per
+    candidate, empty when only one applies or the choice is forced)."""
+    applicable = applicable_kernels(dtype)
+    forced = os.environ.get("KVLAB_CPU_LINEAR")
+    if forced is not None:
+        if forced not in KERNELS:
+            raise ValueError(f"KVLAB_CPU_LINEAR={forced!r}: allowed: {', '.join(KERNELS)}")
+        kernel = forced if forced in applicable else "plain"
+        return {"kernel": kernel, "applicable": applicable, "decode_ms": {}, "forced": True}
+    if len(applicable) == 1:
+        return {"kernel": "plain", "applicable": applicable, "decode_ms": {}}
+    path = _choice_path(dtype, applicable)
+    if path.exists():
+        return json.loads(path.read_text())
+    times = _time_kernels(applicable, dtype)
+    best = min(times, key=times.get)
+    kernel = best if times[best] < (1 - MARGIN) * times["plain"] else "plain"
+    choice = {"kernel": kernel, "applicable": applicable, "decode_ms": times}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(choice, indent=1))
+    return choice
+
+
+def _choice_path(dtype: torch.dtype, applicable: list[str]) -> Path:
+    from kvlab.kernels.build import library_identity
+
+    parts = (_cpu_identity(), str(torch.get_num_threads()), torch.__version__,
+             library_identity(), str(dtype), ",".join(applicable),
+             f"{TIMED_ELEMENTS}{TIMED_SHAPES}{MARGIN}")  # fmt: skip
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return cache_dir() / "kernel_choice" / f"{dtype_name(dtype)}-{key}.json"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bfloat16``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _cpu_identity() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return os.uname().machine
+    lines = cpuinfo.read_text().splitlines()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(wanted)) or os.uname().machine
+
+
+def _time_kernels(kernels: list[str], dtype: torch.dtype, reps: int = 9) -> dict[str, float]:
+    """Median ms of one row through every layer of a weight stack larger than the LLC, per
+    kernel; the kernels take turns pass by pass, so a machine's drift touches all alike."""
+    weights = _timed_weights(dtype)
+    stacks = {kernel: [_WRAPPERS[kernel]()(linear) for linear in weights] for kernel in kernels}
+    x = {k: torch.full((1, 1, k), 0.01, dtype=dtype) for k in {s[1] for s in TIMED_SHAPES}}
+    samples: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+    with torch.inference_mode():
+        for rep in range(reps + 2):  # two warm-up passes
+            for kernel, layers in stacks.items():
+                start = time.perf_counter()
+                for layer in layers:
+                    layer(x[layer.in_features])
+                if rep >= 2:
+                    samples[kernel].append((time.perf_counter() - start) * 1e3)
+    return {kernel: round(sorted(t)[len(t) // 2], 3) for kernel, t in samples.items()}
+
+
+def _timed_weights(dtype: torch.dtype) -> list[nn.Linear]:
+    """Linear layers of ``TIMED_SHAPES`` (alternating) holding ``TIMED_ELEMENTS`` weights."""
+    per_layer = TIMED_SHAPES[0][0] * TIMED_SHAPES[0][1]
+    layers = []
+    for i in range(TIMED_ELEMENTS // per_layer):
+        out_features, in_features = TIMED_SHAPES[i % len(TIMED_SHAPES)]
+        linear = nn.Linear(in_features, out_features, bias=False, device="meta")
+        weight = torch.full((out_features, in_features), 0.01, dtype=dtype)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        layers.append(linear)
+    return layers
+
+
+def _decode_linear() -> Callable[[nn.Linear], nn.Module]:
+    from kvlab.kernels.linear import DecodeLinear
+
+    return DecodeLinear
+
+
+_WRAPPERS: dict[str, Callable[[], Callable[[nn.Linear], nn.Module]]] = {
+    "plain": lambda: lambda linear: linear,
+    "onednn": lambda: PrepackedLinear,
+    "kvlab": _decode_linear,
+}
+
+
+_CHOSEN: dict[str, dict] = {}  # dtype name -> the choice, for the layers swapped so far
+
+
+def chosen_kernels() -> dict[str, dict]:
+    """The linear-kernel choices this process applied, by weight dtype (for result.json)."""
+    return dict(_CHOSEN)
+
+
 def prepack_linears(model: nn.Module) -> int:
-    """Swap every plain ``nn.Linear`` for the kernel this CPU runs it best with
-    (:class:`PrepackedLinear` or :class:`~kvlab.kernels.linear.DecodeLinear`); returns the
-    count (0 where the plain layout is the best there is).
+    """Swap every plain CPU ``nn.Linear`` for the kernel :func:`linear_kernel` chose for its
+    dtype; returns the count (0 where the plain layout is the best there is).
 
     A prepacked tied output head gets its own packed copy (the embedding keeps the plain
     layout for lookups); ``weight_bytes`` counts both. ``DecodeLinear`` keeps the layer's
     own weight: ties stay tied, no copy.
     """
-    from kvlab.kernels.linear import DecodeLinear
-
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear:
+            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
                 continue
-            if prepack_supported(child.weight):
-                setattr(parent, name, PrepackedLinear(child))
-            elif decode_kernel_supported(child.weight):
-                setattr(parent, name, DecodeLinear(child))
-            else:
+            if not child.weight.is_contiguous():
                 continue
+            choice = linear_kernel(child.weight.dtype)
+            _CHOSEN[dtype_name(child.weight.dtype)] = choice
+            kernel = choice["kernel"]
+            if kernel == "plain":
+                continue
+            setattr(parent, name, _WRAPPERS[kernel]()(child))
             swapped += 1
     return swapped

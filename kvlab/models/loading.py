@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from kvlab.models.config import DecoderConfig
 from kvlab.models.cpu_kernels import prepack_linears
 from kvlab.models.llama import Decoder
 from kvlab.models.rope import inverse_frequencies
+from kvlab.paths import cache_dir
 
 
 @dataclass(frozen=True)
@@ -39,11 +39,6 @@ REGISTERED_MODELS = {
         max_context=8192,
     ),
 }
-
-
-def cache_dir() -> Path:
-    """Where converted checkpoints live: ``$KVLAB_CACHE`` or ``~/.cache/kvlab``."""
-    return Path(os.environ.get("KVLAB_CACHE", Path.home() / ".cache" / "kvlab")).expanduser()
 
 
 def resolve_checkpoint(source: str) -> Path | str:

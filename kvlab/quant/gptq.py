@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvlab.paths import cache_dir
 from kvlab.quant.base import QuantOptions, linear_layers, register_quantizer
 from kvlab.quant.rtn import COMPUTE_DTYPES, Int4Linear, resolve_compute_dtype
 
@@ -195,7 +196,6 @@ def checkpoint_key(source: Path, options: GptqOptions) -> tuple[Path, dict[str, 
     key covers: the options that change the result and the identity of the calibration
     text (so the same file name with other text is never reused)."""
     from kvlab.data import calibration_text_id
-    from kvlab.models.loading import cache_dir
 
     unfitted = ("checkpoint", "compute_dtype", "skip")
     recipe = {k: v for k, v in asdict(options).items() if k not in unfitted}
