@@ -10,7 +10,6 @@ kvlab lm-eval --model kvlab --model_args model=smollm2-135m,cache=int4 --tasks h
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -20,8 +19,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from kvlab.config import RunConfig, register_configs, to_run_config
-
-CONF_DIR = os.environ.get("KVLAB_CONF", str(Path(__file__).resolve().parents[1] / "conf"))
+from kvlab.paths import CONF_DIR
 
 register_configs()
 
@@ -75,7 +73,7 @@ def lm_eval_main(args: list[str]) -> None:
     kvlab's local-data task folder added to ``--include_path``."""
     from lm_eval.__main__ import cli_evaluate
 
-    from kvlab.eval import lm_eval_adapter  # noqa: F401  (registers --model kvlab)
+    import kvlab.lm_eval_model  # noqa: F401  (registers --model kvlab)
     from kvlab.eval.harness import TASKS_DIR
 
     if "--include_path" in args:

@@ -13,13 +13,21 @@ import torch
 
 from kvlab.cache import cache_factory
 from kvlab.cache.base import KVCache
-from kvlab.config import ModelConfig, QuantConfig, RunConfig, check_context, to_run_config
+from kvlab.config import (
+    ModelConfig,
+    QuantConfig,
+    RunConfig,
+    check_context,
+    register_configs,
+    to_run_config,
+)
 from kvlab.engine import Engine, GenerationConfig, SamplingConfig
 from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
 from kvlab.eval import run_evals
 from kvlab.models import load_model
 from kvlab.models.cpu_kernels import prepack_linears
 from kvlab.models.llama import Decoder
+from kvlab.paths import CONF_DIR
 from kvlab.quant import quantize_
 from kvlab.tracking import config_dict, environment, read_record, write_record
 from kvlab.workload import build_prompts
@@ -56,8 +64,7 @@ def compose_run_config(overrides: list[str]) -> RunConfig:
     outside a Hydra app (the lm-eval adapter, ``kvlab diagnose``)."""
     from hydra import compose, initialize_config_dir
 
-    from kvlab.cli import CONF_DIR
-
+    register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=overrides))
 

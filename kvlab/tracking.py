@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.experimental.callback import Callback
 
 RESULT_FILE = "result.json"
 TABLE_COLUMNS = (
@@ -87,16 +86,18 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def _cpu_kernels() -> str:
-    """Which kernels this CPU runs linear layers and decode attention with."""
+def _cpu_kernels() -> dict[str, Any]:
+    """Which kernels this process runs linear layers (per weight dtype: the kernel, the
+    applicable ones and their timing, see :mod:`kvlab.models.cpu_kernels`) and decode
+    attention with."""
     from kvlab.kernels import kernel_available
-    from kvlab.models.cpu_kernels import cpu_vendor, onednn_bf16_reorder_works
+    from kvlab.models.cpu_kernels import chosen_kernels, onednn_bf16_reorder_works
 
-    intel = cpu_vendor() == "GenuineIntel"
-    linear = "oneDNN bf16 / MKL fp32" if intel else "kvlab gemv (decode)"
-    attention = "kvlab C decode attention" if kernel_available() else "torch (no C compiler)"
-    bf16 = "oneDNN bf16 reorder" if onednn_bf16_reorder_works() else "no oneDNN bf16 reorder"
-    return f"linear: {linear if kernel_available() or intel else 'plain'}; {attention}; {bf16}"
+    return {
+        "linear": chosen_kernels(),
+        "attention": "kvlab C decode attention" if kernel_available() else "torch",
+        "onednn_bf16_reorder": onednn_bf16_reorder_works(),
+    }
 
 
 def _version(package: str) -> str | None:
@@ -217,17 +218,3 @@ def summary_line(record: dict[str, Any]) -> str:
         f"[kvlab] {point} ttft_ms={row['ttft_ms']:.1f} itl_ms_p50={row['itl_ms_p50']:.2f} "
         f"decode_tok_s={row['decode_tok_s']:.1f} kv_bytes={row['kv_bytes']}{skipped}"
     )
-
-
-class SweepTableCallback(Callback):
-    """When a ``-m`` sweep ends: print its comparison table, write its report with plots."""
-
-    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        from kvlab.analysis.report import write_report
-
-        sweep_dir = Path(config.hydra.sweep.dir)
-        rows = load_results(sweep_dir)
-        if rows:
-            table = format_table(rows, table_columns(rows))
-            print(f"\nkvlab sweep: {len(rows)} points in {sweep_dir}\n{table}")
-            print(f"\nreport: {write_report(sweep_dir)} (plots beside it)")

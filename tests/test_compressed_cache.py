@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache, cache_factory
+from kvlab.cache.base import strategy
 from kvlab.cache.compressor import calibrate, save
 from kvlab.cache.pooling import GATES
 from kvlab.models.rope import RotaryTables
@@ -146,7 +147,7 @@ def test_calibrated_compressor_fits_saves_and_refuses_other_models(
     options_dict = dict(LOSSY, calibration=dict(steps=40, lr=0.05, sequential=sequential))
     options = build_cache("compressed", tiny_llama.cache_spec(), options_dict).options
     windows = [random_ids(tiny_llama, 48, seed) for seed in range(2)]
-    fitted = calibrate(tiny_llama, options, windows)
+    fitted = calibrate(tiny_llama, options, windows, strategy("compressed"))
     errors = fitted["report"]["relative_error"]
     assert set(errors) == {"0", "1"}
     for layer in errors.values():

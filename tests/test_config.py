@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kvlab.cli import CONF_DIR
 from kvlab.config import (
     CacheConfig,
     EngineConfig,
@@ -20,6 +19,7 @@ from kvlab.config import (
     check_context,
     to_run_config,
 )
+from kvlab.paths import CONF_DIR
 
 GROUPS = sorted(
     (group.name, option.stem)

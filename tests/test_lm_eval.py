@@ -12,6 +12,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+import kvlab.lm_eval_model  # noqa: E402, F401  (registers lm-eval's model kvlab)
 from kvlab.cache import build_cache  # noqa: E402
 from kvlab.eval.harness import TASKS_DIR, task_metrics  # noqa: E402
 from kvlab.eval.lm_eval_adapter import KvlabLM  # noqa: E402

@@ -1,5 +1,6 @@
 """``kvlab report <sweep_dir>``: a Markdown report with tables and PNG plots built from the
-``result.json`` files alone, so it works on partial and failed sweeps."""
+``result.json`` files alone, so it works on partial and failed sweeps; the Hydra callback
+that prints a sweep's comparison table and writes its report when the sweep ends."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from kvlab.tracking import load_results, table_columns
+from hydra.experimental.callback import Callback
+
+from kvlab.tracking import format_table, load_results, table_columns
 
 PLOTS = (
     # (file, title, x column, y column, x label, y label)
@@ -205,3 +208,15 @@ def results_frame(sweep_dir: str | Path):
     import pandas as pd
 
     return pd.DataFrame(load_results(sweep_dir))
+
+
+class SweepTableCallback(Callback):
+    """When a ``-m`` sweep ends: print its comparison table, write its report with plots."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = load_results(sweep_dir)
+        if rows:
+            table = format_table(rows, table_columns(rows))
+            print(f"\nkvlab sweep: {len(rows)} points in {sweep_dir}\n{table}")
+            print(f"\nreport: {write_report(sweep_dir)} (plots beside it)")

@@ -109,7 +109,7 @@ class CompressedCache(KVCache):
     def prepare(cls, model: torch.nn.Module, options: CompressedOptions) -> None:
         """The calibrated gate trains its compressor once per model (cached on disk)."""
         if options.gate == "calibrated" and not options.compressor:
-            compressor.ensure_trained(model, options)
+            compressor.ensure_trained(model, options, cls)
 
     def __init__(self, spec, options=None):
         super().__init__(spec, options)

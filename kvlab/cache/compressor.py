@@ -17,17 +17,15 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvlab.cache.base import CacheSpec
+from kvlab.cache.base import CacheOptions, CacheSpec, KVCache
 from kvlab.cache.full import FullCache
 from kvlab.cache.pooling import LayerPooling, attend_entries, bulk_windows, visible_entries
-
-if TYPE_CHECKING:
-    from kvlab.cache.compressed import CompressedOptions
+from kvlab.paths import cache_dir
 
 MANIFEST = "manifest.json"
 WEIGHTS = "compressor.safetensors"
@@ -65,7 +63,7 @@ def calibration_defaults() -> dict[str, Any]:
 NOT_FITTED = ("gate", "observe", "compressor")
 
 
-def recipe(options: CompressedOptions) -> dict[str, Any]:
+def recipe(options: CacheOptions) -> dict[str, Any]:
     """What a compressor depends on besides the model: every other option, and the
     identity of the calibration text it reads."""
     from kvlab.data import calibration_text_id
@@ -76,15 +74,14 @@ def recipe(options: CompressedOptions) -> dict[str, Any]:
     return fitted | {"calibration": asdict(calibration), "calibration_text": text}
 
 
-def default_dir(model_id: str, options: CompressedOptions) -> Path:
-    from kvlab.models.loading import cache_dir
-
+def default_dir(model_id: str, options: CacheOptions) -> Path:
     key = hashlib.sha256(json.dumps(recipe(options), sort_keys=True).encode()).hexdigest()[:12]
     return cache_dir() / "compressors" / f"{model_id}-{key}"
 
 
-def ensure_trained(model: torch.nn.Module, options: CompressedOptions) -> Path:
-    """The cached compressor of ``model`` for ``options``, calibrated on first use."""
+def ensure_trained(model: torch.nn.Module, options: CacheOptions, strategy: type[KVCache]) -> Path:
+    """The cached compressor of ``model`` for ``options`` (the ``compressed`` strategy's),
+    calibrated on first use with ``strategy`` as the student."""
     out = default_dir(model.fingerprint(), options)
     if (out / MANIFEST).exists():
         return out
@@ -99,11 +96,11 @@ def ensure_trained(model: torch.nn.Module, options: CompressedOptions) -> Path:
         calibration.seed,
         "cache.options",
     )
-    save(out, calibrate(model, options, windows), model.fingerprint(), options)
+    save(out, calibrate(model, options, windows, strategy), model.fingerprint(), options)
     return out
 
 
-def save(out: Path, fitted: dict[str, Any], model_id: str, options: CompressedOptions) -> None:
+def save(out: Path, fitted: dict[str, Any], model_id: str, options: CacheOptions) -> None:
     """Weights as safetensors and a manifest (model, recipe, losses) in ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in fitted["weights"].items()}, out / WEIGHTS)
@@ -111,7 +108,7 @@ def save(out: Path, fitted: dict[str, Any], model_id: str, options: CompressedOp
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 
-def load_into(pools: dict[int, LayerPooling], spec: CacheSpec, options: CompressedOptions):
+def load_into(pools: dict[int, LayerPooling], spec: CacheSpec, options: CacheOptions):
     """Set the learned gates of ``pools`` from the compressor of ``options``; refuse one
     fitted to another model or to another geometry."""
     path = Path(options.compressor).expanduser() if options.compressor else None
@@ -186,16 +183,18 @@ def record(model: torch.nn.Module, ids: list[int], student=None) -> dict[int, tu
 
 
 def calibrate(
-    model: torch.nn.Module, options: CompressedOptions, windows: list[list[int]]
+    model: torch.nn.Module,
+    options: CacheOptions,
+    windows: list[list[int]],
+    strategy: type[KVCache],
 ) -> dict[str, Any]:
     """Fit the gates of every compressed layer; returns weights and a report of the relative
     error (uniform pooling vs fitted, on the calibration windows) per layer. Layers see the
     full model's inputs, or with ``calibration.sequential`` the inputs the already fitted
-    layers below them produce (as GPTQ quantizes layer after layer)."""
-    from kvlab.cache.compressed import CompressedCache
-
+    layers below them produce (as GPTQ quantizes layer after layer). ``strategy``: the
+    compressed strategy's class, whose uniform-gate cache is the student."""
     start = time.perf_counter()
-    student = CompressedCache(model.cache_spec(), dataclasses.replace(options, gate="uniform"))
+    student = strategy(model.cache_spec(), dataclasses.replace(options, gate="uniform"))
     pools, student.pools = student.pools, {}  # the student compresses the layers fitted so far
     sequential = CalibrationOptions(**options.calibration).sequential
     records = None if sequential else [record(model, ids) for ids in windows]
@@ -248,7 +247,7 @@ def _mean_error(pool, samples, targets, inv_freq, options) -> float:
     return float(torch.stack(errors).mean())
 
 
-def _error(pool, sample, target, inv_freq, options: CompressedOptions) -> torch.Tensor:
+def _error(pool, sample, target, inv_freq, options: CacheOptions) -> torch.Tensor:
     """||compressed - full||^2 / ||full||^2 over one sequence, attention as the cache
     computes it in one bulk prefill."""
     q, k, v, k_raw = sample

@@ -2,23 +2,17 @@
 ``loglikelihood_rolling`` and ``generate_until`` run through kvlab's model and engine with
 the configured cache strategy and weight quantizer in the loop.
 
-Importing this module registers the model as ``kvlab`` (lm-eval 0.4 has no plugin entry
-points, so ``kvlab lm-eval ...`` runs lm-eval's own CLI with it registered). Model args:
-``model``, ``cache`` and ``quant`` (names of files under ``conf/cache`` and ``conf/quant``),
-``dtype``, ``device``, ``chunk`` (context prefill chunk; 0 = one pass), ``max_length``, and
-dotted ``cache.options.X`` / ``quant.options.X`` overrides.
+:class:`KvlabLM` wraps a model a run has loaded; :mod:`kvlab.lm_eval_model` registers
+the lm-eval model ``kvlab`` that builds one from model args.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (lm-eval loads its own models only into an empty registry)
-import torch
 from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
@@ -30,22 +24,8 @@ from kvlab.models.llama import Decoder
 Pair = tuple[tuple[str, str], list[int], list[int]]
 
 
-@register_model("kvlab")
 class KvlabLM(TemplateLM):
     """An lm-eval LM over a kvlab model, a cache factory and a tokenizer."""
-
-    def __init__(
-        self, model: str = "smollm2-135m", cache: str = "full", quant: str = "none",
-        dtype: str = "auto", device: str = "auto", batch_size: int | str = 8, chunk: int = 0,
-        max_length: int | None = None, **overrides: Any,
-    ) -> None:  # fmt: skip
-        super().__init__()
-        from kvlab.run import build_run_model
-
-        quant = quant or "none"  # lm-eval's argument parser turns "none" into None
-        choices = {"model.source": model, "model.dtype": dtype, "model.device": _device(device)}
-        loaded, tokenizer, new_cache = build_run_model(cache, quant, choices | overrides)
-        self._setup(loaded, tokenizer, new_cache, batch_size, chunk, max_length)
 
     @classmethod
     def from_loaded(
@@ -171,16 +151,6 @@ def generate_text(lm: KvlabLM, context: str, gen_kwargs: dict[str, Any]) -> str:
     for stop in until:
         text = text.split(stop)[0]
     return text
-
-
-def _device(name: str) -> str:
-    """lm-eval's ``--device`` (``cuda:0`` by default) as a kvlab device; without CUDA,
-    ``cuda`` falls back to the CPU with a warning, as lm-eval's ``hf`` backend does."""
-    kind = name.split(":")[0]
-    if kind == "cuda" and not torch.cuda.is_available():
-        warnings.warn(f"device={name!r}: CUDA is not available; running on the CPU", stacklevel=3)
-        return "cpu"
-    return kind
 
 
 def _batches(items: list[int], size: int) -> Iterator[list[int]]:
