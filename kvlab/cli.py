@@ -18,10 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from kvlab.config import RunConfig, register_configs, to_run_config
+from kvlab.config import RunConfig, to_run_config
 from kvlab.paths import CONF_DIR
-
-register_configs()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

@@ -302,3 +302,6 @@ def register_configs() -> None:
     """Put the schemas in Hydra's ConfigStore; conf/config.yaml extends ``run_schema``."""
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
+
+
+register_configs()  # importing the schemas makes them composable (conf/config.yaml needs them)

@@ -18,7 +18,6 @@ from kvlab.config import (
     QuantConfig,
     RunConfig,
     check_context,
-    register_configs,
     to_run_config,
 )
 from kvlab.engine import Engine, GenerationConfig, SamplingConfig
@@ -64,7 +63,6 @@ def compose_run_config(overrides: list[str]) -> RunConfig:
     outside a Hydra app (the lm-eval adapter, ``kvlab diagnose``)."""
     from hydra import compose, initialize_config_dir
 
-    register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=overrides))
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache, registered
-from kvlab.cache.codec import BITS, ChannelCodes, TokenCodes
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import Segment, Stored, decode_attention, kernel_available, reference_attention
+from kvlab.kernels.int_codes import BITS, ChannelCodes, TokenCodes
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler for the kernel")
 GEN = torch.Generator().manual_seed(0)

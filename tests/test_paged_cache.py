@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvlab.cache import CacheFull, build_cache
+from kvlab.cache import NoRoom, build_cache
 from kvlab.engine import Engine, GenerationConfig
 
 CFG = GenerationConfig(6, stop_on_eos=False)
@@ -78,7 +78,7 @@ def test_waste_is_below_one_block_per_sequence(tiny_llama):
 
 def test_exhausted_pool_fails_clearly(tiny_llama):
     _, engine = paged(tiny_llama, num_blocks=3, prefix_sharing=False)
-    with pytest.raises(CacheFull, match="needs 1 free blocks of 4 tokens, 0 of 3 are free"):
+    with pytest.raises(NoRoom, match="needs 1 free blocks of 4 tokens, 0 of 3 are free"):
         engine.generate([PREFIX, PREFIX[:5]], CFG)
 
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from kvlab import load_model
 from kvlab.cache import build_cache
-from kvlab.cache.codec import pack, unpack
 from kvlab.quant import held_tensors, quant_options, quantize_, registered_quantizers
 from kvlab.quant.gptq import gptq_int4_parts, unpack_int32
+from kvlab.quant.packing import pack, unpack
 from kvlab.quant.rtn import Int4Linear, dequantize_int4, quantize_int4
 
 # name -> (options, bound on the logits' relative error, least shrink of the linear bytes)

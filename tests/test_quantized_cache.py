@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache
-from kvlab.cache.codec import (
+from kvlab.eval.perplexity import chunked_nll
+from kvlab.kernels.int_codes import (
     BITS,
     ChannelCodes,
     TokenCodes,
@@ -15,7 +16,6 @@ from kvlab.cache.codec import (
     pack_words,
     unpack_words,
 )
-from kvlab.eval.perplexity import chunked_nll
 from kvlab.workload import build_prompts
 
 

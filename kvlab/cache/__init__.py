@@ -11,11 +11,11 @@ from kvlab.cache import (  # noqa: F401  (registers the strategies)
     sliding,
 )
 from kvlab.cache.base import (
-    CacheFull,
     CacheOptions,
     CacheSpec,
     KVCache,
     MemoryReport,
+    NoRoom,
     StepInfo,
     build_cache,
     cache_factory,
@@ -25,7 +25,7 @@ from kvlab.cache.base import (
 )
 
 __all__ = [
-    "CacheFull",
+    "NoRoom",
     "CacheOptions",
     "CacheSpec",
     "KVCache",

@@ -8,7 +8,6 @@ or pooled caches plug in without special cases (vLLM, arXiv 2309.06180, splits t
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -72,7 +71,7 @@ class Step:
         return self.info.steps == 1
 
 
-class CacheFull(RuntimeError):
+class NoRoom(RuntimeError):
     """A strategy has no room for a step; the engine may preempt a sequence and retry."""
 
 
@@ -162,9 +161,27 @@ class KVCache(ABC):
         self.lengths = [0] * batch_size
 
     def free(self, rows: Sequence[int]) -> None:
-        """Drop finished rows; the remaining rows keep their order and are renumbered."""
+        """Drop finished rows; the remaining rows keep their order and are renumbered. Every
+        piece of :meth:`row_state` is cut to the rows that stay (the freed rows' memory goes)."""
+        keep, index = self.rows_kept(rows)
+        for holder, key, axis in self.row_state():
+            value = holder[key]
+            kept = [value[b] for b in keep] if axis is None else value.index_select(axis, index)
+            holder[key] = kept
+
+    def rows_kept(self, rows: Sequence[int]) -> tuple[list[int], torch.Tensor]:
+        """The rows that stay when ``rows`` are freed (call before :meth:`free`), on the
+        host and as an index on the device."""
         drop = set(rows)
-        self.lengths = [n for b, n in enumerate(self.lengths) if b not in drop]
+        keep = [b for b in range(len(self.lengths)) if b not in drop]
+        return keep, torch.tensor(keep, dtype=torch.long, device=self.spec.device)
+
+    def row_state(self) -> list[RowState]:
+        """Where the strategy keeps what is indexed by row: (holder, key, axis) with
+        ``holder[key]`` a tensor whose ``axis`` is the row (holder: a list of layers, a dict
+        or ``vars(self)``), or a host list of one entry per row (axis None). :meth:`free`
+        and :meth:`join` select and concatenate exactly these; by default the row lengths."""
+        return [(vars(self), "lengths", None)]
 
     # ---- serving: a running batch that requests join and leave --------------------------
     def serve(self, budget_bytes: int, max_tokens: int) -> None:
@@ -175,19 +192,22 @@ class KVCache(ABC):
         self.allocate(0, max_tokens)
 
     def spawn(self) -> KVCache:
-        """An empty cache of this strategy for rows about to join this one: they are
+        """A new, empty cache of this strategy for rows about to join this one: they are
         prefilled in it, then :meth:`join` appends them (TGI's batch concatenation). It
-        shares what the strategy shares between rows (``paged``: its block pool); the
-        caller allocates it."""
-        new = copy.copy(self)
-        new.lengths, new.step = [], None
+        shares what the strategy shares between rows (``paged``: its block pool), nothing
+        else; the caller allocates it."""
+        new = type(self)(self.model_spec, self.options)
+        new.static, new.budget_bytes, new.capacity = self.static, self.budget_bytes, self.capacity
         return new
 
     def join(self, other: KVCache) -> None:
         """Append ``other``'s rows (a cache from :meth:`spawn`, allocated to the same
         capacity) after this cache's rows; ``other`` is left empty."""
-        self.lengths = self.lengths + other.lengths
-        other.lengths = []
+        pairs = zip(self.row_state(), other.row_state(), strict=True)
+        for (holder, key, axis), (theirs, their_key, _) in pairs:
+            mine, new = holder[key], theirs[their_key]
+            holder[key] = mine + new if axis is None else cat_rows(mine, new, axis)
+            theirs[their_key] = [] if axis is None else no_rows(new, axis)
 
     def request_bytes(self, tokens: int) -> int:
         """Bytes a request must find free to hold ``tokens`` tokens. By default a row's whole
@@ -207,13 +227,6 @@ class KVCache(ABC):
         (prefix caching) and return how many tokens that is; the caller prefills the rest.
         By default nothing is reused."""
         return 0
-
-    def _keep_index(self, rows: Sequence[int]) -> torch.Tensor:
-        """Indices of the rows that stay when ``rows`` are freed (call before ``free``),
-        for strategies that drop those rows from their tensors."""
-        drop = set(rows)
-        keep = [b for b in range(len(self.lengths)) if b not in drop]
-        return torch.tensor(keep, dtype=torch.long, device=self.spec.device)
 
     # ---- one forward step, called by the model -------------------------------------------
     def begin(self, info: StepInfo) -> None:
@@ -260,6 +273,22 @@ class KVCache(ABC):
     def memory(self) -> MemoryReport:
         held = sum(t.numel() * t.element_size() for t in self.tensors())
         return MemoryReport(held, self.used_bytes(), sum(self.lengths))
+
+
+RowState = tuple[Any, Any, int | None]  # (holder, key, row axis or None for a host list)
+
+
+def rows_of(layers: list | dict, axis: int = 0) -> list[RowState]:
+    """:meth:`KVCache.row_state` entries for every tensor of a list or dict of them."""
+    keys = layers.keys() if isinstance(layers, dict) else range(len(layers))
+    return [(layers, key, axis) for key in keys]
+
+
+def no_rows(tensor: torch.Tensor, axis: int) -> torch.Tensor:
+    """An empty tensor like ``tensor`` with no rows along ``axis`` (holds no memory)."""
+    shape = list(tensor.shape)
+    shape[axis] = 0
+    return tensor.new_empty(shape)
 
 
 def cat_rows(mine: torch.Tensor, theirs: torch.Tensor, axis: int = 0) -> torch.Tensor:

@@ -5,7 +5,7 @@ Every operation costs O(1) per block it touches, never O(pool)."""
 
 from __future__ import annotations
 
-from kvlab.cache.base import CacheFull
+from kvlab.cache.base import NoRoom
 
 
 class BlockPool:
@@ -21,10 +21,10 @@ class BlockPool:
         self.used = 0  # blocks with refs > 0
 
     def ensure_free(self, needed: int) -> None:
-        """Raise :class:`CacheFull` unless ``needed`` blocks can be taken (checked before a
+        """Raise :class:`NoRoom` unless ``needed`` blocks can be taken (checked before a
         step changes anything, so a step that does not fit leaves no trace)."""
         if needed > len(self.free):
-            raise CacheFull(
+            raise NoRoom(
                 f"paged cache: a step needs {needed} free blocks of {self.block_size} tokens, "
                 f"{len(self.free)} of {self.num_blocks} are free; raise "
                 "cache.options.num_blocks or lower the batch"

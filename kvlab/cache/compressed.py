@@ -12,7 +12,7 @@ tokens of the open window wait in a raw (pre-RoPE) buffer. Gates: see ``pooling.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,13 +22,13 @@ from kvlab.cache.base import (
     CacheOptions,
     KVCache,
     MemoryReport,
+    RowState,
     Step,
     StepInfo,
-    cat_rows,
     register,
+    rows_of,
 )
 from kvlab.cache.compressor import calibration_defaults
-from kvlab.cache.full import decode_output, grouped, write_rows
 from kvlab.cache.pooling import (
     GATES,
     LayerPooling,
@@ -38,6 +38,7 @@ from kvlab.cache.pooling import (
     visible_entries,
     window_slots,
 )
+from kvlab.cache.rows import decode_output, grouped, write_rows
 from kvlab.cache.sliding import SlidingOptions, SlidingWindowCache
 from kvlab.kernels import Segment, Stored, decode_attention
 
@@ -148,32 +149,11 @@ class CompressedCache(KVCache):
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.spec.dtype, device=self.spec.device)
 
-    def free(self, rows: Sequence[int]) -> None:
-        index = self._keep_index(rows)
-        super().free(rows)
-        if self.window:
-            self.window.free(rows)
-        for store in (self.entries, self.raw):
-            for layer, tensor in store.items():
-                store[layer] = tensor.index_select(1, index)
-        for layer, tensor in self.queries.items():
-            self.queries[layer] = tensor.index_select(0, index)
-
-    def spawn(self) -> CompressedCache:
-        new = super().spawn()
-        new.window = self.window.spawn() if self.window else None
-        return new
-
-    def join(self, other: CompressedCache) -> None:
-        super().join(other)
-        if self.window:
-            self.window.join(other.window)
-        for mine, theirs in ((self.entries, other.entries), (self.raw, other.raw)):
-            for layer, tensor in mine.items():
-                mine[layer] = cat_rows(tensor, theirs[layer], 1)
-        for layer, tensor in self.queries.items():
-            self.queries[layer] = cat_rows(tensor, other.queries[layer])
-        other.entries, other.raw, other.queries = {}, {}, {}
+    def row_state(self) -> list[RowState]:
+        """Entries and raw buffers (row axis 1), observed queries, and the window's own."""
+        window = self.window.row_state() if self.window else []
+        entries = [*rows_of(self.entries, 1), *rows_of(self.raw, 1), *rows_of(self.queries)]
+        return [*super().row_state(), *entries, *window]
 
     # ---- one step --------------------------------------------------------------------
     def plan(self, info: StepInfo) -> CompressedStep:

@@ -8,13 +8,14 @@ multi-token steps run SDPA over the stored prefix under one mask from :mod:`mask
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import KVCache, Step, StepInfo, cat_rows, nbytes, register, sdpa
+from kvlab.cache.base import KVCache, RowState, Step, StepInfo, nbytes, register, rows_of, sdpa
 from kvlab.cache.masks import slot_positions, visible
+from kvlab.cache.rows import decode_output, grouped, write_rows
 from kvlab.kernels import Segment, Stored, decode_attention
 
 
@@ -52,38 +53,6 @@ def contiguous_step(cache: KVCache, info: StepInfo, capacity: int) -> Contiguous
     return ContiguousStep(info, start, end, slots, rows, origin, read, mask)
 
 
-def write_rows(store: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
-    """Write new (B, H, T, E) at slots (B, T) of store (B, H, S, E), in place. (An indexed
-    put: inductor writes it in place, where a compiled ``scatter_`` into a cache tensor
-    copies the whole tensor every step.)"""
-    rows, heads = _row_head_index(*new.shape[:2], slots.device)
-    store.index_put_((rows, heads, slots[:, None, :]), new)
-
-
-_INDEX: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _row_head_index(batch: int, heads: int, device: torch.device):
-    """(B, 1, 1) row and (1, H, 1) head indices, made once per shape (not per write)."""
-    key = (batch, heads, device)
-    if key not in _INDEX:
-        rows = torch.arange(batch, device=device)[:, None, None]
-        _INDEX[key] = (rows, torch.arange(heads, device=device)[None, :, None])
-    return _INDEX[key]
-
-
-def decode_output(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """(B, H_kv, G, D) kernel output as the (B, H, 1, D) attention output."""
-    return out.reshape(q.shape[0], q.shape[1], 1, out.shape[-1])
-
-
-def grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """One decode query per row (B, H, 1, D) as (B, H_kv, G, D): query head h serves KV
-    head h // G."""
-    batch, heads, _, dim = q.shape
-    return q.reshape(batch, kv_heads, heads // kv_heads, dim)
-
-
 @register("full")
 class FullCache(KVCache):
     """Keeps every key and value; exact by construction."""
@@ -110,18 +79,8 @@ class FullCache(KVCache):
         ]
         self.values = [torch.zeros_like(k) for k in self.keys]
 
-    def free(self, rows: Sequence[int]) -> None:
-        index = self._keep_index(rows)
-        super().free(rows)
-        # smaller tensors: the freed rows' memory goes
-        self.keys = [k.index_select(0, index) for k in self.keys]
-        self.values = [v.index_select(0, index) for v in self.values]
-
-    def join(self, other: FullCache) -> None:
-        super().join(other)
-        self.keys = [cat_rows(a, b) for a, b in zip(self.keys, other.keys, strict=True)]
-        self.values = [cat_rows(a, b) for a, b in zip(self.values, other.values, strict=True)]
-        other.keys, other.values = [], []
+    def row_state(self) -> list[RowState]:
+        return [*super().row_state(), *rows_of(self.keys), *rows_of(self.values)]
 
     def plan(self, info: StepInfo) -> ContiguousStep:
         return contiguous_step(self, info, self.keys[0].shape[2])

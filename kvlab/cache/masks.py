@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import torch
 
-EMPTY = -1
-
 
 def visible(
     query_pos: torch.Tensor, key_pos: torch.Tensor, window: int = 0, sinks: int = 0
@@ -43,8 +41,3 @@ def entry_positions(count: int, ratio: int, behind: int, device: torch.device) -
 def slot_positions(start: torch.Tensor, count: int) -> torch.Tensor:
     """(B, count) positions start[b] + i: a step's new tokens, or a contiguous store."""
     return start[:, None] + torch.arange(count, device=start.device)
-
-
-def needs_mask(mask: torch.Tensor | None, causal_only: bool) -> torch.Tensor | None:
-    """None where SDPA's ``is_causal`` says the same (a first prefill that nothing cuts)."""
-    return None if causal_only else mask

@@ -21,18 +21,18 @@ from kvlab.cache.base import (
     CacheOptions,
     KVCache,
     MemoryReport,
+    RowState,
     Step,
     StepInfo,
-    cat_rows,
     nbytes,
     register,
     sdpa,
 )
 from kvlab.cache.blocks import BlockPool
-from kvlab.cache.codec import CodecOptions
-from kvlab.cache.full import decode_output, grouped
+from kvlab.cache.codecs import CodecOptions
 from kvlab.cache.masks import visible
-from kvlab.kernels import Segment, Stored, decode_attention
+from kvlab.cache.rows import decode_output, grouped
+from kvlab.kernels import Segment, decode_attention
 
 
 @dataclass
@@ -106,7 +106,7 @@ class PagedCache(KVCache):
         the prefix index starts empty)."""
         s, o = self.spec, self.options
         self.pool = BlockPool(blocks, o.block_size)
-        self.codes = o.token_codes(s.head_dim)
+        self.codec = o.codec(s.head_dim)
         lead = (s.num_kv_heads, blocks + 1)
         layout = [((*lead, *shape), t) for shape, t in self._block_layout(s, o)]
 
@@ -121,14 +121,14 @@ class PagedCache(KVCache):
         self.values = [make() for _ in range(s.num_layers)]
 
     def free(self, rows: Sequence[int]) -> None:
-        index = self._keep_index(rows)
         for row in rows:
             self._release_row(row)
-        drop = set(rows)
-        self.tables = [t for r, t in enumerate(self.tables) if r not in drop]
-        self.tokens = [t for r, t in enumerate(self.tokens) if r not in drop]
-        self.table = self.table.index_select(0, index)
         super().free(rows)
+
+    def row_state(self) -> list[RowState]:
+        """The block tables (host and device) and token ids; the pool is shared."""
+        host = [(vars(self), name, None) for name in ("tables", "tokens")]
+        return [*super().row_state(), *host, (vars(self), "table", 0)]
 
     # ---- serving: the pool is the budget; rows join by their tables ---------------------
     def serve(self, budget_bytes: int, max_tokens: int) -> None:
@@ -148,11 +148,9 @@ class PagedCache(KVCache):
     def _block_layout(spec, options: PagedOptions) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of one block of one KV head, per stored component: the rows, or
         their codes with a scale and a zero per group."""
-        codes, size, dim = options.token_codes(spec.head_dim), options.block_size, spec.head_dim
-        if codes is None:
-            return [((size, dim), spec.dtype)]
-        groups = dim // codes.group
-        return [((size, dim * codes.bits // 32), torch.int32)] + [((size, groups), spec.dtype)] * 2
+        size, dim = options.block_size, spec.head_dim
+        parts = options.codec(dim).parts(dim, spec.dtype)
+        return [((size, width), dtype) for width, dtype in parts]
 
     @classmethod
     def block_bytes(cls, spec, options: PagedOptions) -> int:
@@ -163,16 +161,8 @@ class PagedCache(KVCache):
     def spawn(self) -> PagedCache:
         """Rows that share this cache's pool (and prefix index): joining moves no KV."""
         new = super().spawn()
-        new.tables, new.tokens = [], []
-        new.table = self.table[:0]
+        new.pool, new.codec, new.keys, new.values = self.pool, self.codec, self.keys, self.values
         return new
-
-    def join(self, other: PagedCache) -> None:
-        super().join(other)
-        self.tables += other.tables
-        self.tokens += other.tokens
-        self.table = cat_rows(self.table, other.table)
-        other.tables, other.tokens, other.table = [], [], other.table[:0]
 
     def request_bytes(self, tokens: int) -> int:
         """The blocks of ``tokens`` tokens and the next one (vLLM admits by the prompt's
@@ -211,7 +201,7 @@ class PagedCache(KVCache):
     # ---- planning a step: blocks to take, share or copy; where each new token goes --------
     def plan(self, info: StepInfo) -> PagedStep:
         """Place the step's tokens; a step that does not fit changes nothing and raises
-        :class:`CacheFull`, so the engine can preempt a sequence and retry."""
+        :class:`NoRoom`, so the engine can preempt a sequence and retry."""
         self.pool.ensure_free(self._blocks_needed(info.num_new))
         sharing = self.options.prefix_sharing and info.ids is not None
         ids = info.ids.tolist() if sharing else None
@@ -339,8 +329,8 @@ class PagedCache(KVCache):
         self._write(self.values[layer], v)
         if step.decode:
             segment = Segment(
-                grouped(q, self.spec.num_kv_heads), self._stored(self.keys[layer]),
-                self._stored(self.values[layer]), self.table, step.origin, step.end,
+                grouped(q, self.spec.num_kv_heads), self.codec.stored(self.keys[layer]),
+                self.codec.stored(self.values[layer]), self.table, step.origin, step.end,
             )  # fmt: skip
             return decode_output(decode_attention([segment], q.shape[-1] ** -0.5, q.dtype), q)
         keys, values = self._gathered(self.keys[layer]), self._gathered(self.values[layer])
@@ -348,8 +338,7 @@ class PagedCache(KVCache):
 
     def _write(self, parts: list[torch.Tensor], new: torch.Tensor) -> None:
         """New (B, H_kv, T, D) rows into their blocks and slots (codes when quantized)."""
-        encoded = [new] if self.codes is None else self.codes.encode(new)
-        for pool, value in zip(parts, encoded, strict=True):
+        for pool, value in zip(parts, self.codec.encode(new), strict=True):
             pool[self.step.blocks, :, self.step.slots] = value.transpose(1, 2)
 
     def _gathered(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -357,13 +346,7 @@ class PagedCache(KVCache):
         size = self.options.block_size
         used = self.table[:, : -(-self.step.read // size)]  # (B, n)
         taken = [p[used].transpose(1, 2).flatten(2, 3) for p in parts]  # (B, H, n*size, E)
-        rows = taken[0] if self.codes is None else self.codes.decode(*taken, dtype=self.spec.dtype)
-        return rows[:, :, : self.step.read]
-
-    def _stored(self, parts: list[torch.Tensor]) -> Stored:
-        if self.codes is None:
-            return Stored(parts[0])
-        return Stored(parts[0], "token_codes", self.codes.bits, self.codes.group, *parts[1:])
+        return self.codec.decode(taken, self.spec.dtype)[:, :, : self.step.read]
 
     # ---- accounting ---------------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:

@@ -12,7 +12,7 @@ are compute-bound). A step's own new tokens are exact.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -20,17 +20,18 @@ import torch
 from kvlab.cache.base import (
     CacheOptions,
     KVCache,
+    RowState,
     Step,
     StepInfo,
-    cat_rows,
     nbytes,
     register,
+    rows_of,
     sdpa,
 )
-from kvlab.cache.codec import BITS, KEY_AXES, ChannelCodes, TokenCodes, words_per_row
-from kvlab.cache.full import decode_output, grouped, write_rows
 from kvlab.cache.masks import visible
+from kvlab.cache.rows import decode_output, grouped, write_rows
 from kvlab.kernels import Segment, Stored, decode_attention
+from kvlab.kernels.int_codes import BITS, KEY_AXES, ChannelCodes, TokenCodes, words_per_row
 
 
 @dataclass
@@ -128,20 +129,9 @@ class QuantizedCache(KVCache):
         )
         self.value_codec = TokenCodes(bits, group)
 
-    def free(self, rows: Sequence[int]) -> None:
-        index = self._keep_index(rows)
-        super().free(rows)
-        for name, layers in self.store.items():
-            axis = 1 if name == "ring" else 0
-            self.store[name] = [t.index_select(axis, index) for t in layers]
-
-    def join(self, other: QuantizedCache) -> None:
-        super().join(other)
-        for name, layers in self.store.items():
-            axis = 1 if name == "ring" else 0
-            theirs = other.store[name]
-            self.store[name] = [cat_rows(a, b, axis) for a, b in zip(layers, theirs, strict=True)]
-        other.store = {}
+    def row_state(self) -> list[RowState]:
+        rows = [rows_of(layers, 1 if name == "ring" else 0) for name, layers in self.store.items()]
+        return [*super().row_state(), *(entry for entries in rows for entry in entries)]
 
     # ---- planning a step ---------------------------------------------------------------
     def quantized_tokens(self, length: torch.Tensor) -> torch.Tensor:

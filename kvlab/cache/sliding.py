@@ -17,7 +17,7 @@ per-token codes, read back quantized (the step's own tokens too).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -25,17 +25,18 @@ import torch
 from kvlab.cache.base import (
     CacheOptions,
     KVCache,
+    RowState,
     Step,
     StepInfo,
-    cat_rows,
     nbytes,
     register,
+    rows_of,
     sdpa,
 )
-from kvlab.cache.codec import CodecOptions, TokenCodes
-from kvlab.cache.full import decode_output, grouped, write_rows
+from kvlab.cache.codecs import CodecOptions
 from kvlab.cache.masks import visible
-from kvlab.kernels import Segment, Stored, decode_attention
+from kvlab.cache.rows import decode_output, grouped, write_rows
+from kvlab.kernels import Segment, decode_attention
 from kvlab.models.rope import RotaryTables
 
 POSITIONS = ("original", "cache")
@@ -96,16 +97,11 @@ class SlidingWindowCache(KVCache):
 
     @classmethod
     def _layouts(cls, spec, options, batch_size, max_tokens) -> list[tuple[tuple, torch.dtype]]:
-        """(shape, dtype) of every tensor of one layer's keys (or values), then slot_pos."""
+        """(shape, dtype) of every part of one layer's keys (or values), then slot_pos."""
         slots = min(options.sinks + options.window, max_tokens) + 1  # + the trash slot
         lead = (batch_size, spec.num_kv_heads, slots)
-        codes = options.token_codes(spec.head_dim)
-        if codes is None:
-            ring = [((*lead, spec.head_dim), spec.dtype)]
-        else:
-            words, scales = spec.head_dim * codes.bits // 32, spec.head_dim // codes.group
-            ring = [((*lead, words), torch.int32), ((*lead, scales), spec.dtype)]
-            ring.append(ring[-1])
+        parts = options.codec(spec.head_dim).parts(spec.head_dim, spec.dtype)
+        ring = [((*lead, width), dtype) for width, dtype in parts]
         return [*ring, ((batch_size, slots), torch.long)]
 
     @classmethod
@@ -117,7 +113,7 @@ class SlidingWindowCache(KVCache):
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)
         s, o = self.spec, self.options
-        self.codes: TokenCodes | None = o.token_codes(s.head_dim)
+        self.codec = o.codec(s.head_dim)
         *ring, (positions, _) = self._layouts(s, o, batch_size, max_tokens)
         self.slots = positions[1] - 1  # ring slots, the trash slot excluded
         make = lambda: [torch.zeros(shape, dtype=t, device=s.device) for shape, t in ring]  # noqa: E731
@@ -125,21 +121,9 @@ class SlidingWindowCache(KVCache):
         self.values = [make() for _ in range(s.num_layers)]
         self.slot_pos = torch.full(positions, -1, dtype=torch.long, device=s.device)
 
-    def free(self, rows: Sequence[int]) -> None:
-        index = self._keep_index(rows)
-        super().free(rows)
-        for store in (self.keys, self.values):
-            for layer, parts in enumerate(store):
-                store[layer] = [t.index_select(0, index) for t in parts]
-        self.slot_pos = self.slot_pos.index_select(0, index)
-
-    def join(self, other: SlidingWindowCache) -> None:
-        super().join(other)
-        for mine, theirs in ((self.keys, other.keys), (self.values, other.values)):
-            for layer, parts in enumerate(mine):
-                mine[layer] = [cat_rows(a, b) for a, b in zip(parts, theirs[layer], strict=True)]
-        self.slot_pos = cat_rows(self.slot_pos, other.slot_pos)
-        other.keys, other.values = [], []
+    def row_state(self) -> list[RowState]:
+        parts = [entry for layer in self.keys + self.values for entry in rows_of(layer)]
+        return [*super().row_state(), *parts, (vars(self), "slot_pos", 0)]
 
     # ---- planning a step -------------------------------------------------------------
     def slot_of(self, positions: torch.Tensor) -> torch.Tensor:
@@ -191,11 +175,8 @@ class SlidingWindowCache(KVCache):
         filled slots in place; with cache positions, sinks and window as two segments, the
         sinks seen by the query rotated to its cache position."""
         self._write(layer, k, v)
-        step, keys, values = (
-            self.step,
-            self._stored(self.keys[layer]),
-            self._stored(self.values[layer]),
-        )
+        step = self.step
+        keys, values = self.codec.stored(self.keys[layer]), self.codec.stored(self.values[layer])
         queries = grouped(q, self.spec.num_kv_heads)
         if step.to_cache is None:
             return [Segment(queries, keys, values, step.rows, step.origin, step.filled)]
@@ -206,11 +187,6 @@ class SlidingWindowCache(KVCache):
             Segment(queries, keys, values, step.rows, sinks, step.filled),
         ]
 
-    def _stored(self, parts: list[torch.Tensor]) -> Stored:
-        if self.codes is None:
-            return Stored(parts[0])
-        return Stored(parts[0], "token_codes", self.codes.bits, self.codes.group, *parts[1:])
-
     def context(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store the step's k/v (B, H_kv, T, D) for ``layer`` and return the keys and values
         (B, H_kv, L, D) the step's queries see under :meth:`visible`: every ring slot after
@@ -219,8 +195,8 @@ class SlidingWindowCache(KVCache):
         if self.step.decode:
             self._write(layer, k, v)
             return self._decoded(self.keys[layer]), self._decoded(self.values[layer])
-        keys = torch.cat([self._decoded(self.keys[layer]), self._as_stored(k)], dim=2)
-        values = torch.cat([self._decoded(self.values[layer]), self._as_stored(v)], dim=2)
+        keys = torch.cat([self._decoded(self.keys[layer]), self.codec.round_trip(k)], dim=2)
+        values = torch.cat([self._decoded(self.values[layer]), self.codec.round_trip(v)], dim=2)
         self._write(layer, k, v)  # after the read: cat copied what the slots held
         return keys, values
 
@@ -252,20 +228,11 @@ class SlidingWindowCache(KVCache):
 
     def _decoded(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """A layer's ring as (B, H_kv, slots + 1, D) in the model dtype."""
-        if self.codes is None:
-            return parts[0]
-        return self.codes.decode(*parts, dtype=self.spec.dtype)
-
-    def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
-        """x after a round trip through storage (itself when storage is exact)."""
-        if self.codes is None:
-            return x
-        return self.codes.decode(*self.codes.encode(x), dtype=x.dtype)
+        return self.codec.decode(parts, self.spec.dtype)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for parts, new in ((self.keys[layer], k), (self.values[layer], v)):
-            encoded = [new] if self.codes is None else self.codes.encode(new)
-            for store, value in zip(parts, encoded, strict=True):
+            for store, value in zip(parts, self.codec.encode(new), strict=True):
                 write_rows(store, self.step.slots, value)
 
     def end(self) -> None:

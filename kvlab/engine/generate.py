@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.cache.base import CacheFull, KVCache, MemoryReport
+from kvlab.cache.base import KVCache, MemoryReport, NoRoom
 from kvlab.engine.sampling import SamplingConfig, sample
 from kvlab.engine.timing import now
 from kvlab.models.llama import Decoder
@@ -119,7 +119,7 @@ class Generation:
                 contexts = self.contexts and [self.contexts[i] for i in self.active]
                 logits = engine.prefill(seqs, chunk, contexts)
                 break
-            except CacheFull as full:
+            except NoRoom as full:
                 self._preempt(waiting, full, free=False)
         self.stats.note_memory(engine.cache.memory())  # every row's prompt is stored now
         emitted = self._emit(logits)
@@ -136,13 +136,13 @@ class Generation:
             try:
                 emitted = self._emit(engine.decode_step([self.seqs[i] for i in self.active]))
                 break
-            except CacheFull as full:
+            except NoRoom as full:
                 self._preempt(waiting, full, free=True)
         self.stats.step_s.append(now(device) - start)
         self.stats.step_rows.append(rows)
         return emitted
 
-    def _preempt(self, waiting: list[int], error: CacheFull, free: bool) -> None:
+    def _preempt(self, waiting: list[int], error: NoRoom, free: bool) -> None:
         """Evict the most recently admitted sequence to recompute it later (vLLM's recompute
         preemption); with a single sequence left, eviction cannot help: the error stands."""
         if len(self.active) == 1:

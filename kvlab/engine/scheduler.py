@@ -11,7 +11,7 @@ pads a step to (B, T), so one fused forward would compute every decode row at th
 width — and a group of several prompts computes each at the longest one's width, which is
 why groups hold one request unless asked), and joins the running batch
 (:meth:`KVCache.join`) once every prompt in it is fed. A step that does not fit
-(:class:`CacheFull`) preempts the most recently admitted request, which is recomputed later
+(:class:`NoRoom`) preempts the most recently admitted request, which is recomputed later
 (vLLM's recompute preemption).
 """
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.codec import ChannelCodes, TokenCodes
 from kvlab.kernels.build import library
+from kvlab.kernels.int_codes import ChannelCodes, TokenCodes
 
 FORMATS = {"fp": 0, "token_codes": 2, "channel_codes": 3}  # fp32 / bf16 picked by dtype
 CHUNK = 256  # tokens per partial result

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.cache.codec import pack, unpack
 from kvlab.quant.base import QuantOptions, register_quantizer, replace_linears
+from kvlab.quant.packing import pack, unpack
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 COMPUTE_DTYPES = ("bfloat16", "input")

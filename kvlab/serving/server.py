@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.cache.base import CacheFull, KVCache
+from kvlab.cache.base import KVCache, NoRoom
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingConfig
 from kvlab.engine.scheduler import Event, Scheduler
@@ -160,7 +160,7 @@ def _retrying(sched: Scheduler, work: Callable[[], Any]) -> Any:
     while True:
         try:
             return work()
-        except CacheFull as full:
+        except NoRoom as full:
             try:
                 sched.preempt()
             except RuntimeError:

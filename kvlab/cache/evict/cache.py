@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache.base import CacheOptions, KVCache, Step, StepInfo, register, sdpa
-from kvlab.cache.codec import CodecOptions
+from kvlab.cache.codecs import CodecOptions
 from kvlab.cache.evict.policy import BUDGETS, keep_mask
 from kvlab.cache.evict.scorers import Observation, scorers
 from kvlab.cache.evict.store import BLOCK, HeadStore, pack
-from kvlab.cache.full import grouped
+from kvlab.cache.rows import grouped
 from kvlab.kernels import Segment, decode_attention
 
 WHEN = ("prefill", "decode")
@@ -129,10 +129,7 @@ class EvictCache(KVCache):
         fraction of the prompt plus room for them.)"""
         kept = max_tokens - int(max_tokens * options.ratio)
         blocks = -(-kept // BLOCK)
-        codes, dim, size = options.token_codes(spec.head_dim), spec.head_dim, spec.dtype.itemsize
-        per_token = dim * size
-        if codes is not None:  # codes, then a scale and a zero per group
-            per_token = dim * codes.bits // 8 + 2 * (dim // codes.group) * size
+        per_token = options.codec(spec.head_dim).bytes_per_token(spec.head_dim, spec.dtype)
         heads = batch_size * spec.num_kv_heads * spec.num_layers
         tables = heads * (blocks + 1) * 8  # a block table and a token count per head
         return {"kv": 2 * heads * blocks * BLOCK * per_token, "tables": tables}
@@ -141,14 +138,15 @@ class EvictCache(KVCache):
         super().allocate(batch_size, max_tokens)
         s = self.spec
         self.max_tokens = max_tokens
-        self.codes = self.options.token_codes(s.head_dim)
+        self.codec = self.options.codec(s.head_dim)
         self.stores: list[HeadStore | None] = [None] * s.num_layers
         self.recent: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * s.num_layers
         self.since_compression = 0
         self.target = max_tokens - int(max_tokens * self.options.ratio)
 
     def free(self, rows: Sequence[int]) -> None:
-        index = self._keep_index(rows)
+        """Rows go from the lengths (the base) and from every layer's store, repacked."""
+        _, index = self.rows_kept(rows)
         super().free(rows)
         if not self.lengths:  # nothing left: hold nothing
             self.stores = [None] * len(self.stores)
@@ -202,23 +200,15 @@ class EvictCache(KVCache):
             self._compress_decode(layer)
         return out
 
-    def _encode(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return [x] if self.codes is None else list(self.codes.encode(x))
-
-    def _decoded(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        if self.codes is None:
-            return parts[0]
-        return self.codes.decode(*parts, dtype=self.spec.dtype)
-
     def _decode(self, layer, q, k, v) -> torch.Tensor:
         """Write each head's new token after its own and read exactly its tokens."""
         store, step = self.stores[layer], self.step
         heads = self.spec.num_kv_heads
-        new = [p.flatten(0, 1) for p in self._encode(k) + self._encode(v)]  # (BH, 1, E)
+        new = [p.flatten(0, 1) for p in self.codec.encode(k) + self.codec.encode(v)]  # (BH, 1, E)
         store.write(new, step.offsets, step.positions.repeat_interleave(heads, 0))
         queries = grouped(q, heads).flatten(0, 1)[:, None]  # (BH, 1, G, D)
         lo = torch.zeros_like(store.held)
-        segment = Segment(queries, store.stored(0, self.codes), store.stored(1, self.codes),
+        segment = Segment(queries, store.stored(0, self.codec), store.stored(1, self.codec),
                           store.table, lo, store.held + 1)  # fmt: skip
         out = decode_attention([segment], q.shape[-1] ** -0.5, q.dtype)
         store.held += 1
@@ -230,7 +220,7 @@ class EvictCache(KVCache):
         if store is None:
             shape = (batch, s.num_kv_heads, 1, s.head_dim)
             probe = torch.zeros(shape, dtype=s.dtype, device=s.device)
-            empty = [p[:, :, :0] for p in self._encode(probe)]
+            empty = [p[:, :, :0] for p in self.codec.encode(probe)]
             positions = torch.zeros(batch, s.num_kv_heads, 0, dtype=torch.long, device=s.device)
             return empty + empty, positions.bool(), positions
         parts, valid, positions = store.dense(batch)
@@ -267,8 +257,8 @@ class EvictCache(KVCache):
         step, batch, heads = self.step, k.shape[0], self.spec.num_kv_heads
         held_parts, held_valid, held_pos = self._held(layer, batch)
         half = len(held_parts) // 2
-        keys = torch.cat([self._decoded(held_parts[:half]), k], dim=2)
-        values = torch.cat([self._decoded(held_parts[half:]), v], dim=2)
+        keys = torch.cat([self.codec.decode(held_parts[:half], self.spec.dtype), k], dim=2)
+        values = torch.cat([self.codec.decode(held_parts[half:], self.spec.dtype), v], dim=2)
         new_valid = step.real[:, None].expand(batch, heads, -1)
         valid = torch.cat([held_valid, new_valid], dim=2)
         positions = torch.cat([held_pos, step.positions[:, None].expand(batch, heads, -1)], 2)
@@ -284,7 +274,7 @@ class EvictCache(KVCache):
             kept = self._policy_keep(obs)
             sealed = torch.tensor(step.seal, device=keep.device)[:, None, None]
             keep = torch.where(sealed, kept, valid)
-        new_parts = self._encode(k) + self._encode(v)
+        new_parts = self.codec.encode(k) + self.codec.encode(v)
         parts = [torch.cat([a, b], dim=2) for a, b in zip(held_parts, new_parts, strict=True)]
         self.stores[layer] = self._pack(parts, keep, positions, step.end)
 
@@ -365,7 +355,8 @@ class EvictCache(KVCache):
         if queries is None:
             queries = torch.zeros(batch, self.spec.num_heads, 0, self.spec.head_dim)
             qpos = torch.zeros(batch, 0, dtype=torch.long)
-        keys, values = self._decoded(parts[:half]), self._decoded(parts[half:])
+        keys = self.codec.decode(parts[:half], self.spec.dtype)
+        values = self.codec.decode(parts[half:], self.spec.dtype)
         obs = self._observation(layer, keys, values, valid, positions, queries, qpos)
         self.stores[layer] = self._pack(parts, self._policy_keep(obs), positions, seen)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvlab.cache.codecs import Codec
 from kvlab.kernels import Stored
 
 BLOCK = 16  # tokens per block: rounding costs at most BLOCK - 1 slots per (row, head)
@@ -63,12 +64,10 @@ class HeadStore:
         positions = None if self.positions is None else gather(self.positions).long()
         return [gather(p) for p in self.parts], valid.view(batch, -1, width), positions
 
-    def stored(self, index: int, codes) -> Stored:
+    def stored(self, index: int, codec: Codec) -> Stored:
         """Keys (index 0) or values (1) as the decode kernel reads them."""
-        parts = self.parts[index * len(self.parts) // 2 : (index + 1) * len(self.parts) // 2]
-        if codes is None:
-            return Stored(parts[0])
-        return Stored(parts[0], "token_codes", codes.bits, codes.group, *parts[1:])
+        half = len(self.parts) // 2
+        return codec.stored(self.parts[index * half : (index + 1) * half])
 
 
 def pack(

@@ -1,5 +1,6 @@
-"""Asymmetric min/max integer quantization of keys and values, and how the codes are stored
-(KIVI, Liu et al., arXiv 2402.02750; HF QuantizedCache's per-token layout).
+"""Asymmetric min/max integer codes of keys and values, and how they are packed (KIVI, Liu et
+al., arXiv 2402.02750; HF QuantizedCache's per-token layout): the arithmetic behind the
+``token`` codec and KIVI's key and value codes.
 
 Arithmetic is fp32 whatever the model dtype (in bf16, ``(x - low) / scale`` is off by about
 one code at 8 bits); scale and zero are stored in the model dtype. Codes of one token are
@@ -60,26 +61,6 @@ def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
     return planes.flatten(-2)
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes < 2**bits (..., N) → (..., N * bits / 8) bytes, low bits first (the
-    row-packed int4 weight layout of :mod:`kvlab.quant.rtn`)."""
-    if bits == 8:
-        return codes
-    per_byte = 8 // bits
-    grouped = codes.view(*codes.shape[:-1], -1, per_byte)  # (..., N/per_byte, per_byte)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
-
-
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: (..., M) bytes → (..., M * 8 / bits) uint8 codes."""
-    if bits == 8:
-        return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed.unsqueeze(-1) >> shifts) & (2**bits - 1)  # (..., M, per_byte)
-    return codes.flatten(-2)
-
-
 @dataclass(frozen=True)
 class TokenCodes:
     """Per-token codes: a scale and zero per ``group`` channels of each row (..., D)."""
@@ -133,39 +114,3 @@ class ChannelCodes:
         grouped = codes.view(*lead, tokens // self.group, self.group, dim)
         out = grouped * scale.float()[..., None, :] + zero.float()[..., None, :]
         return out.reshape(*lead, tokens, dim).to(dtype)
-
-
-@dataclass
-class CodecOptions:
-    """Options of strategies whose storage can be quantized per token (``paged``,
-    ``sliding``): ``kv_bits=0`` keeps K/V exactly; 8/4/2 store every token's keys and
-    values as token codes with a scale and zero per ``kv_group_size`` channels — HF
-    QuantizedCache's layout, no full-precision residual, the step's own tokens read back
-    through storage too. (``int8``/``int4``/``int2`` are KIVI: keys per channel and an
-    exact residual; report labels name the difference.)"""
-
-    kv_bits: int = 0
-    kv_group_size: int = 32
-
-    def __post_init__(self) -> None:
-        if self.kv_bits not in (0, *BITS):
-            raise ValueError(f"cache.options.kv_bits={self.kv_bits} is invalid; allowed: 0, {BITS}")
-        if self.kv_group_size < 1:
-            raise ValueError(f"cache.options.kv_group_size={self.kv_group_size} must be >= 1")
-
-    def describe(self) -> str:
-        """The storage in words, for report labels ("" when exact)."""
-        if not self.kv_bits:
-            return ""
-        return f"per-token int{self.kv_bits} keys and values, no exact residual"
-
-    def token_codes(self, head_dim: int) -> TokenCodes | None:
-        """The codec of the stored rows, or None when they are stored exactly."""
-        if not self.kv_bits:
-            return None
-        if head_dim % self.kv_group_size:
-            raise ValueError(
-                f"cache.options.kv_group_size={self.kv_group_size} must divide head_dim={head_dim}"
-            )
-        words_per_row(head_dim, self.kv_bits)
-        return TokenCodes(self.kv_bits, self.kv_group_size)

@@ -1,0 +1,46 @@
+"""The codec contract: how one token's key (or value) row is held. A codec states the parts
+a stored row has (width and dtype of each), encodes new rows into them, decodes them back,
+and names the format the decode kernel reads them in (:class:`~kvlab.kernels.Stored`).
+Stores hold parts as they hold any tensor; they never look inside a codec."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvlab.kernels import Stored
+
+
+class Codec(ABC):
+    """Encodes K or V rows (..., D) into stored parts [(..., E_i)] and back."""
+
+    name: str
+
+    @abstractmethod
+    def parts(self, dim: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        """(width E_i, dtype) of every part a row of ``dim`` channels is held in."""
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Rows x (..., D) as their parts [(..., E_i)]."""
+
+    @abstractmethod
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Parts [(..., E_i)] back as rows (..., D) in ``dtype``."""
+
+    @abstractmethod
+    def stored(self, parts: list[torch.Tensor]) -> Stored:
+        """Parts (N, H_kv, slots, E_i) as the decode kernel reads them, in place."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """The format in words, for report labels ("" when exact)."""
+
+    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
+        """x as it reads back after being stored."""
+        return self.decode(self.encode(x), x.dtype)
+
+    def bytes_per_token(self, dim: int, dtype: torch.dtype) -> int:
+        """Bytes one row of ``dim`` channels takes, from :meth:`parts`."""
+        return sum(width * part.itemsize for width, part in self.parts(dim, dtype))

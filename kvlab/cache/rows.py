@@ -1,0 +1,38 @@
+"""Indexing helpers every store shares: writing a step's new rows at their slots, and the
+grouped-query shapes the decode kernel reads (query head h serves KV head h // G)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_rows(store: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+    """Write new (B, H, T, E) at slots (B, T) of store (B, H, S, E), in place. (An indexed
+    put: inductor writes it in place, where a compiled ``scatter_`` into a cache tensor
+    copies the whole tensor every step.)"""
+    rows, heads = _row_head_index(*new.shape[:2], slots.device)
+    store.index_put_((rows, heads, slots[:, None, :]), new)
+
+
+_INDEX: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _row_head_index(batch: int, heads: int, device: torch.device):
+    """(B, 1, 1) row and (1, H, 1) head indices, made once per shape (not per write)."""
+    key = (batch, heads, device)
+    if key not in _INDEX:
+        rows = torch.arange(batch, device=device)[:, None, None]
+        _INDEX[key] = (rows, torch.arange(heads, device=device)[None, :, None])
+    return _INDEX[key]
+
+
+def decode_output(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """(B, H_kv, G, D) kernel output as the (B, H, 1, D) attention output."""
+    return out.reshape(q.shape[0], q.shape[1], 1, out.shape[-1])
+
+
+def grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """One decode query per row (B, H, 1, D) as (B, H_kv, G, D): query head h serves KV
+    head h // G."""
+    batch, heads, _, dim = q.shape
+    return q.reshape(batch, kv_heads, heads // kv_heads, dim)
