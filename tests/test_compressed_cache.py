@@ -95,9 +95,9 @@ def test_uniform_entries_are_window_means_rotated_at_the_window_start(tiny_llama
     cache = build_cache("compressed", tiny_llama.cache_spec(), options)
     seen, attend = {}, cache.attend
 
-    def recording_attend(layer, q, k, v, k_raw):
+    def recording_attend(step, layer, q, k, v, k_raw):
         seen[layer] = (k_raw, v)
-        return attend(layer, q, k, v, k_raw)
+        return attend(step, layer, q, k, v, k_raw)
 
     cache.attend = recording_attend
     run_logits(tiny_llama, cache, ids, 17)

@@ -130,8 +130,8 @@ def test_kivi_decode_equals_dequantize_then_attend(tiny_llama, bits, axis):
     seen: dict[int, list] = {}
     attend = cache.attend
 
-    def checking_attend(layer, q, k, v, k_raw):
-        out = attend(layer, q, k, v, k_raw)
+    def checking_attend(step, layer, q, k, v, k_raw):
+        out = attend(step, layer, q, k, v, k_raw)
         history = seen.setdefault(layer, [])
         history.append((k, v))
         keys = torch.cat([h[0] for h in history], dim=2)
@@ -219,11 +219,11 @@ def test_attend_makes_no_host_round_trip(tiny_llama, name):
     cache = build_cache(name, tiny_llama.cache_spec(), SETTINGS[name])
     attend = cache.attend
 
-    def guarded(*args):
-        if name in REPACKS_ON_THE_HOST and not cache.step.decode:
-            return attend(*args)
+    def guarded(step, *args):
+        if name in REPACKS_ON_THE_HOST and not step.decode:
+            return attend(step, *args)
         with no_host_sync():
-            return attend(*args)
+            return attend(step, *args)
 
     cache.attend = guarded
     prompts = [list(range(3, 14)), list(range(20, 25))]

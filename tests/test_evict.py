@@ -102,7 +102,10 @@ def context_keys(model, prompt):
     cache = build_cache("full", model.cache_spec())
     cache.allocate(1, len(prompt) + 1)
     queries, attend = [], cache.attend
-    cache.attend = lambda layer, q, k, v, kr: (queries.append(q), attend(layer, q, k, v, kr))[1]
+    cache.attend = lambda step, layer, q, k, v, kr: (
+        queries.append(q),
+        attend(step, layer, q, k, v, kr),
+    )[1]
     Engine(model, cache).prefill([prompt], len(prompt))
     return [k[:, :, : len(prompt)] for k in cache.keys], queries
 
@@ -208,19 +211,19 @@ def test_replayed_context_equals_attend(tiny_llama):
     live = build_cache("evict", tiny_llama.cache_spec(), options)
     live.allocate(1, 48)
     recorded, attend = [], live.attend
-    live.attend = lambda layer, q, k, v, kr: (
+    live.attend = lambda step, layer, q, k, v, kr: (
         recorded.append((q, k, v)),
-        attend(layer, q, k, v, kr),
+        attend(step, layer, q, k, v, kr),
     )[1]  # noqa: E501
     Engine(tiny_llama, live).prefill([prompt], len(prompt))
     replayed = build_cache("evict", tiny_llama.cache_spec(), options)
     replayed.allocate(1, 48)
     positions = torch.arange(len(prompt))[None]
     rope = RotaryTables(tiny_llama.inv_freq, positions, torch.float32)
-    replayed.begin(StepInfo(positions, [len(prompt)], rope, None, [True]))
+    step = replayed.plan(StepInfo(positions, [len(prompt)], rope, None, [True]))
     for layer, (q, k, v) in enumerate(recorded):
-        replayed.compress_step(layer, q, k, v)
-    replayed.end()
+        replayed.compress_step(step, layer, q, k, v)
+    replayed.end(step)
     for a, b in zip(live.stores, replayed.stores, strict=True):
         assert torch.equal(a.table, b.table) and torch.equal(a.held, b.held)
         assert all(torch.equal(x, y) for x, y in zip(a.parts, b.parts, strict=True))

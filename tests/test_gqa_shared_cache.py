@@ -17,8 +17,8 @@ def test_mean_merge_equals_attention_over_averaged_heads(tiny_llama):
     k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
     from kvlab.cache.base import StepInfo
 
-    cache.begin(StepInfo(torch.arange(3)[None], [3], None))
-    out = cache.attend(0, q, k, v, k)
+    step = cache.plan(StepInfo(torch.arange(3)[None], [3], None))
+    out = cache.attend(step, 0, q, k, v, k)
     k_shared, v_shared = k.mean(1, keepdim=True), v.mean(1, keepdim=True)  # (1, 1, 3, 16)
     reference = torch.nn.functional.scaled_dot_product_attention(
         q, k_shared.expand(1, 4, 3, 16), v_shared.expand(1, 4, 3, 16), is_causal=True

@@ -157,9 +157,9 @@ def test_truncated_pairs_feed_at_most_max_length_positions(smollm2):
     fed = []
 
     class Recording(type(build_cache("full", spec))):
-        def begin(self, info):
+        def plan(self, info):
             fed.append(int(info.positions.max()) + 1)
-            super().begin(info)
+            return super().plan(info)
 
     lm = KvlabLM.from_loaded(model, tokenizer, lambda: Recording(spec), max_length=12)
     context, continuation = list(range(100, 130)), [7, 8, 9, 10]

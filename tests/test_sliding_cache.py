@@ -21,7 +21,7 @@ class BandRecompute(KVCache):
     name = "band_recompute"
     stores_past = False
 
-    def attend(self, layer, q, k, v, k_raw):
+    def attend(self, step, layer, q, k, v, k_raw):
         pos = torch.arange(q.shape[2])
         visible = (pos[None] <= pos[:, None]) & (
             (pos[None] < SINKS) | (pos[None] > pos[:, None] - WINDOW)
@@ -33,8 +33,8 @@ class BandRecompute(KVCache):
             attn_mask=visible,
         )
 
-    def end(self):
-        self.step = None
+    def end(self, step):
+        return None  # keeps nothing
 
     def tensors(self):
         return []
@@ -84,12 +84,12 @@ class CachePositionsRecompute(BandRecompute):
     visible keys (sinks, then the window in order) get positions 0, 1, ... from their raw,
     un-rotated form, and the query takes the next position."""
 
-    def attend(self, layer, q, k, v, k_raw):
+    def attend(self, step, layer, q, k, v, k_raw):
         from kvlab.models.rope import RotaryTables
 
-        rope = self.step.info.rope
+        rope = step.info.rope
         group = q.shape[1] // k.shape[1]
-        q_raw = RotaryTables(rope.inv_freq, -self.step.info.positions, q.dtype)
+        q_raw = RotaryTables(rope.inv_freq, -step.info.positions, q.dtype)
         q_raw = q_raw.rotate_heads_first(q)
         outs = []
         for i in range(q.shape[2]):

@@ -46,9 +46,9 @@ def record(model, context: list[int]):
     cache.allocate(1, len(context) + 1)
     seen = []
     attend = cache.attend
-    cache.attend = lambda layer, q, k, v, k_raw: (
+    cache.attend = lambda step, layer, q, k, v, k_raw: (
         seen.append((q, k, v)),
-        attend(layer, q, k, v, k_raw),
+        attend(step, layer, q, k, v, k_raw),
     )[1]  # noqa: E501
     ids = torch.tensor([context])
     start = time.perf_counter()
@@ -65,13 +65,13 @@ def replay(model, cache, recorded, length: int, capacity: int) -> float:
     rope = RotaryTables(model.inv_freq, positions, model.embed_tokens.weight.dtype)
     start = time.perf_counter()
     with torch.inference_mode():
-        cache.begin(StepInfo(positions, [length], rope, None, [True]))
+        step = cache.plan(StepInfo(positions, [length], rope, None, [True]))
         for layer, (q, k, v) in enumerate(recorded):
             if hasattr(cache, "compress_step"):
-                cache.compress_step(layer, q, k, v)
+                cache.compress_step(step, layer, q, k, v)
             else:
-                cache.attend(layer, q, k, v, k)
-        cache.end()
+                cache.attend(step, layer, q, k, v, k)
+        cache.end(step)
     return time.perf_counter() - start
 
 

@@ -1,9 +1,11 @@
 """The KV-cache contract every strategy implements, and the strategy registry.
 
 A strategy owns what is kept of past keys/values and the attention over it. The model calls
-``begin`` once per forward step, ``attend`` once per layer, then ``end``; the engine calls
-``allocate``, ``free`` and ``memory``. Nothing else is assumed, so quantized, windowed, paged
-or pooled caches plug in without special cases (vLLM, arXiv 2309.06180, splits the same way).
+``plan`` once per forward step, which returns the step's :class:`Step`, then ``attend(step,
+layer, ...)`` once per layer and ``end(step)``: the step is an argument, never state set on
+the cache in one call and read in another. The engine calls ``allocate``, ``free`` and
+``memory``. Nothing else is assumed, so quantized, windowed, paged or pooled caches plug in
+without special cases (vLLM, arXiv 2309.06180, splits the same way).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class StepInfo:
 
 @dataclass
 class Step:
-    """What ``begin`` prepares, once per forward step and on the model's device, for the
+    """What ``plan`` prepares, once per forward step and on the model's device, for the
     layers to index with (nano-vllm's ``prepare_decode``, gpt-fast's ``input_pos``):
     ``start`` (B,) tokens each row stored before the step, ``end`` (B,) after it. Strategies
     that need more subclass it; ``attend`` reads only this object, never host state."""
@@ -150,7 +152,6 @@ class KVCache(ABC):
         self.lengths: list[int] = []  # tokens stored per row (host bookkeeping)
         self.budget_bytes = 0  # serving: the most bytes this cache and its spawns may hold
         self.capacity = 0  # serving: tokens per row
-        self.step: Step | None = None
         # static: decode reads fixed-size buffers under masks, never host-derived lengths,
         # so a compiled decode step keeps one graph (set by the engine when it compiles)
         self.static = False
@@ -229,12 +230,9 @@ class KVCache(ABC):
         return 0
 
     # ---- one forward step, called by the model -------------------------------------------
-    def begin(self, info: StepInfo) -> None:
-        """Called once before the layers of a forward step: builds :attr:`step`."""
-        self.step = self.plan(info)
-
     def plan(self, info: StepInfo) -> Step:
-        """The step object for ``info``; strategies with more per-step state override it."""
+        """The step object for ``info``, built once before the layers run (host decisions
+        and one host-to-device copy); strategies with more per-step state override it."""
         return Step(info, *self._row_bounds(info))
 
     def _row_bounds(self, info: StepInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,20 +244,25 @@ class KVCache(ABC):
 
     @abstractmethod
     def attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_raw: torch.Tensor
+        self,
+        step: Step,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_raw: torch.Tensor,
     ) -> torch.Tensor:
         """Store this step's k/v for ``layer`` and attend ``q`` over what is kept.
 
-        q (B, H, T, D) and k (B, H_kv, T, D) are rotated; ``k_raw`` is k before RoPE, for
-        strategies that re-position keys. Returns the attention output (B, H, T, D).
+        ``step``: what :meth:`plan` returned for this forward step. q (B, H, T, D) and
+        k (B, H_kv, T, D) are rotated; ``k_raw`` is k before RoPE, for strategies that
+        re-position keys. Returns the attention output (B, H, T, D).
         """
 
-    def end(self) -> None:
+    def end(self, step: Step) -> None:
         """Called once after the layers: the step's real tokens now count as stored."""
-        assert self.step is not None
-        new = self.step.info.num_new
+        new = step.info.num_new
         self.lengths = [n + k for n, k in zip(self.lengths, new, strict=True)]
-        self.step = None
 
     # ---- accounting ----------------------------------------------------------------------
     @abstractmethod

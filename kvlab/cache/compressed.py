@@ -158,15 +158,14 @@ class CompressedCache(KVCache):
     # ---- one step --------------------------------------------------------------------
     def plan(self, info: StepInfo) -> CompressedStep:
         start, end = self._row_bounds(info)
-        if self.window:
-            self.window.begin(info)
-        window = self.window.visible() if self.window else self._no_window(info)
+        window_step = self.window.plan(info) if self.window else None
+        window = self.window.visible(window_step) if self.window else self._no_window(info)
         plans = {}
         for pool in self.pools.values():
             key = (pool.ratio, pool.overlap, pool.observed)
             if key not in plans:
                 plans[key] = self._pooling_plan(info, start, end, pool)
-        step = CompressedStep(info, start, end, window, plans)
+        step = CompressedStep(info, start, end, window, window_step, plans)
         step.rows = torch.arange(len(self.lengths), device=start.device)[:, None]
         step.origin = torch.zeros_like(start)
         return step
@@ -215,17 +214,17 @@ class CompressedCache(KVCache):
         pairs = zip(self.lengths, info.num_new, strict=True)
         return max((n + k) // ratio for n, k in pairs)
 
-    def attend(self, layer, q, k, v, k_raw):
+    def attend(self, step, layer, q, k, v, k_raw):
         pool = self.pools.get(layer)
         if pool is None:
-            return self.window.attend(layer, q, k, v, k_raw)
-        plan = self.step.plans[(pool.ratio, pool.overlap, pool.observed)]
-        if self.step.decode and not self.options.proportional:
-            self._pool(layer, pool, plan, q, k_raw, v)
-            segments = self._decode_segments(layer, pool, q, k, v)
+            return self.window.attend(step.window_step, layer, q, k, v, k_raw)
+        plan = step.plans[(pool.ratio, pool.overlap, pool.observed)]
+        if step.decode and not self.options.proportional:
+            self._pool(step, layer, pool, plan, q, k_raw, v)
+            segments = self._decode_segments(step, layer, pool, q, k, v)
             return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
-        window = self._window_part(layer, k, v)
-        self._pool(layer, pool, plan, q, k_raw, v)
+        window = self._window_part(step, layer, k, v)
+        self._pool(step, layer, pool, plan, q, k_raw, v)
         count = plan.visible.shape[-1]
         stored = self.entries[layer][:, :, :, :count]  # (2, B, H_kv, N, D)
         return attend_entries(
@@ -236,23 +235,29 @@ class CompressedCache(KVCache):
             math.log(pool.ratio) if self.options.proportional else 0.0,
         )
 
-    def _decode_segments(self, layer: int, pool: LayerPooling, q, k, v) -> list[Segment]:
+    def _decode_segments(
+        self, step: CompressedStep, layer: int, pool: LayerPooling, q, k, v
+    ) -> list[Segment]:
         """A decode step reads the entries its query sees and the exact window in place
         (the decode kernel, one softmax over both). With a top-k, each (row, KV head) reads
         the k visible entries its query heads score highest (q . k summed over the group,
         as :func:`top_k_mask`), through a table of its own. What depends only on the step
         (bounds, tables, masks) is built once per step, not per layer."""
-        step, kv_heads = self.step, self.spec.num_kv_heads
+        kv_heads = self.spec.num_kv_heads
         entries = self.entries[layer]  # (2, B, H_kv, N + 1, D); the last is the trash entry
-        seen = self._once(("seen", pool.ratio), lambda: self._entries_seen(pool.ratio))
+        seen = _once(step, ("seen", pool.ratio), lambda: self._entries_seen(step, pool.ratio))
         queries = grouped(q, kv_heads)  # (B, H_kv, G, D)
-        window = self.window.decode_segments(layer, q, k, v) if self.window else []
+        window = (
+            self.window.decode_segments(step.window_step, layer, q, k, v) if self.window else []
+        )
         stored = entries.shape[3] - 1
         if not pool.top_k or stored <= pool.top_k:
             keys, values = Stored(entries[0]), Stored(entries[1])
             return [Segment(queries, keys, values, step.rows, step.origin, seen), *window]
-        hidden, base, lo, hi = self._once(
-            ("top_k", pool.ratio, pool.top_k), lambda: self._top_k_index(seen, stored, pool)
+        hidden, base, lo, hi = _once(
+            step,
+            ("top_k", pool.ratio, pool.top_k),
+            lambda: self._top_k_index(step, seen, stored, pool),
         )
         summed = queries.sum(dim=2, keepdim=True)  # (B, H_kv, 1, D)
         scores = (summed @ entries[0].transpose(-1, -2)).squeeze(2)  # (B, H_kv, N + 1)
@@ -262,52 +267,51 @@ class CompressedCache(KVCache):
             queries.reshape(-1, 1, *queries.shape[2:]), single(entries[0]), single(entries[1]),
             base + chosen.flatten(0, 1), lo, hi,
         )  # fmt: skip
-        indexes = [self._once(("window", i), w.per_head_index) for i, w in enumerate(window)]
+        indexes = [_once(step, ("window", i), w.per_head_index) for i, w in enumerate(window)]
         return [picked, *(w.per_head(i) for w, i in zip(window, indexes, strict=True))]
 
-    def _once(self, key: tuple, make):
-        """A step constant, built by the first layer that asks for it."""
-        memo = self.step.constants
-        if key not in memo:
-            memo[key] = make()
-        return memo[key]
-
-    def _entries_seen(self, ratio: int) -> torch.Tensor:
+    def _entries_seen(self, step: CompressedStep, ratio: int) -> torch.Tensor:
         """(B,) entries a decode query sees: windows closed ``behind`` tokens ago."""
         behind = self.options.entries_behind()
-        return (self.step.end - behind).clamp(min=0) // ratio
+        return (step.end - behind).clamp(min=0) // ratio
 
-    def _top_k_index(self, seen: torch.Tensor, stored: int, pool: LayerPooling) -> tuple:
+    def _top_k_index(
+        self, step: CompressedStep, seen: torch.Tensor, stored: int, pool: LayerPooling
+    ) -> tuple:
         """For per-head top-k tables: the hidden entries (B, 1, N + 1), each (row, head)'s
         first entry index in the flattened store (B * H_kv, 1), and its bounds (lo, hi)."""
         heads = self.spec.num_kv_heads
         slots = torch.arange(stored + 1, device=seen.device)
         hidden = (slots >= seen[:, None])[:, None]
         pairs = torch.arange(len(self.lengths) * heads, device=seen.device)[:, None]
-        lo = self.step.origin.repeat_interleave(heads)
+        lo = step.origin.repeat_interleave(heads)
         return hidden, pairs * (stored + 1), lo, seen.clamp(max=pool.top_k).repeat_interleave(heads)
 
-    def _window_part(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+    def _window_part(self, step: CompressedStep, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Keys, values (B, H_kv, L, D) and mask (B, 1, T, L) of the exact window (L = 0
         without one)."""
         if self.window:
-            return (*self.window.context(layer, k, v), self.step.window)
-        return k[:, :, :0], v[:, :, :0], self.step.window
+            return (*self.window.context(step.window_step, layer, k, v), step.window)
+        return k[:, :, :0], v[:, :, :0], step.window
 
-    def _pool(self, layer: int, pool: LayerPooling, plan: PoolingPlan, q, k_raw, v) -> None:
+    def _pool(
+        self, step: CompressedStep, layer: int, pool: LayerPooling, plan: PoolingPlan, q, k_raw, v
+    ) -> None:
         """Pool the windows this step closes (every row at once; rows that close fewer
         write into the trash entry), then buffer the step's raw keys, values (and queries).
         Eager steps where no row closes a window skip the pooling (3 of 4 decode steps of a
         CSA layer, 127 of 128 of an HCA layer); a compiled step always pools (one graph)."""
         raw = self.raw[layer]
         if torch.compiler.is_compiling() or plan.pools:
-            self._pool_closed(layer, pool, plan, q, k_raw, v)
+            self._pool_closed(step, layer, pool, plan, q, k_raw, v)
         write_rows(raw[0], plan.buffer_slots, k_raw)
         write_rows(raw[1], plan.buffer_slots, v)
         if pool.gate == "attention":
             write_rows(self.queries[layer], plan.query_slots, q)
 
-    def _pool_closed(self, layer: int, pool: LayerPooling, plan: PoolingPlan, q, k_raw, v):
+    def _pool_closed(
+        self, step: CompressedStep, layer: int, pool: LayerPooling, plan: PoolingPlan, q, k_raw, v
+    ):
         """Entries of the windows the step closes (before the step's tokens are buffered:
         the sources read the rings as they were)."""
         raw = self.raw[layer]
@@ -316,17 +320,17 @@ class CompressedCache(KVCache):
         if pool.gate == "attention":
             queries = plan.query_sources.take(self.queries[layer], q)
         pooled_keys, pooled_values = pool_windows(
-            keys, values, plan.slots, pool, self.step.info.rope.inv_freq, queries
+            keys, values, plan.slots, pool, step.info.rope.inv_freq, queries
         )
         trash = self.entries[layer].shape[3] - 1
         index = torch.where(plan.closes, plan.windows, trash)  # (B, M)
         write_rows(self.entries[layer][0], index, pooled_keys)
         write_rows(self.entries[layer][1], index, pooled_values)
 
-    def end(self) -> None:
+    def end(self, step: CompressedStep) -> None:
         if self.window:
-            self.window.end()
-        super().end()
+            self.window.end(step.window_step)
+        super().end(step)
 
     # ---- accounting ------------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:
@@ -415,10 +419,20 @@ class PoolingPlan:
 
 @dataclass
 class CompressedStep(Step):
-    """The window's mask (B, 1, T, L) and a :class:`PoolingPlan` per pooling geometry."""
+    """The window's mask (B, 1, T, L) and its step, and a :class:`PoolingPlan` per pooling
+    geometry."""
 
     window: torch.Tensor = None
+    window_step: Step | None = None  # the exact window's own step (SlidingStep)
     plans: dict = field(default_factory=dict)
     rows: torch.Tensor | None = None  # (B, 1): row b's entries are "block" b (decode kernel)
     origin: torch.Tensor | None = None  # (B,) zeros: every row reads from entry 0
     constants: dict = field(default_factory=dict)  # built by the first layer that needs them
+
+
+def _once(step: CompressedStep, key: tuple, make):
+    """A constant of ``step`` (it depends on the step alone, not on the layer): built by
+    the first layer that needs it, reused by the others."""
+    if key not in step.constants:
+        step.constants[key] = make()
+    return step.constants[key]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvlab.cache.base import CacheOptions, CacheSpec, KVCache
+from kvlab.cache.base import CacheOptions, CacheSpec, KVCache, Step, StepInfo
 from kvlab.cache.full import FullCache
 from kvlab.cache.pooling import LayerPooling, attend_entries, bulk_windows, visible_entries
 from kvlab.paths import cache_dir
@@ -151,24 +151,31 @@ class _Recorder(FullCache):
         if self.student is not None:
             self.student.allocate(batch_size, max_tokens)
 
-    def begin(self, step) -> None:
-        super().begin(step)
-        if self.student is not None:
-            self.student.begin(step)
+    def plan(self, info: StepInfo) -> _RecorderStep:
+        student = self.student.plan(info) if self.student is not None else None
+        return _RecorderStep(super().plan(info), student)
 
-    def end(self) -> None:
-        super().end()
+    def end(self, step: _RecorderStep) -> None:
+        super().end(step.own)
         if self.student is not None:
-            self.student.end()
+            self.student.end(step.student)
 
-    def attend(self, layer, q, k, v, k_raw):
+    def attend(self, step: _RecorderStep, layer, q, k, v, k_raw):
         self.seen[layer] = tuple(t.float() for t in (q, k, v, k_raw))
         student = self.student
         if student is not None and (
             layer in student.pools or student.options.layer_kind(layer) == "window"
         ):
-            return student.attend(layer, q, k, v, k_raw)
-        return super().attend(layer, q, k, v, k_raw)
+            return student.attend(step.student, layer, q, k, v, k_raw)
+        return super().attend(step.own, layer, q, k, v, k_raw)
+
+
+@dataclass
+class _RecorderStep:
+    """The recorder's own (exact) step and its student's."""
+
+    own: Step
+    student: Step | None
 
 
 def record(model: torch.nn.Module, ids: list[int], student=None) -> dict[int, tuple]:

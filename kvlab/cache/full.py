@@ -85,8 +85,7 @@ class FullCache(KVCache):
     def plan(self, info: StepInfo) -> ContiguousStep:
         return contiguous_step(self, info, self.keys[0].shape[2])
 
-    def attend(self, layer, q, k, v, k_raw):
-        step = self.step
+    def attend(self, step, layer, q, k, v, k_raw):
         keys, values = self.keys[layer], self.values[layer]
         write_rows(keys, step.slots, k)
         write_rows(values, step.slots, v)

@@ -51,8 +51,8 @@ class GQASharedCache(FullCache):
         merged = dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // options.factor)
         return super().planned_bytes(merged, options, batch_size, max_tokens)
 
-    def attend(self, layer, q, k, v, k_raw):
-        return super().attend(layer, q, self._merge(k), self._merge(v), k_raw)
+    def attend(self, step, layer, q, k, v, k_raw):
+        return super().attend(step, layer, q, self._merge(k), self._merge(v), k_raw)
 
     def _merge(self, x):
         batch, heads, steps, dim = x.shape

@@ -23,11 +23,11 @@ class NoCache(KVCache):
     def planned_bytes(cls, spec, options, batch_size, max_tokens):
         return {}
 
-    def attend(self, layer, q, k, v, k_raw):
+    def attend(self, step, layer, q, k, v, k_raw):
         return sdpa(q, k, v, causal=True)  # right padding never precedes a real token
 
-    def end(self) -> None:
-        self.step = None  # nothing is stored, so lengths stay 0
+    def end(self, step) -> None:
+        return None  # nothing is stored, so lengths stay 0
 
     def tensors(self) -> Iterable[torch.Tensor]:
         return []

@@ -323,30 +323,32 @@ class PagedCache(KVCache):
         return copy
 
     # ---- the per-layer work -----------------------------------------------------------
-    def attend(self, layer, q, k, v, k_raw):
-        step = self.step
-        self._write(self.keys[layer], k)
-        self._write(self.values[layer], v)
+    def attend(self, step, layer, q, k, v, k_raw):
+        self._write(step, self.keys[layer], k)
+        self._write(step, self.values[layer], v)
         if step.decode:
             segment = Segment(
                 grouped(q, self.spec.num_kv_heads), self.codec.stored(self.keys[layer]),
                 self.codec.stored(self.values[layer]), self.table, step.origin, step.end,
             )  # fmt: skip
             return decode_output(decode_attention([segment], q.shape[-1] ** -0.5, q.dtype), q)
-        keys, values = self._gathered(self.keys[layer]), self._gathered(self.values[layer])
+        keys, values = (
+            self._gathered(step, self.keys[layer]),
+            self._gathered(step, self.values[layer]),
+        )
         return sdpa(q, keys, values, mask=step.mask)
 
-    def _write(self, parts: list[torch.Tensor], new: torch.Tensor) -> None:
+    def _write(self, step: PagedStep, parts: list[torch.Tensor], new: torch.Tensor) -> None:
         """New (B, H_kv, T, D) rows into their blocks and slots (codes when quantized)."""
         for pool, value in zip(parts, self.codec.encode(new), strict=True):
-            pool[self.step.blocks, :, self.step.slots] = value.transpose(1, 2)
+            pool[step.blocks, :, step.slots] = value.transpose(1, 2)
 
-    def _gathered(self, parts: list[torch.Tensor]) -> torch.Tensor:
+    def _gathered(self, step: PagedStep, parts: list[torch.Tensor]) -> torch.Tensor:
         """The first ``read`` tokens of every row, through its table: (B, H_kv, read, D)."""
         size = self.options.block_size
-        used = self.table[:, : -(-self.step.read // size)]  # (B, n)
+        used = self.table[:, : -(-step.read // size)]  # (B, n)
         taken = [p[used].transpose(1, 2).flatten(2, 3) for p in parts]  # (B, H, n*size, E)
-        return self.codec.decode(taken, self.spec.dtype)[:, :, : self.step.read]
+        return self.codec.decode(taken, self.spec.dtype)[:, :, : step.read]
 
     # ---- accounting ---------------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:

@@ -197,21 +197,21 @@ class QuantizedCache(KVCache):
         return visible(positions, torch.cat([codes, held, positions], dim=1))
 
     # ---- one layer -------------------------------------------------------------------
-    def attend(self, layer, q, k, v, k_raw):
-        step = self.step
+    def attend(self, step, layer, q, k, v, k_raw):
         if step.decode:
-            self._write_ring(layer, k, v)
-            out = decode_attention(self._segments(layer, q), q.shape[-1] ** -0.5, q.dtype)
-            self._quantize_closed(layer, None, None)
+            self._write_ring(step, layer, k, v)
+            segments = self._segments(step, layer, q)
+            out = decode_attention(segments, q.shape[-1] ** -0.5, q.dtype)
+            self._quantize_closed(step, layer, None, None)
             return decode_output(out, q)
-        keys, values = self._context(layer, k, v)
+        keys, values = self._context(step, layer, k, v)
         out = sdpa(q, keys, values, mask=step.mask)
-        self._quantize_closed(layer, k, v)
-        self._write_ring(layer, k, v)
+        self._quantize_closed(step, layer, k, v)
+        self._write_ring(step, layer, k, v)
         return out
 
-    def _segments(self, layer: int, q: torch.Tensor) -> list[Segment]:
-        step, st, o = self.step, self.store, self.options
+    def _segments(self, step: KiviStep, layer: int, q: torch.Tensor) -> list[Segment]:
+        st, o = self.store, self.options
         queries = grouped(q, self.spec.num_kv_heads)
         key_format = "channel_codes" if o.key_axis == "channel" else "token_codes"
         keys = Stored(st["key_codes"][layer], key_format, o.bits, o.group_size,
@@ -223,9 +223,9 @@ class QuantizedCache(KVCache):
                         step.end, ring=self.ring_size)  # fmt: skip
         return [Segment(queries, keys, values, step.rows, step.origin, step.nq), exact]
 
-    def _context(self, layer: int, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    def _context(self, step: KiviStep, layer: int, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         """[codes dequantized | ring | new] (B, H_kv, L, D) for a multi-token step."""
-        st, read, dtype = self.store, self.step.read, self.spec.dtype
+        st, read, dtype = self.store, step.read, self.spec.dtype
         keys = self.key_codec.decode(
             *(
                 st[n][layer][:, :, : self._rows(n, read)]
@@ -245,20 +245,21 @@ class QuantizedCache(KVCache):
         per_group = name in ("key_scale", "key_zero") and self.options.key_axis == "channel"
         return tokens // self.options.group_size if per_group else tokens
 
-    def _write_ring(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write_ring(self, step: KiviStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         ring = self.store["ring"][layer]
-        write_rows(ring[0], self.step.ring_slots, k)
-        write_rows(ring[1], self.step.ring_slots, v)
+        write_rows(ring[0], step.ring_slots, k)
+        write_rows(ring[1], step.ring_slots, v)
 
-    def _quantize_closed(self, layer: int, k: torch.Tensor | None, v: torch.Tensor | None) -> None:
+    def _quantize_closed(
+        self, step: KiviStep, layer: int, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> None:
         """Quantize the groups this step closes from the ring (tokens before the step) and
         the new k/v (B, H_kv, T, D); in decode the new token is already in the ring. A row
         that closes no group writes into the trash group."""
-        step = self.step
         if not step.quantizes:
             return
         ring = self.store["ring"][layer]
-        keys, values = self._gather(ring[0], k), self._gather(ring[1], v)  # (B, H, M*G, D)
+        keys, values = self._gather(step, ring[0], k), self._gather(step, ring[1], v)  # (B,H,M*G,D)
         group = self.options.group_size
         token_slots = step.groups[:, :, None] * group + torch.arange(group, device=keys.device)
         token_slots = token_slots.flatten(1)  # (B, M * G)
@@ -266,10 +267,9 @@ class QuantizedCache(KVCache):
         self._put("key", layer, self.key_codec.encode(keys), token_slots, key_rows)
         self._put("value", layer, self.value_codec.encode(values), token_slots, token_slots)
 
-    def _gather(self, ring: torch.Tensor, new: torch.Tensor | None) -> torch.Tensor:
+    def _gather(self, step: KiviStep, ring: torch.Tensor, new: torch.Tensor | None) -> torch.Tensor:
         """Rows at positions ``step.sources`` (B, N): from the ring, or from ``new`` for
         positions the step itself brings."""
-        step = self.step
         batch, heads, _, dim = ring.shape
         index = (step.sources % self.ring_size)[:, None, :, None].expand(batch, heads, -1, dim)
         rows = ring.gather(2, index)

@@ -162,20 +162,18 @@ class SlidingWindowCache(KVCache):
         return RotaryTables(info.rope.inv_freq, in_cache - info.positions, info.rope.dtype)
 
     # ---- one layer -------------------------------------------------------------------
-    def attend(self, layer, q, k, v, k_raw):
-        step = self.step
+    def attend(self, step, layer, q, k, v, k_raw):
         if step.decode:
-            segments = self.decode_segments(layer, q, k, v)
+            segments = self.decode_segments(step, layer, q, k, v)
             return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
-        keys, values = self.context(layer, k, v)
-        return self._attention(q, keys, values, step.mask)
+        keys, values = self.context(step, layer, k, v)
+        return self._attention(step, q, keys, values, step.mask)
 
-    def decode_segments(self, layer: int, q, k, v) -> list[Segment]:
+    def decode_segments(self, step: SlidingStep, layer: int, q, k, v) -> list[Segment]:
         """Store a decode step's k/v (B, H_kv, 1, D) and return what its queries read: the
         filled slots in place; with cache positions, sinks and window as two segments, the
         sinks seen by the query rotated to its cache position."""
-        self._write(layer, k, v)
-        step = self.step
+        self._write(step, layer, k, v)
         keys, values = self.codec.stored(self.keys[layer]), self.codec.stored(self.values[layer])
         queries = grouped(q, self.spec.num_kv_heads)
         if step.to_cache is None:
@@ -187,22 +185,21 @@ class SlidingWindowCache(KVCache):
             Segment(queries, keys, values, step.rows, sinks, step.filled),
         ]
 
-    def context(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+    def context(self, step: SlidingStep, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Store the step's k/v (B, H_kv, T, D) for ``layer`` and return the keys and values
         (B, H_kv, L, D) the step's queries see under :meth:`visible`: every ring slot after
         the write (decode), or [ring before the write | new tokens as stored] (for
         strategies that attend over a window together with other entries)."""
-        if self.step.decode:
-            self._write(layer, k, v)
+        if step.decode:
+            self._write(step, layer, k, v)
             return self._decoded(self.keys[layer]), self._decoded(self.values[layer])
         keys = torch.cat([self._decoded(self.keys[layer]), self.codec.round_trip(k)], dim=2)
         values = torch.cat([self._decoded(self.values[layer]), self.codec.round_trip(v)], dim=2)
-        self._write(layer, k, v)  # after the read: cat copied what the slots held
+        self._write(step, layer, k, v)  # after the read: cat copied what the slots held
         return keys, values
 
-    def visible(self) -> torch.Tensor:
+    def visible(self, step: SlidingStep) -> torch.Tensor:
         """(B, 1, T, L) boolean over :meth:`context`'s keys."""
-        step = self.step
         if step.decode:  # every filled slot (the trash slot never is)
             slots = torch.arange(self.slots + 1, device=step.start.device)
             return (slots[None] < step.filled[:, None])[:, None, None]
@@ -213,32 +210,32 @@ class SlidingWindowCache(KVCache):
             step.positions, torch.cat([ring.expand(len(self.lengths), -1), step.positions], 1)
         )
 
-    def _attention(self, q, keys, values, mask) -> torch.Tensor:
+    def _attention(self, step: SlidingStep, q, keys, values, mask) -> torch.Tensor:
         if mask is None:  # first prefill, nothing cut: the new tokens alone, causally
             steps = q.shape[2]
             return sdpa(q, keys[:, :, -steps:], values[:, :, -steps:], causal=True)
-        if self.step.to_cache is None:
+        if step.to_cache is None:
             return sdpa(q, keys, values, mask=mask)
         # [q at cache positions | q] . [k if sink else 0 | 0 if sink else k]
-        held = torch.cat([self.slot_pos, self.step.positions], dim=1)  # (B, L)
+        held = torch.cat([self.slot_pos, step.positions], dim=1)  # (B, L)
         sink = ((held >= 0) & (held < self.options.sinks))[:, None, :, None]  # (B, 1, L, 1)
         keys_pair = torch.cat([keys * sink, keys * ~sink], dim=-1)  # (B, H_kv, L, 2D)
-        q_pair = torch.cat([self.step.to_cache.rotate_heads_first(q), q], dim=-1)
+        q_pair = torch.cat([step.to_cache.rotate_heads_first(q), q], dim=-1)
         return sdpa(q_pair, keys_pair, values, mask=mask, scale=q.shape[-1] ** -0.5)
 
     def _decoded(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """A layer's ring as (B, H_kv, slots + 1, D) in the model dtype."""
         return self.codec.decode(parts, self.spec.dtype)
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write(self, step: SlidingStep, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         for parts, new in ((self.keys[layer], k), (self.values[layer], v)):
             for store, value in zip(parts, self.codec.encode(new), strict=True):
-                write_rows(store, self.step.slots, value)
+                write_rows(store, step.slots, value)
 
-    def end(self) -> None:
-        self.slot_pos.scatter_(1, self.step.slots, self.step.positions)
+    def end(self, step: SlidingStep) -> None:
+        self.slot_pos.scatter_(1, step.slots, step.positions)
         self.slot_pos[:, self.slots] = -1  # the trash slot holds nothing
-        super().end()
+        super().end(step)
 
     # ---- accounting ----------------------------------------------------------------
     def tensors(self) -> Iterable[torch.Tensor]:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.cache.base import CacheSpec, KVCache, StepInfo
+from kvlab.cache.base import CacheSpec, KVCache, Step, StepInfo
 from kvlab.models.config import DecoderConfig
 from kvlab.models.rope import RotaryTables, inverse_frequencies
 
@@ -45,7 +45,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: RotaryTables, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: RotaryTables, cache: KVCache, step: Step
+    ) -> torch.Tensor:
         batch, steps, _ = x.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
@@ -56,7 +58,7 @@ class Attention(nn.Module):
         q, k = rope.rotate(qk).transpose(1, 2).split([heads, kv_heads], dim=1)  # (B, H|H_kv, T, D)
         k_raw = qk[:, :, heads:].transpose(1, 2)  # (B, H_kv, T, D), before RoPE
         v = v.view(batch, steps, kv_heads, dim).transpose(1, 2)  # (B, H_kv, T, D)
-        out = cache.attend(self.layer, q, k, v, k_raw)  # (B, H, T, D)
+        out = cache.attend(step, self.layer, q, k, v, k_raw)  # (B, H, T, D)
         return self.o_proj(out.transpose(1, 2).reshape(batch, steps, heads * dim))
 
 
@@ -82,8 +84,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: RotaryTables, cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache)
+    def forward(
+        self, x: torch.Tensor, rope: RotaryTables, cache: KVCache, step: Step
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -140,14 +144,15 @@ class Decoder(nn.Module):
 
         Returns logits (B, T, V), or (B, V) at ``logit_index[b]`` of each row when given,
         so prefill does not pay for the vocabulary projection of every prompt token.
-        The cache prepares the step's metadata once (``begin``) before ``layers`` run —
+        The cache plans the step's metadata once (``plan``), the step goes down to every
+        layer as an argument, and the cache commits it (``end``); ``layers`` run it —
         :meth:`logits`, or a compiled version of it (the engine's compiled decode step).
         """
         batch, steps = ids.shape
         rope = RotaryTables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
-        cache.begin(StepInfo(positions, num_new or [steps] * batch, rope, ids, context_end))
-        logits = (layers or self.logits)(ids, rope, cache, logit_index)
-        cache.end()
+        step = cache.plan(StepInfo(positions, num_new or [steps] * batch, rope, ids, context_end))
+        logits = (layers or self.logits)(ids, rope, cache, step, logit_index)
+        cache.end(step)
         return logits
 
     def logits(
@@ -155,13 +160,14 @@ class Decoder(nn.Module):
         ids: torch.Tensor,
         rope: RotaryTables,
         cache: KVCache,
+        step: Step,
         logit_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The layers of one step whose metadata the cache has prepared: no host state,
+        """The layers of one step whose metadata the cache has planned: no host state,
         no Python loop over rows, so it compiles to one graph per shape."""
         x = self.embed_tokens(ids)  # (B, T, hidden)
         for layer in self.layers:
-            x = layer(x, rope, cache)
+            x = layer(x, rope, cache, step)
         if logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, hidden)
         return self.lm_head(self.norm(x)).float()

@@ -181,28 +181,31 @@ class EvictCache(KVCache):
             seal = [False] * len(seal)
         step = EvictStep(info, start, end, seal, positions, real, offsets)
         if info.steps == 1 and self.options.when == "decode":
-            self.since_compression += 1
-            step.compress = self.since_compression >= self.options.interval
-            if step.compress:
-                self.since_compression = 0
-        elif info.steps > 1:
-            self.since_compression = 0
+            step.compress = self.since_compression + 1 >= self.options.interval
         return step
 
+    def end(self, step: EvictStep) -> None:
+        """Also counts decode steps since the last compression (``when="decode"``)."""
+        if step.info.steps > 1 or step.compress:
+            self.since_compression = 0
+        elif self.options.when == "decode":
+            self.since_compression += 1
+        super().end(step)
+
     # ---- one layer -------------------------------------------------------------------
-    def attend(self, layer, q, k, v, k_raw):
-        if self.step.decode and self.stores[layer] is not None:
-            out = self._decode(layer, q, k, v)
+    def attend(self, step, layer, q, k, v, k_raw):
+        if step.decode and self.stores[layer] is not None:
+            out = self._decode(step, layer, q, k, v)
         else:
-            out = self._prefill(layer, q, k, v)
-        self._remember(layer, q)
-        if self.step.compress:
-            self._compress_decode(layer)
+            out = self._prefill(step, layer, q, k, v)
+        self._remember(step, layer, q)
+        if step.compress:
+            self._compress_decode(step, layer)
         return out
 
-    def _decode(self, layer, q, k, v) -> torch.Tensor:
+    def _decode(self, step: EvictStep, layer, q, k, v) -> torch.Tensor:
         """Write each head's new token after its own and read exactly its tokens."""
-        store, step = self.stores[layer], self.step
+        store = self.stores[layer]
         heads = self.spec.num_kv_heads
         new = [p.flatten(0, 1) for p in self.codec.encode(k) + self.codec.encode(v)]  # (BH, 1, E)
         store.write(new, step.offsets, step.positions.repeat_interleave(heads, 0))
@@ -229,11 +232,11 @@ class EvictCache(KVCache):
             positions = torch.arange(width, device=valid.device).expand_as(valid)
         return parts, valid, positions.masked_fill(~valid, -1)
 
-    def _prefill(self, layer, q, k, v) -> torch.Tensor:
+    def _prefill(self, step: EvictStep, layer, q, k, v) -> torch.Tensor:
         """A multi-token step: attend over what is held and the new tokens, then repack
         the layer with the new tokens — keeping only the top-scored ones of the rows whose
         context ends here."""
-        step, context = self.step, self._with_step(layer, k, v)
+        context = self._with_step(step, layer, k, v)
         held_parts, keys, values, valid, positions = context
         if held_parts[0].shape[2] == 0 and all(n == step.info.steps for n in step.info.num_new):
             out = sdpa(q, k, v, causal=True)  # nothing held, no padding: plain causal
@@ -241,20 +244,20 @@ class EvictCache(KVCache):
             group = q.shape[1] // self.spec.num_kv_heads
             seen = valid[:, :, None] & (positions[:, :, None] <= step.positions[:, None, :, None])
             out = sdpa(q, keys, values, mask=seen.repeat_interleave(group, dim=1))
-        self._store_step(layer, q, k, v, context)
+        self._store_step(step, layer, q, k, v, context)
         return out
 
-    def compress_step(self, layer: int, q, k, v) -> None:
+    def compress_step(self, step: EvictStep, layer: int, q, k, v) -> None:
         """What :meth:`attend` leaves in ``layer``'s store for a multi-token step, without
         its attention output: one recorded context step replays under many policies (its
         queries and keys do not depend on what the cache keeps; experiments/eviction_ruler
         checks the replay against :meth:`attend`)."""
-        self._store_step(layer, q, k, v, self._with_step(layer, k, v))
+        self._store_step(step, layer, q, k, v, self._with_step(step, layer, k, v))
 
-    def _with_step(self, layer: int, k, v):
+    def _with_step(self, step: EvictStep, layer: int, k, v):
         """(held parts, keys, values, valid, positions): what ``layer`` holds followed by
         the step's new tokens, dense (B, H_kv, S + T, ...)."""
-        step, batch, heads = self.step, k.shape[0], self.spec.num_kv_heads
+        batch, heads = k.shape[0], self.spec.num_kv_heads
         held_parts, held_valid, held_pos = self._held(layer, batch)
         half = len(held_parts) // 2
         keys = torch.cat([self.codec.decode(held_parts[:half], self.spec.dtype), k], dim=2)
@@ -264,13 +267,14 @@ class EvictCache(KVCache):
         positions = torch.cat([held_pos, step.positions[:, None].expand(batch, heads, -1)], 2)
         return held_parts, keys, values, valid, positions.masked_fill(~valid, -1)
 
-    def _store_step(self, layer: int, q, k, v, context) -> None:
-        step = self.step
+    def _store_step(self, step: EvictStep, layer: int, q, k, v, context) -> None:
         held_parts, keys, values, valid, positions = context
         keep = valid
         if any(step.seal):
-            queries, query_positions = self._observed(q)
-            obs = self._observation(layer, keys, values, valid, positions, queries, query_positions)
+            queries, query_positions = self._observed(step, q)
+            obs = self._observation(
+                step, layer, keys, values, valid, positions, queries, query_positions
+            )
             kept = self._policy_keep(obs)
             sealed = torch.tensor(step.seal, device=keep.device)[:, None, None]
             keep = torch.where(sealed, kept, valid)
@@ -278,10 +282,9 @@ class EvictCache(KVCache):
         parts = [torch.cat([a, b], dim=2) for a, b in zip(held_parts, new_parts, strict=True)]
         self.stores[layer] = self._pack(parts, keep, positions, step.end)
 
-    def _observed(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _observed(self, step: EvictStep, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's queries a scorer observes and their positions (-1: padding): all of
         them, or each row's last ``window`` (or last one) real ones."""
-        step = self.step
         positions = step.positions.masked_fill(~step.real, -1)
         need = scorers()[self.options.scorer].queries
         count = {"last": 1, "window": self.options.window}.get(need, 0)
@@ -303,10 +306,10 @@ class EvictCache(KVCache):
             return pack(parts, keep, room, positions)
         return pack(parts, keep, self.max_tokens - end, None)
 
-    def _observation(self, layer, keys, values, valid, positions, queries, query_positions):
+    def _observation(self, step, layer, keys, values, valid, positions, queries, query_positions):
         return Observation(
             keys.float(), values.float(), valid, positions, queries, query_positions,
-            self.step.info.rope.inv_freq.to(queries.device), layer, self.spec.num_layers,
+            step.info.rope.inv_freq.to(queries.device), layer, self.spec.num_layers,
             self.options,
         )  # fmt: skip
 
@@ -332,18 +335,18 @@ class EvictCache(KVCache):
         return keep_mask(scores, obs.valid, forced & obs.valid, o, obs.layer, obs.num_layers, limit)
 
     # ---- when="decode" ---------------------------------------------------------------
-    def _remember(self, layer: int, q: torch.Tensor) -> None:
+    def _remember(self, step: EvictStep, layer: int, q: torch.Tensor) -> None:
         """Buffer the last queries a decode-time compression scores with."""
         need = self.options.observed_queries() if self.options.when == "decode" else 0
         if not need:
             return
-        qpos = self.step.positions
+        qpos = step.positions
         if self.recent[layer] is not None:
             old_q, old_pos = self.recent[layer]
             q, qpos = torch.cat([old_q, q], dim=2), torch.cat([old_pos, qpos], dim=1)
         self.recent[layer] = (q[:, :, -need:], qpos[:, -need:])
 
-    def _compress_decode(self, layer: int) -> None:
+    def _compress_decode(self, step: EvictStep, layer: int) -> None:
         batch = len(self.lengths)
         parts, valid, positions = self._held(layer, batch)
         seen = torch.tensor(self.lengths, device=valid.device)
@@ -357,7 +360,7 @@ class EvictCache(KVCache):
             qpos = torch.zeros(batch, 0, dtype=torch.long)
         keys = self.codec.decode(parts[:half], self.spec.dtype)
         values = self.codec.decode(parts[half:], self.spec.dtype)
-        obs = self._observation(layer, keys, values, valid, positions, queries, qpos)
+        obs = self._observation(step, layer, keys, values, valid, positions, queries, qpos)
         self.stores[layer] = self._pack(parts, self._policy_keep(obs), positions, seen)
 
     # ---- accounting ------------------------------------------------------------------
