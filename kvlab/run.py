@@ -98,7 +98,8 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
 
     if cfg.workload.serving is not None:
         return _measure_serving(cfg, model, tokenizer, new_cache, out_dir)
-    engine = Engine(model, new_cache(), _eos_ids(tokenizer, model), compile=cfg.engine.compile)
+    compiled = cfg.engine.compile
+    engine = Engine(model, new_cache(static=compiled), _eos_ids(tokenizer, model), compile=compiled)
     prompts = build_prompts(
         tokenizer, cfg.workload.prompt_len, cfg.workload.batch_size, cfg.workload.prompt_file
     )

@@ -62,7 +62,8 @@ def kvlab_rows(model, prompt, args) -> list[dict]:
     cfg = GenerationConfig(args.new_tokens, stop_on_eos=False, prefill_chunk=args.chunk)
     engines = {}
     for name, options in chosen:  # warm-up, and compilation when asked
-        engine = Engine(model, build_cache(name, model.cache_spec(), options), compile=args.compile)
+        cache = build_cache(name, model.cache_spec(), options, static=args.compile)
+        engine = Engine(model, cache, compile=args.compile)
         engine.generate([prompt[:600]], GenerationConfig(4, stop_on_eos=False, prefill_chunk=512))
         engines[label(name, options)] = engine
     runs: dict[str, list] = {key: [] for key in engines}

@@ -53,7 +53,7 @@ def main() -> None:
     engines = {"kvlab": Engine(model, build_cache("full", model.cache_spec()))}
     if args.compile:
         engines["kvlab compiled"] = Engine(
-            model, build_cache("full", model.cache_spec()), compile=True
+            model, build_cache("full", model.cache_spec(), static=True), compile=True
         )
     hf = AutoModelForCausalLM.from_pretrained(resolve_checkpoint(args.model), dtype=dtype).eval()
     prompt = build_prompts(tok, args.prompt_len, 1)[0]

@@ -256,7 +256,8 @@ def test_compiled_decode_equals_eager_in_one_graph(tiny_llama, name):
     eager = logits_of(Engine(tiny_llama, build_cache(name, spec, SETTINGS[name])))
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
-    compiled_engine = Engine(tiny_llama, build_cache(name, spec, SETTINGS[name]), compile=True)
+    static = build_cache(name, spec, SETTINGS[name], static=True)
+    compiled_engine = Engine(tiny_llama, static, compile=True)
     compiled = logits_of(compiled_engine)
     assert compiled[0] == eager[0]
     torch.testing.assert_close(compiled[1], eager[1], atol=1e-5, rtol=0)

@@ -80,9 +80,8 @@ def test_compiled_decode_on_cuda_equals_eager(tiny_cuda, name):
     prompt = list(range(3, 14))
     cfg = GenerationConfig(32, stop_on_eos=False)
     eager = Engine(tiny_cuda, build_cache(name, tiny_cuda.cache_spec(), SETTINGS[name]))
-    compiled = Engine(
-        tiny_cuda, build_cache(name, tiny_cuda.cache_spec(), SETTINGS[name]), compile=True
-    )
+    static = build_cache(name, tiny_cuda.cache_spec(), SETTINGS[name], static=True)
+    compiled = Engine(tiny_cuda, static, compile=True)
     assert compiled.generate([prompt], cfg).tokens == eager.generate([prompt], cfg).tokens
 
 

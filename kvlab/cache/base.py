@@ -145,7 +145,7 @@ class KVCache(ABC):
         compressor) before its caches are built; by default there is nothing to fit."""
         return None
 
-    def __init__(self, spec: CacheSpec, options: CacheOptions | None = None):
+    def __init__(self, spec: CacheSpec, options: CacheOptions | None = None, static: bool = False):
         self.spec = spec
         self.model_spec = spec  # the model's spec (a strategy may store fewer heads)
         self.options = options if options is not None else self.Options()
@@ -153,8 +153,8 @@ class KVCache(ABC):
         self.budget_bytes = 0  # serving: the most bytes this cache and its spawns may hold
         self.capacity = 0  # serving: tokens per row
         # static: decode reads fixed-size buffers under masks, never host-derived lengths,
-        # so a compiled decode step keeps one graph (set by the engine when it compiles)
-        self.static = False
+        # so a compiled decode step keeps one graph (a cache for a compiled engine)
+        self.static = static
 
     # ---- lifecycle, called by the engine -------------------------------------------------
     def allocate(self, batch_size: int, max_tokens: int) -> None:
@@ -197,8 +197,8 @@ class KVCache(ABC):
         prefilled in it, then :meth:`join` appends them (TGI's batch concatenation). It
         shares what the strategy shares between rows (``paged``: its block pool), nothing
         else; the caller allocates it."""
-        new = type(self)(self.model_spec, self.options)
-        new.static, new.budget_bytes, new.capacity = self.static, self.budget_bytes, self.capacity
+        new = type(self)(self.model_spec, self.options, static=self.static)
+        new.budget_bytes, new.capacity = self.budget_bytes, self.capacity
         return new
 
     def join(self, other: KVCache) -> None:
@@ -341,21 +341,25 @@ def cache_options(name: str, options: dict[str, Any] | None = None) -> CacheOpti
     return checked_options(strategy(name).Options, options, "cache.options")
 
 
-def build_cache(name: str, spec: CacheSpec, options: dict[str, Any] | None = None) -> KVCache:
-    """Instantiate strategy ``name`` with its options checked by its ``Options`` dataclass."""
+def build_cache(
+    name: str, spec: CacheSpec, options: dict[str, Any] | None = None, static: bool = False
+) -> KVCache:
+    """Instantiate strategy ``name`` with its options checked by its ``Options`` dataclass;
+    ``static``: for a compiled engine (fixed shapes from step to step)."""
     cls = strategy(name)
-    return cls(spec, cache_options(name, options))
+    return cls(spec, cache_options(name, options), static=static)
 
 
 def cache_factory(
     name: str, model: torch.nn.Module, options: dict[str, Any] | None = None
-) -> Callable[[], KVCache]:
-    """A function that builds fresh caches of strategy ``name`` for ``model``, after the
-    strategy has fitted what it learns from the model (:meth:`KVCache.prepare`)."""
+) -> Callable[..., KVCache]:
+    """A function that builds fresh caches of strategy ``name`` for ``model`` (``static=True``
+    for a compiled engine), after the strategy has fitted what it learns from the model
+    (:meth:`KVCache.prepare`)."""
     cls = strategy(name)
     checked = cache_options(name, options)
     cls.prepare(model, checked)
-    return lambda: cls(model.cache_spec(), checked)
+    return lambda static=False: cls(model.cache_spec(), checked, static=static)
 
 
 def sdpa(

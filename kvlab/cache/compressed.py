@@ -112,8 +112,8 @@ class CompressedCache(KVCache):
         if options.gate == "calibrated" and not options.compressor:
             compressor.ensure_trained(model, options, cls)
 
-    def __init__(self, spec, options=None):
-        super().__init__(spec, options)
+    def __init__(self, spec, options=None, static=False):
+        super().__init__(spec, options, static)
         o = self.options
         self.window = (
             SlidingWindowCache(spec, SlidingOptions(sinks=o.sinks, window=o.window))

@@ -57,8 +57,8 @@ def contiguous_step(cache: KVCache, info: StepInfo, capacity: int) -> Contiguous
 class FullCache(KVCache):
     """Keeps every key and value; exact by construction."""
 
-    def __init__(self, spec, options=None):
-        super().__init__(spec, options)
+    def __init__(self, spec, options=None, static=False):
+        super().__init__(spec, options, static)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 

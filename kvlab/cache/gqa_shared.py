@@ -34,7 +34,7 @@ class GQASharedCache(FullCache):
 
     Options = GQASharedOptions
 
-    def __init__(self, spec, options=None):
+    def __init__(self, spec, options=None, static=False):
         options = options if options is not None else self.Options()
         if spec.num_kv_heads % options.factor:
             raise ValueError(
@@ -42,7 +42,9 @@ class GQASharedCache(FullCache):
                 f"{spec.num_kv_heads} KV heads"
             )
         super().__init__(
-            dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // options.factor), options
+            dataclasses.replace(spec, num_kv_heads=spec.num_kv_heads // options.factor),
+            options,
+            static,
         )
         self.model_spec = spec
 

@@ -74,8 +74,8 @@ class PagedCache(KVCache):
     def describe(cls, options: CodecOptions) -> str:
         return options.describe()
 
-    def __init__(self, spec, options=None):
-        super().__init__(spec, options)
+    def __init__(self, spec, options=None, static=False):
+        super().__init__(spec, options, static)
         self.pool: BlockPool | None = None
         self.keys: list[list[torch.Tensor]] = []  # per layer: [data(, scale, zero)]
         self.values: list[list[torch.Tensor]] = []

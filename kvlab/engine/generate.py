@@ -176,7 +176,8 @@ class Generation:
 class Engine:
     """Runs a :class:`Decoder` with one cache strategy instance. ``compile=True`` runs
     every decode step under ``torch.compile`` (inductor on the CPU, CUDA graphs through
-    ``mode="reduce-overhead"`` on a GPU); the cache then keeps static shapes."""
+    ``mode="reduce-overhead"`` on a GPU) and needs a cache built ``static=True`` (fixed
+    shapes from step to step: one graph)."""
 
     def __init__(
         self,
@@ -185,12 +186,16 @@ class Engine:
         eos_ids: Sequence[int] = (),
         compile: bool = False,
     ):
+        if compile and not cache.static:
+            raise ValueError(
+                f"engine.compile=True needs a static cache; build it with static=True "
+                f"(build_cache({cache.name!r}, spec, options, static=True))"
+            )
         self.model, self.cache = model, cache
         self.device = model.embed_tokens.weight.device
         self.eos_ids = frozenset(eos_ids or model.config.eos_token_ids)
         self.compiled = compile
         self._decode_layers = compiled_layers(model) if compile else None
-        cache.static = compile
 
     def stream(
         self,
