@@ -41,6 +41,7 @@ STRATEGIES = [
     ("gqa_shared", {"factor": 3}),
     ("paged", {}),
     ("paged", {"kv_bits": 4}),
+    ("quest", {"token_budget": 1024}),
     ("compressed", {}),
 ]
 

@@ -23,6 +23,7 @@ LOSSY = {
     "paged": dict(block_size=4),
     "compressed": dict(csa_ratio=2, hca_ratio=4, window=3, sinks=1, top_k=2),
     "evict": dict(scorer="snapkv", ratio=0.5, window=2, kernel=3),
+    "quest": dict(block_size=2, token_budget=6),
 }
 EXACT = {
     "full": {},
@@ -35,6 +36,7 @@ EXACT = {
     "paged": dict(block_size=3),
     "compressed": dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0, sinks=0),
     "evict": dict(scorer="snapkv", ratio=0.0, window=2, kernel=3),
+    "quest": dict(block_size=4, token_budget=256),
 }
 STRATEGIES = sorted(registered())
 TOLERANCE = 1e-4
@@ -43,6 +45,7 @@ COMPOSED = [
     ("paged", dict(block_size=4, kv_bits=4, kv_group_size=8)),
     ("sliding", dict(sinks=2, window=6, kv_bits=8, kv_group_size=16)),
     ("evict", dict(scorer="knorm", ratio=0.5, budget="adaptive", kv_bits=4, kv_group_size=8)),
+    ("quest", dict(block_size=2, token_budget=6, kv_bits=8, kv_group_size=16)),
 ]
 
 
@@ -206,6 +209,7 @@ DEFAULT_MODEL_EXACT = {
     "int2": dict(residual=1024),
     "compressed": dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0, sinks=0),
     "evict": dict(ratio=0.0),
+    "quest": dict(token_budget=8192),
 }
 
 

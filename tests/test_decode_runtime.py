@@ -204,6 +204,7 @@ SETTINGS = {
     "compressed": dict(csa_ratio=2, hca_ratio=4, window=3, sinks=1, top_k=2, gate="attention",
                        observe=2),
     "evict": dict(scorer="snapkv", ratio=0.5, window=2, kernel=3, budget="adaptive"),
+    "quest": dict(block_size=2, token_budget=6),
 }  # fmt: skip
 # Multi-token steps of ``evict`` repack each layer into a pool sized on the host from the
 # kept counts (a new allocation); its decode steps, the per-token path, make no round trip.

@@ -96,6 +96,7 @@ HAND_OPTIONS = {
     "sliding": dict(sinks=2, window=6), "paged": dict(block_size=4),
     "compressed": dict(csa_ratio=2, hca_ratio=4, window=3, sinks=1, top_k=2),
     "evict": dict(ratio=0.0),  # lossy ratios: tests/test_evict.py
+    "quest": dict(block_size=4),
 }  # fmt: skip
 
 
@@ -115,10 +116,11 @@ def hand_bytes(name: str, batch: int, tokens: int) -> int:
     if name == "sliding":  # sinks + window + a trash slot, and the position of each slot
         slots = min(2 + 6, tokens) + 1
         return L * 2 * rows(slots) + batch * slots * 8
-    if name == "paged":  # blocks for every row at full length + one per row + trash, table
-        per_row = -(-tokens // 4)
+    if name in ("paged", "quest"):  # blocks for every row at full length + one per row +
+        per_row = -(-tokens // 4)  # trash, table; quest: a key min and max per block and head
         blocks = batch * per_row + batch + 1
-        return L * 2 * blocks * H * 4 * D * F32 + batch * per_row * 8
+        bounds = L * blocks * H * 2 * D * F32 if name == "quest" else 0
+        return L * 2 * blocks * H * 4 * D * F32 + batch * per_row * 8 + bounds
     if name == "evict":  # every token kept: 23 per head in blocks of 16, table + count
         blocks = -(-tokens // 16)
         return L * 2 * rows(blocks * 16) + L * batch * H * (blocks + 1) * 8

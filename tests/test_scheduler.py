@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache, registered
+from kvlab.cache.base import strategy
+from kvlab.cache.paged import PagedCache
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.serving.clock import FakeClock
 from kvlab.serving.server import ServeConfig, serve
@@ -148,7 +150,7 @@ def test_paged_reuses_a_stored_prefix_and_feeds_only_the_rest(tiny_llama):
         assert seq.output == alone.generate([list(request.prompt)], cfg).tokens[0]
 
 
-@pytest.mark.parametrize("name", [n for n in SERVING if n != "paged"])
+@pytest.mark.parametrize("name", [n for n in SERVING if not issubclass(strategy(n), PagedCache)])
 def test_a_contiguous_row_holds_what_the_memory_model_reserves_for_it(name, tiny_llama):
     """Admission's arithmetic is the tensors': rows that joined hold exactly their
     ``request_bytes`` each (the memory model's line for one row at the capacity)."""

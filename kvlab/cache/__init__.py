@@ -8,6 +8,7 @@ from kvlab.cache import (  # noqa: F401  (registers the strategies)
     nocache,
     paged,
     quantized,
+    quest,
     sliding,
 )
 from kvlab.cache.base import (
