@@ -89,8 +89,9 @@ def test_a_budget_over_the_sequence_is_paged(tiny_llama):
     assert runs["quest"].tokens == runs["paged"].tokens
 
 
-def test_a_small_budget_reads_fewer_tokens_but_holds_every_one(tiny_llama):
-    """Memory as paged (plus the bounds): Quest keeps everything, it reads a fraction."""
+def test_a_small_budget_holds_what_paged_holds_plus_the_bounds(tiny_llama):
+    """Quest keeps every token (what it reads is the decode test above): its bytes are
+    paged's plus a key min and max per block and KV head."""
     spec = tiny_llama.cache_spec()
     prompt = torch.randint(0, 256, (40,), generator=GEN).tolist()
     cfg = GenerationConfig(4, stop_on_eos=False)
