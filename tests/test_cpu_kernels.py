@@ -18,7 +18,6 @@ from kvlab.kernels import kernel_available
 from kvlab.models.cpu_kernels import (
     PrepackedLinear,
     applicable_kernels,
-    dtype_name,
     linear_kernel,
     onednn_bf16_reorder_works,
 )
@@ -84,7 +83,8 @@ def test_a_loaded_model_runs_the_kernel_the_probe_chose(tiny_checkpoints, dtype)
     assert kernels == {KERNEL_TYPES.get(choice["kernel"], DecodeLinear)}
     if choice["kernel"] != "onednn":
         assert model.lm_head.weight is model.embed_tokens.weight  # the tie survives
-    assert environment()["cpu_kernels"]["linear"][dtype_name(dtype)]["kernel"] == choice["kernel"]
+    recorded = environment()["cpu_kernels"]["linear"][str(dtype).removeprefix("torch.")]
+    assert recorded["kernel"] == choice["kernel"]
 
 
 def test_a_forced_kernel_that_does_not_apply_falls_back_and_a_bad_name_fails(monkeypatch):

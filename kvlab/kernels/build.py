@@ -2,7 +2,7 @@
 
 The sources (every ``*.c`` here) are compiled with the system C compiler for this CPU
 (``-march=native``: AVX2 on the AMD EPYCs here, AVX-512 on the Xeons) into one library
-under ``$KVLAB_CACHE/kernels``, keyed by the sources, the flags and the CPU's feature flags,
+under ``$KVLAB_CACHE/kernels``, keyed by the sources, the flags and the CPU (model, features),
 so a cache shared between machines never loads code built for another CPU. OpenMP comes
 from the libgomp torch has already loaded. Without a compiler the kernels are unavailable
 and callers use their torch reference path.
@@ -31,14 +31,15 @@ EXACT = ("codes.c",)  # bit-identical to the torch path: no fast-math
 LIBS = ["-lmvec", "-lm"]
 
 
-def _cpu_identity() -> str:
+def cpu_identity() -> str:
+    """The CPU as code built or tuned for it must know it: its model name and feature flags
+    (the first of each in /proc/cpuinfo), or the machine type where there is none."""
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
         return os.uname().machine
-    for line in cpuinfo.read_text().splitlines():
-        if line.startswith(("flags", "Features")):
-            return line
-    return os.uname().machine
+    lines = cpuinfo.read_text().splitlines()
+    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
+    return "\n".join(dict.fromkeys(wanted)) or os.uname().machine
 
 
 def _compiler() -> str | None:
@@ -50,7 +51,7 @@ def _library_path(compiler: str) -> Path:
     for part in (*(s.read_bytes() for s in SOURCES), " ".join(FLAGS + LIBS + list(EXACT)).encode()):
         key.update(part)
     key.update(compiler.encode())
-    key.update(_cpu_identity().encode())
+    key.update(cpu_identity().encode())
     return cache_dir() / "kernels" / f"kvlab-{key.hexdigest()[:16]}.so"
 
 

@@ -42,16 +42,6 @@ class DecodeLinear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def kernel_applies(weight: torch.Tensor) -> bool:
-    """fp32 or bf16 CPU weights, contiguous, with the kernel built."""
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype in (torch.float32, torch.bfloat16)
-        and weight.is_contiguous()
-        and library() is not None
-    )
-
-
 @torch.library.custom_op("kvlab::small_linear", mutates_args=())
 def _small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T + bias, few rows M, in x's dtype (fp32 accumulation)."""

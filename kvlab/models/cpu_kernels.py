@@ -22,12 +22,13 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from kvlab.kernels.build import cpu_identity, library, library_identity
+from kvlab.kernels.linear import DecodeLinear
 from kvlab.paths import cache_dir
 
 KERNELS = ("plain", "onednn", "kvlab")
@@ -68,8 +69,6 @@ class PrepackedLinear(nn.Module):
 
 def applicable_kernels(dtype: torch.dtype) -> list[str]:
     """The kernels that can run a CPU linear layer of ``dtype`` here (``plain`` always)."""
-    from kvlab.kernels.build import library
-
     kernels = ["plain"]
     if os.environ.get("KVLAB_CPU_PREPACK", "1") == "0":
         return kernels
@@ -107,34 +106,18 @@ def linear_kernel(dtype: torch.dtype) -> dict:
 
 
 def _choice_path(dtype: torch.dtype, applicable: list[str]) -> Path:
-    from kvlab.kernels.build import library_identity
-
-    parts = (_cpu_identity(), str(torch.get_num_threads()), torch.__version__,
+    parts = (cpu_identity(), str(torch.get_num_threads()), torch.__version__,
              library_identity(), str(dtype), ",".join(applicable),
              f"{TIMED_ELEMENTS}{TIMED_SHAPES}{MARGIN}")  # fmt: skip
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    return cache_dir() / "kernel_choice" / f"{dtype_name(dtype)}-{key}.json"
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``bfloat16``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def _cpu_identity() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return os.uname().machine
-    lines = cpuinfo.read_text().splitlines()
-    wanted = [line for line in lines if line.startswith(("model name", "flags", "Features"))]
-    return "\n".join(dict.fromkeys(wanted)) or os.uname().machine
+    return cache_dir() / "kernel_choice" / f"{str(dtype).removeprefix('torch.')}-{key}.json"
 
 
 def _time_kernels(kernels: list[str], dtype: torch.dtype, reps: int = 9) -> dict[str, float]:
     """Median ms of one row through every layer of a weight stack larger than the LLC, per
     kernel; the kernels take turns pass by pass, so a machine's drift touches all alike."""
     weights = _timed_weights(dtype)
-    stacks = {kernel: [_WRAPPERS[kernel]()(linear) for linear in weights] for kernel in kernels}
+    stacks = {kernel: [_WRAPPERS[kernel](linear) for linear in weights] for kernel in kernels}
     x = {k: torch.full((1, 1, k), 0.01, dtype=dtype) for k in {s[1] for s in TIMED_SHAPES}}
     samples: dict[str, list[float]] = {kernel: [] for kernel in kernels}
     with torch.inference_mode():
@@ -161,17 +144,7 @@ def _timed_weights(dtype: torch.dtype) -> list[nn.Linear]:
     return layers
 
 
-def _decode_linear() -> Callable[[nn.Linear], nn.Module]:
-    from kvlab.kernels.linear import DecodeLinear
-
-    return DecodeLinear
-
-
-_WRAPPERS: dict[str, Callable[[], Callable[[nn.Linear], nn.Module]]] = {
-    "plain": lambda: lambda linear: linear,
-    "onednn": lambda: PrepackedLinear,
-    "kvlab": _decode_linear,
-}
+_WRAPPERS = {"plain": lambda linear: linear, "onednn": PrepackedLinear, "kvlab": DecodeLinear}
 
 
 _CHOSEN: dict[str, dict] = {}  # dtype name -> the choice, for the layers swapped so far
@@ -198,10 +171,10 @@ def prepack_linears(model: nn.Module) -> int:
             if not child.weight.is_contiguous():
                 continue
             choice = linear_kernel(child.weight.dtype)
-            _CHOSEN[dtype_name(child.weight.dtype)] = choice
+            _CHOSEN[str(child.weight.dtype).removeprefix("torch.")] = choice
             kernel = choice["kernel"]
             if kernel == "plain":
                 continue
-            setattr(parent, name, _WRAPPERS[kernel]()(child))
+            setattr(parent, name, _WRAPPERS[kernel](child))
             swapped += 1
     return swapped
