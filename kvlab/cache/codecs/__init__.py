@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvlab.cache.codecs.base import Codec
 from kvlab.cache.codecs.exact import Exact
-from kvlab.cache.codecs.token import TokenCodec, describe_token_codes
+from kvlab.cache.codecs.token import TokenCodec
 from kvlab.kernels.int_codes import BITS
 
 __all__ = ["BITS", "Codec", "CodecOptions", "Exact", "TokenCodec"]
@@ -42,4 +42,6 @@ class CodecOptions:
 
     def describe(self) -> str:
         """The storage in words, for report labels ("" when exact)."""
-        return describe_token_codes(self.kv_bits) if self.kv_bits else ""
+        if not self.kv_bits:
+            return ""
+        return f"per-token int{self.kv_bits} keys and values, no exact residual"

@@ -15,8 +15,6 @@ from kvlab.kernels import Stored
 class Codec(ABC):
     """Encodes K or V rows (..., D) into stored parts [(..., E_i)] and back."""
 
-    name: str
-
     @abstractmethod
     def parts(self, dim: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         """(width E_i, dtype) of every part a row of ``dim`` channels is held in."""
@@ -32,10 +30,6 @@ class Codec(ABC):
     @abstractmethod
     def stored(self, parts: list[torch.Tensor]) -> Stored:
         """Parts (N, H_kv, slots, E_i) as the decode kernel reads them, in place."""
-
-    @abstractmethod
-    def describe(self) -> str:
-        """The format in words, for report labels ("" when exact)."""
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """x as it reads back after being stored."""

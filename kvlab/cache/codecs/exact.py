@@ -11,8 +11,6 @@ from kvlab.kernels import Stored
 class Exact(Codec):
     """One part: the row itself."""
 
-    name = "exact"
-
     def parts(self, dim: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         return [(dim, dtype)]
 
@@ -24,9 +22,3 @@ class Exact(Codec):
 
     def stored(self, parts: list[torch.Tensor]) -> Stored:
         return Stored(parts[0])
-
-    def describe(self) -> str:
-        return ""
-
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        return x

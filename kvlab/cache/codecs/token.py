@@ -13,8 +13,6 @@ from kvlab.kernels.int_codes import TokenCodes, words_per_row
 class TokenCodec(Codec):
     """Three parts: packed codes (int32 words), scales and zeros (model dtype)."""
 
-    name = "token"
-
     def __init__(self, bits: int, group: int, dim: int):
         if dim % group:
             raise ValueError(f"cache.options.kv_group_size={group} must divide head_dim={dim}")
@@ -34,11 +32,3 @@ class TokenCodec(Codec):
 
     def stored(self, parts: list[torch.Tensor]) -> Stored:
         return Stored(parts[0], "token_codes", self.bits, self.group, *parts[1:])
-
-    def describe(self) -> str:
-        return describe_token_codes(self.bits)
-
-
-def describe_token_codes(bits: int) -> str:
-    """Report label of K/V held as per-token codes of ``bits`` bits."""
-    return f"per-token int{bits} keys and values, no exact residual"
