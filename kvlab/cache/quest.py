@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import register
+from kvlab.cache.base import nbytes, register
 from kvlab.cache.paged import PagedCache, PagedOptions, PagedStep
 from kvlab.cache.rows import decode_output, grouped
 from kvlab.kernels import Segment, decode_attention
@@ -58,15 +58,20 @@ class QuestCache(PagedCache):
         words = f"Quest: {options.token_budget} tokens a query, blocks of {options.block_size}"
         return f"{words}; {coded}" if coded else words
 
+    @staticmethod
+    def _bound_shape(spec) -> tuple[int, int]:
+        """One block's key bound (min or max): a channel row per KV head, model dtype."""
+        return (spec.num_kv_heads, spec.head_dim)
+
     @classmethod
     def block_bytes(cls, spec, options: QuestOptions) -> int:
-        bounds = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * spec.dtype.itemsize
+        bounds = 2 * spec.num_layers * nbytes(cls._bound_shape(spec), spec.dtype)
         return super().block_bytes(spec, options) + bounds
 
     def _make_pool(self, blocks: int) -> None:
         super()._make_pool(blocks)
         s = self.spec
-        shape = (blocks + 1, s.num_kv_heads, s.head_dim)
+        shape = (blocks + 1, *self._bound_shape(s))
         self.bounds = [
             [torch.zeros(shape, dtype=s.dtype, device=s.device) for _ in range(2)]
             for _ in range(s.num_layers)
