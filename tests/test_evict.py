@@ -21,16 +21,23 @@ from kvlab.engine import Engine, GenerationConfig
 FIXTURE = Path(__file__).parent / "fixtures" / "kvpress_kept_ratio05.json"
 
 
-def kept_positions(model, options, prompt, contexts=None, new_tokens=1):
-    """Per compression (layer order): (B, H_kv) lists of kept positions, and the cache."""
+def kept_positions(model, options, prompt, contexts=None, new_tokens=1, scores=None):
+    """Per compression (layer order): (B, H_kv) lists of kept positions, and the cache.
+    ``scores``: a list that receives, per compression, each (row, head)'s score by position
+    as the scorer gave them."""
     cache = build_cache("evict", model.cache_spec(), options)
     seen, policy = [], cache._policy_keep
+    scorer = scorers()[cache.options.scorer].fn
 
     def spy(obs):
         positions = obs.positions.clone()
-        keep = policy(obs)
-        seen.append([[positions[b, h][keep[b, h]].tolist() for h in range(keep.shape[1])]
-                     for b in range(keep.shape[0])])  # fmt: skip
+        keep = policy(obs)  # in the store's order; it leaves obs in position order
+        rows, heads = range(keep.shape[0]), range(keep.shape[1])
+        seen.append([[positions[b, h][keep[b, h]].tolist() for h in heads] for b in rows])
+        if scores is not None:
+            ordered, values = obs.positions.tolist(), scorer(obs).tolist()  # (B, H_kv, L)
+            scores.append([[dict(zip(ordered[b][h], values[b][h], strict=True)) for h in heads]
+                           for b in rows])  # fmt: skip
         return keep
 
     cache._policy_keep = spy
@@ -58,38 +65,17 @@ def test_kept_sets_equal_kvpress(scorer, smollm2):
     fixture = json.loads(FIXTURE.read_text())
     model, _ = smollm2
     ids = fixture["ids"]
-    seen, scores = kept_positions_and_scores(model, dict(scorer=scorer, ratio=0.5), ids)
+    scores = []
+    seen, _, _ = kept_positions(model, dict(scorer=scorer, ratio=0.5), ids, scores=scores)
     for layer, (heads, layer_scores) in enumerate(zip(seen, scores, strict=True)):
         for head, kept in enumerate(heads[0]):
             want = {i for i, bit in enumerate(fixture["kept"][scorer][layer][head]) if bit == "1"}
-            by_position = layer_scores[head]
+            by_position = layer_scores[0][head]
             boundary = min(by_position[p] for p in kept)
             swapped = set(kept) ^ want
             assert len(kept) == len(want), (layer, head)
             ties = {p for p in swapped if abs(by_position[p] - boundary) <= 1e-6 * abs(boundary)}
             assert swapped == ties, (layer, head, sorted(swapped - ties))
-
-
-def kept_positions_and_scores(model, options, prompt):
-    """Kept positions per compression (layer order) as :func:`kept_positions`, and each
-    head's score by position, as the scorer gave them."""
-    cache = build_cache("evict", model.cache_spec(), options)
-    seen, scores, policy = [], [], cache._policy_keep
-    scorer = scorers()[cache.options.scorer].fn
-
-    def spy(obs):
-        positions = obs.positions[0].clone()  # (H_kv, L), as the store holds them
-        keep = policy(obs)  # in the store's order; it leaves obs in position order
-        ordered, values = obs.positions[0], scorer(obs)[0]  # (H_kv, L)
-        heads = range(keep.shape[1])
-        seen.append([[positions[h][keep[0, h]].tolist() for h in heads]])
-        scores.append([dict(zip(ordered[h].tolist(), values[h].tolist(), strict=True))
-                       for h in heads])  # fmt: skip
-        return keep
-
-    cache._policy_keep = spy
-    Engine(model, cache).generate([prompt], GenerationConfig(1, stop_on_eos=False))
-    return seen, scores
 
 
 def tiny_prompt(model, length=40, seed=3):
