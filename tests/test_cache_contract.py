@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache, registered
+from kvlab.cache.composed import compositions
 from kvlab.engine import Engine, GenerationConfig
 
 # Every registered strategy on the tiny model (head_dim 16): its lossy setting, and a
@@ -40,13 +41,33 @@ EXACT = {
 }
 STRATEGIES = sorted(registered())
 TOLERANCE = 1e-4
-# Compositions by configuration: quantized storage under paged and sliding.
-COMPOSED = [
-    ("paged", dict(block_size=4, kv_bits=4, kv_group_size=8)),
-    ("sliding", dict(sinks=2, window=6, kv_bits=8, kv_group_size=16)),
-    ("evict", dict(scorer="knorm", ratio=0.5, budget="adaptive", kv_bits=4, kv_group_size=8)),
-    ("quest", dict(block_size=2, token_budget=6, kv_bits=8, kv_group_size=16)),
+# The composition grid the registry declares: every (policy, store) preset in every codec,
+# and eviction over quantized storage (not yet a composed preset).
+CODECS = {
+    "exact": {},
+    "int8": dict(kv_bits=8, kv_group_size=16),
+    "int4": dict(kv_bits=4, kv_group_size=8),
+}
+GRID = [
+    pytest.param(name, {**LOSSY[name], **codec}, id=f"{name}-{codec_name}")
+    for name in sorted(compositions())
+    for codec_name, codec in CODECS.items()
 ]
+COMPOSED = [
+    *GRID,
+    pytest.param(
+        "evict",
+        dict(scorer="knorm", ratio=0.5, budget="adaptive", kv_bits=4, kv_group_size=8),
+        id="evict-int4",
+    ),
+]
+
+
+def test_the_grid_holds_every_store_a_policy_names():
+    pairs = {(policy, store.kind) for policy, store in compositions().values()}
+    assert pairs == {
+        (policy, kind) for policy, _ in compositions().values() for kind in policy.stores
+    }
 
 
 def test_every_strategy_has_contract_cases():
@@ -147,6 +168,19 @@ def test_composed_storage_batches_like_separate_runs(name, options, tiny_llama):
     engine = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec(), options))
     together = engine.generate(batch, cfg).tokens
     assert together == [engine.generate([p], cfg).tokens[0] for p in batch]
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_one_policy_gives_the_same_logits_on_every_store(codec, tiny_llama):
+    """keep_all over the contiguous store (``full``) and the paged store (``paged``), in one
+    codec: where the K/V live does not change a number."""
+    prompt, options = prompts(tiny_llama.config.vocab_size)[2], CODECS[codec]
+    contiguous, tokens = step_logits(tiny_llama, "full", prompt, 8, options=options)
+    paged, paged_tokens = step_logits(
+        tiny_llama, "paged", prompt, 8, options=dict(block_size=4, **options)
+    )
+    assert paged_tokens == tokens
+    assert (paged - contiguous).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize(("name", "options"), [(n, LOSSY[n]) for n in STRATEGIES] + COMPOSED)

@@ -165,9 +165,9 @@ def test_paged_decode_reads_only_the_blocks_in_its_tables(tiny_llama):
     run = engine.stream(prompts, GenerationConfig(6, stop_on_eos=False))
     steps = iter(run)
     next(steps)  # prefill
-    in_tables = {b for table in cache.tables for b in table}
-    poison = torch.tensor([b not in in_tables for b in range(cache.pool.num_blocks + 1)])
-    for layer in cache.keys + cache.values:
+    in_tables = {b for table in cache.store.tables for b in table}
+    poison = torch.tensor([b not in in_tables for b in range(cache.store.pool.num_blocks + 1)])
+    for layer in cache.store.keys + cache.store.values:
         for component in layer:
             component[poison] = float("nan") if component.is_floating_point() else -1
     for _ in steps:

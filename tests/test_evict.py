@@ -15,7 +15,7 @@ from kvlab.cache import build_cache
 from kvlab.cache.base import cache_options
 from kvlab.cache.evict.policy import pyramid_budget
 from kvlab.cache.evict.scorers import scorers
-from kvlab.cache.evict.store import BLOCK
+from kvlab.cache.stores.ragged import BLOCK
 from kvlab.engine import Engine, GenerationConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "kvpress_kept_ratio05.json"
@@ -93,7 +93,7 @@ def context_keys(model, prompt):
         attend(step, layer, q, k, v, kr),
     )[1]
     Engine(model, cache).prefill([prompt], len(prompt))
-    return [k[:, :, : len(prompt)] for k in cache.keys], queries
+    return [k[:, :, : len(prompt)] for (k,) in cache.store.keys], queries
 
 
 def test_knorm_streaming_and_tova_keep_what_a_hand_computation_keeps(tiny_llama):

@@ -30,7 +30,7 @@ def test_common_prefix_shares_full_blocks(tiny_llama):
     report = cache.memory()
     block_bytes = report.details["in_use_bytes"] // report.details["blocks_in_use"]
     assert report.details["shared_saved_bytes"] == 4 * block_bytes  # rows 2, 3 reuse 2 blocks
-    assert [cache.tables[r][:2] for r in range(3)] == [cache.tables[0][:2]] * 3
+    assert [cache.store.tables[r][:2] for r in range(3)] == [cache.store.tables[0][:2]] * 3
     for _ in run:
         pass
     assert all(first[i] == run.tokens[i][0] for i in range(3))
@@ -43,10 +43,10 @@ def test_identical_prompts_share_then_copy_on_write(tiny_llama):
     run = engine.stream(prompts, CFG)
     iterator = iter(run)
     next(iterator)  # after prefill: every block shared, the partial one too
-    assert cache.tables[0] == cache.tables[1]
+    assert cache.store.tables[0] == cache.store.tables[1]
     next(iterator)  # the first decode writes into the shared partial block: copied first
-    assert cache.tables[0][:2] == cache.tables[1][:2]
-    assert cache.tables[0][2] != cache.tables[1][2]
+    assert cache.store.tables[0][:2] == cache.store.tables[1][:2]
+    assert cache.store.tables[0][2] != cache.store.tables[1][2]
     for _ in iterator:
         pass
     assert run.tokens == alone(tiny_llama, prompts)
@@ -55,7 +55,9 @@ def test_identical_prompts_share_then_copy_on_write(tiny_llama):
 def test_finished_sequences_return_their_blocks(tiny_llama):
     cache, engine = paged(tiny_llama, prefix_sharing=False)
     engine.generate([PREFIX, PREFIX[:3]], CFG)
-    assert cache.pool.in_use == [] and len(cache.pool.free) == cache.pool.num_blocks
+    assert (
+        cache.store.pool.in_use == [] and len(cache.store.pool.free) == cache.store.pool.num_blocks
+    )
 
 
 def test_prefix_is_reused_by_a_later_generation(tiny_llama):
@@ -63,7 +65,7 @@ def test_prefix_is_reused_by_a_later_generation(tiny_llama):
     engine.generate([PREFIX + [50]], CFG)
     run = engine.stream([PREFIX + [60]], CFG)
     next(iter(run))
-    assert cache.tables[0][:2] == [0, 1]  # the first generation's blocks, found by hash
+    assert cache.store.tables[0][:2] == [0, 1]  # the first generation's blocks, found by hash
 
 
 def test_waste_is_below_one_block_per_sequence(tiny_llama):
@@ -88,7 +90,7 @@ def test_full_pool_preempts_and_recomputes(tiny_llama):
     run = engine.generate(prompts, CFG)
     assert run.stats.preemptions == 1
     assert run.tokens == alone(tiny_llama, prompts)
-    assert cache.pool.in_use == []
+    assert cache.store.pool.in_use == []
 
 
 def test_auto_sized_pool_grows_with_a_larger_batch(tiny_llama):
@@ -109,7 +111,7 @@ def test_sequences_finishing_at_different_times_free_their_blocks(tiny_llama):
     assert run.tokens[0] == first[:3]
     assert run.stats.step_rows[0] == 2 and run.stats.step_rows[-1] == 1
     assert run.tokens[1] == engine.generate([other], GenerationConfig(6)).tokens[0]
-    assert cache.pool.in_use == []
+    assert cache.store.pool.in_use == []
 
 
 def test_recomputation_after_preemption_is_prefill_time_not_decode(tiny_llama):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache
-from kvlab.cache.quest import upper_bounds
+from kvlab.cache.policies.quest import upper_bounds
 from kvlab.engine import Engine, GenerationConfig
 
 GEN = torch.Generator().manual_seed(5)

@@ -10,7 +10,6 @@ import torch
 
 from kvlab.cache import build_cache, registered
 from kvlab.cache.base import strategy
-from kvlab.cache.paged import PagedCache
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.serving.clock import FakeClock
 from kvlab.serving.server import ServeConfig, serve
@@ -91,10 +90,10 @@ def test_paged_preempts_the_latest_request_and_recomputes_it(tiny_llama):
     options = dict(block_size=4)
     requests = trace(tiny_llama.config.vocab_size, lengths=(7, 7), outputs=(8, 8), gap=0)
     spawned = build_cache("paged", tiny_llama.cache_spec(), options)
-    budget = 6 * spawned.block_bytes(spawned.spec, spawned.options)  # 5 blocks + the trash block
+    budget = 6 * spawned.store.block_bytes()  # 5 blocks + the trash block
     cache = build_cache("paged", tiny_llama.cache_spec(), options)
     result = serve(tiny_llama, cache, requests, ServeConfig(budget), FakeClock())
-    assert cache.pool.num_blocks == 5
+    assert cache.store.pool.num_blocks == 5
     # step 0: 0 joins (2 blocks); 1: 1 joins (2 blocks), 0 decodes; 2: 0 takes the last
     # block (position 8); 3: 1 needs one at position 8: preempted; 0 ends at step 7; 1 comes
     # back (prompt + its 2 tokens: 3 blocks) and ends 5 steps later
@@ -126,7 +125,7 @@ def test_paged_block_bytes_are_the_pools(tiny_llama):
     for options in (dict(block_size=4), dict(block_size=4, kv_bits=4, kv_group_size=8)):
         cache = build_cache("paged", tiny_llama.cache_spec(), options)
         cache.serve(2**20, 32)
-        assert cache._block_bytes() == cache.block_bytes(cache.spec, cache.options)
+        assert cache.store._pool_block_bytes() == cache.store.block_bytes()
 
 
 def test_paged_reuses_a_stored_prefix_and_feeds_only_the_rest(tiny_llama):
@@ -150,7 +149,13 @@ def test_paged_reuses_a_stored_prefix_and_feeds_only_the_rest(tiny_llama):
         assert seq.output == alone.generate([list(request.prompt)], cfg).tokens[0]
 
 
-@pytest.mark.parametrize("name", [n for n in SERVING if not issubclass(strategy(n), PagedCache)])
+def pooled(name: str) -> bool:
+    """The strategy's store is a shared pool (admits by blocks), not a per-row reservation."""
+    store = getattr(strategy(name), "Store", None)
+    return store is not None and store.pooled
+
+
+@pytest.mark.parametrize("name", [n for n in SERVING if not pooled(n)])
 def test_a_contiguous_row_holds_what_the_memory_model_reserves_for_it(name, tiny_llama):
     """Admission's arithmetic is the tensors': rows that joined hold exactly their
     ``request_bytes`` each (the memory model's line for one row at the capacity)."""

@@ -3,13 +3,10 @@
 from kvlab.cache import (  # noqa: F401  (registers the strategies)
     compressed,
     evict,
-    full,
     gqa_shared,
     nocache,
-    paged,
+    presets,
     quantized,
-    quest,
-    sliding,
 )
 from kvlab.cache.base import (
     CacheOptions,

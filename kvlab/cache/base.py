@@ -238,9 +238,7 @@ class KVCache(ABC):
     def _row_bounds(self, info: StepInfo) -> tuple[torch.Tensor, torch.Tensor]:
         """(start, end) (B,) on the device: tokens per row before and after the step (one
         host-to-device copy per step)."""
-        device = info.positions.device
-        bounds = torch.tensor([self.lengths, info.num_new], dtype=torch.long).to(device)
-        return bounds[0], bounds[0] + bounds[1]
+        return row_bounds(self.lengths, info)
 
     @abstractmethod
     def attend(
@@ -276,6 +274,14 @@ class KVCache(ABC):
     def memory(self) -> MemoryReport:
         held = sum(t.numel() * t.element_size() for t in self.tensors())
         return MemoryReport(held, self.used_bytes(), sum(self.lengths))
+
+
+def row_bounds(lengths: list[int], info: StepInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) (B,) on the device: tokens per row before and after the step (one
+    host-to-device copy per step)."""
+    device = info.positions.device
+    bounds = torch.tensor([lengths, info.num_new], dtype=torch.long).to(device)
+    return bounds[0], bounds[0] + bounds[1]
 
 
 RowState = tuple[Any, Any, int | None]  # (holder, key, row axis or None for a host list)

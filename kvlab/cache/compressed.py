@@ -38,8 +38,8 @@ from kvlab.cache.pooling import (
     visible_entries,
     window_slots,
 )
+from kvlab.cache.presets import SlidingCache
 from kvlab.cache.rows import decode_output, grouped, write_rows
-from kvlab.cache.sliding import SlidingOptions, SlidingWindowCache
 from kvlab.kernels import Segment, Stored, decode_attention
 
 KINDS = ("csa", "hca", "window")
@@ -116,7 +116,7 @@ class CompressedCache(KVCache):
         super().__init__(spec, options, static)
         o = self.options
         self.window = (
-            SlidingWindowCache(spec, SlidingOptions(sinks=o.sinks, window=o.window))
+            SlidingCache(spec, SlidingCache.Options(sinks=o.sinks, window=o.window))
             if o.window
             else None
         )
@@ -159,7 +159,7 @@ class CompressedCache(KVCache):
     def plan(self, info: StepInfo) -> CompressedStep:
         start, end = self._row_bounds(info)
         window_step = self.window.plan(info) if self.window else None
-        window = self.window.visible(window_step) if self.window else self._no_window(info)
+        window = self.window.policy.visible(window_step) if self.window else self._no_window(info)
         plans = {}
         for pool in self.pools.values():
             key = (pool.ratio, pool.overlap, pool.observed)
@@ -247,9 +247,7 @@ class CompressedCache(KVCache):
         entries = self.entries[layer]  # (2, B, H_kv, N + 1, D); the last is the trash entry
         seen = _once(step, ("seen", pool.ratio), lambda: self._entries_seen(step, pool.ratio))
         queries = grouped(q, kv_heads)  # (B, H_kv, G, D)
-        window = (
-            self.window.decode_segments(step.window_step, layer, q, k, v) if self.window else []
-        )
+        window = self._window_segments(step, layer, q, k, v) if self.window else []
         stored = entries.shape[3] - 1
         if not pool.top_k or stored <= pool.top_k:
             keys, values = Stored(entries[0]), Stored(entries[1])
@@ -269,6 +267,11 @@ class CompressedCache(KVCache):
         )  # fmt: skip
         indexes = [_once(step, ("window", i), w.per_head_index) for i, w in enumerate(window)]
         return [picked, *(w.per_head(i) for w, i in zip(window, indexes, strict=True))]
+
+    def _window_segments(self, step: CompressedStep, layer: int, q, k, v) -> list[Segment]:
+        """The exact window's decode segments (it stores the step's k, v)."""
+        window = self.window
+        return window.policy.decode_segments(step.window_step, window.store, layer, q, k, v)
 
     def _entries_seen(self, step: CompressedStep, ratio: int) -> torch.Tensor:
         """(B,) entries a decode query sees: windows closed ``behind`` tokens ago."""
@@ -291,7 +294,9 @@ class CompressedCache(KVCache):
         """Keys, values (B, H_kv, L, D) and mask (B, 1, T, L) of the exact window (L = 0
         without one)."""
         if self.window:
-            return (*self.window.context(step.window_step, layer, k, v), step.window)
+            window = self.window
+            keys_values = window.policy.context(step.window_step, window.store, layer, k, v)
+            return (*keys_values, step.window)
         return k[:, :, :0], v[:, :, :0], step.window
 
     def _pool(

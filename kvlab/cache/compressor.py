@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvlab.cache.base import CacheOptions, CacheSpec, KVCache, Step, StepInfo
-from kvlab.cache.full import FullCache
 from kvlab.cache.pooling import LayerPooling, attend_entries, bulk_windows, visible_entries
+from kvlab.cache.presets import FullCache
 from kvlab.paths import cache_dir
 
 MANIFEST = "manifest.json"

@@ -10,18 +10,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvlab.cache.base import CacheOptions, MemoryReport, register
-from kvlab.cache.full import FullCache
+from kvlab.cache.base import MemoryReport, register
+from kvlab.cache.presets import FullCache
 
 MERGES = ("mean", "first")
 
 
 @dataclass
-class GQASharedOptions(CacheOptions):
+class GQASharedOptions(FullCache.Options):
     factor: int = 1
     merge: str = "mean"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.factor < 1:
             raise ValueError(f"cache.options.factor={self.factor} must be >= 1")
         if self.merge not in MERGES:

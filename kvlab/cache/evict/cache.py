@@ -28,8 +28,8 @@ from kvlab.cache.base import CacheOptions, KVCache, Step, StepInfo, register, sd
 from kvlab.cache.codecs import CodecOptions
 from kvlab.cache.evict.policy import BUDGETS, keep_mask
 from kvlab.cache.evict.scorers import Observation, scorers
-from kvlab.cache.evict.store import BLOCK, HeadStore, pack
 from kvlab.cache.rows import grouped
+from kvlab.cache.stores.ragged import BLOCK, HeadStore, pack
 from kvlab.kernels import Segment, decode_attention
 
 WHEN = ("prefill", "decode")

@@ -1,0 +1,157 @@
+"""A strategy as a choice on three axes: a policy (what is kept and attended) over a store
+(where K/V live) in a codec (how a token is held), and the presets that name such choices.
+
+:func:`preset` registers a named pair; its options are the union of the policy's, the
+store's and the codec's (``kv_bits``), checked field by field, so ``cache=paged
+cache.options.kv_bits=4`` is the paged store in token codes with no new code. The
+pairs a policy composes with are the stores it names (``Policy.stores``);
+:func:`compositions` lists them for the contract tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import ClassVar
+
+from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, RowState, register
+from kvlab.cache.codecs import CodecOptions
+from kvlab.cache.policies.base import Policy
+from kvlab.cache.stores.base import Store
+from kvlab.cache.stores.contiguous import ContiguousStore
+
+_COMPOSITIONS: dict[str, tuple[type[Policy], type[Store]]] = {}
+
+
+class ComposedCache(KVCache):
+    """The lifecycle of every composed strategy: rows, serving and memory are the store's,
+    steps are the policy's."""
+
+    Policy: ClassVar[type[Policy]]
+    Store: ClassVar[type[Store]]
+
+    def __init__(self, spec, options=None, static=False):
+        super().__init__(spec, options, static)
+        self.policy = self.Policy(spec, self.options)
+        self.store = self._new_store()
+
+    def _new_store(self) -> Store:
+        codec = self.options.codec(self.spec.head_dim)
+        extras = self.policy.block_extras()
+        store_options = self.options
+        if extras:
+            return self.Store(self.spec, codec, store_options, block_extras=extras)
+        return self.Store(self.spec, codec, store_options)
+
+    @classmethod
+    def planned_bytes(cls, spec, options, batch_size, max_tokens):
+        """The contiguous store's line from shapes alone; other stores' from an allocation
+        on the meta device."""
+        if not issubclass(cls.Store, ContiguousStore):
+            return super().planned_bytes(spec, options, batch_size, max_tokens)
+        policy = cls.Policy(spec, options)
+        slots, codec = policy.slots(max_tokens), options.codec(spec.head_dim)
+        kv = ContiguousStore.planned_bytes(spec, codec, batch_size, slots)
+        return {"kv": kv, **policy.planned_bytes(batch_size, slots)}
+
+    @classmethod
+    def describe(cls, options) -> str:
+        words = [cls.Policy.describe(options), options.describe()]
+        return "; ".join(w for w in words if w)
+
+    @classmethod
+    def position_span(cls, options) -> int | None:
+        return cls.Policy.position_span(options)
+
+    # ---- rows ------------------------------------------------------------------------------
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
+        super().allocate(batch_size, max_tokens)
+        slots = self.policy.slots(max_tokens)
+        self.store.allocate(batch_size, slots)
+        self.policy.allocate(batch_size, slots)
+
+    def free(self, rows: Sequence[int]) -> None:
+        self.store.release(rows)
+        super().free(rows)
+
+    def row_state(self) -> list[RowState]:
+        return [*super().row_state(), *self.store.row_state(), *self.policy.row_state()]
+
+    # ---- serving ---------------------------------------------------------------------------
+    def serve(self, budget_bytes: int, max_tokens: int) -> None:
+        if self.store.pooled:
+            self.store.serve(budget_bytes)
+        super().serve(budget_bytes, max_tokens)
+
+    def spawn(self) -> ComposedCache:
+        new = super().spawn()
+        new.store = self.store.spawn()
+        return new
+
+    def request_bytes(self, tokens: int) -> int:
+        if self.store.pooled:
+            return self.store.request_bytes(tokens)
+        return super().request_bytes(tokens)
+
+    def free_bytes(self, *spawned: KVCache) -> int:
+        if self.store.pooled:
+            return self.store.free_bytes()
+        return super().free_bytes(*spawned)
+
+    def reuse_prefix(self, row: int, ids: Sequence[int]) -> int:
+        if not self.store.pooled or self.lengths[row]:
+            return 0
+        self.lengths[row] = self.store.reuse_prefix(row, ids)
+        return self.lengths[row]
+
+    # ---- one step --------------------------------------------------------------------------
+    def plan(self, info):
+        return self.policy.plan(info, self.lengths, self.store, self.static)
+
+    def attend(self, step, layer, q, k, v, k_raw):
+        return self.policy.attend(step, self.store, layer, q, k, v, k_raw)
+
+    def end(self, step) -> None:
+        self.policy.end(step, self.store)
+        super().end(step)
+
+    # ---- accounting ------------------------------------------------------------------------
+    def tensors(self):
+        return [*self.store.tensors(), *self.policy.tensors()]
+
+    def used_bytes(self) -> int:
+        policy = sum(t.numel() * t.element_size() for t in self.policy.tensors())
+        return self.store.used_bytes(self.policy.filled(self.lengths)) + policy
+
+    def memory(self) -> MemoryReport:
+        report = super().memory()
+        return dataclasses.replace(report, details=self.store.details())
+
+
+def preset(name: str, policy: type[Policy], store: type[Store], options=()) -> type:
+    """Register strategy ``name`` as ``policy`` over ``store``, its options the union of
+    ``options`` (the policy's and store's dataclasses) and the codec's."""
+    if store.kind not in policy.stores:
+        raise ValueError(f"policy {policy.__name__} does not compose with store {store.kind!r}")
+    bases = (*options, CodecOptions, CacheOptions)
+
+    def post_init(self) -> None:
+        for base in bases:
+            if "__post_init__" in vars(base):
+                vars(base)["__post_init__"](self)
+        policy.check(self)
+
+    merged = dataclasses.make_dataclass(
+        "Options", [], bases=bases, namespace={"__post_init__": post_init}
+    )
+    title = "".join(part.title() for part in name.split("_"))
+    cls = type(f"{title}Cache", (ComposedCache,), {"Policy": policy, "Store": store})
+    cls.Options, cls.__module__ = merged, "kvlab.cache.presets"
+    merged.__module__, merged.__qualname__ = cls.__module__, f"{cls.__name__}.Options"
+    _COMPOSITIONS[name] = (policy, store)
+    return register(name)(cls)
+
+
+def compositions() -> dict[str, tuple[type[Policy], type[Store]]]:
+    """Preset name → (policy, store) of every composed strategy."""
+    return dict(_COMPOSITIONS)

@@ -1,0 +1,75 @@
+"""The policy contract: what a strategy keeps and what each query attends.
+
+A policy maps each new token to a logical slot of its store (``plan``), writes and attends
+through the store (``attend``) and keeps whatever bookkeeping it needs per row
+(``row_state``); it never allocates K/V itself. The store under it is any of those named
+in ``stores``: the pair is a strategy (:mod:`kvlab.cache.composed`), the codec its third
+axis. Where a policy needs per-step state it lives in its own :class:`~kvlab.cache.base.Step`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from kvlab.cache.base import CacheSpec, RowState, Step, StepInfo
+from kvlab.cache.stores.base import Store
+
+
+class Policy:
+    """Keeps every token in slot = position unless a subclass says otherwise."""
+
+    stores: ClassVar[tuple[str, ...]] = ()  # store kinds this policy composes with
+
+    def __init__(self, spec: CacheSpec, options: Any):
+        self.spec, self.options = spec, options
+
+    @classmethod
+    def check(cls, options: Any) -> None:
+        """Refuse options that contradict each other across axes (named field, value)."""
+
+    @classmethod
+    def describe(cls, options: Any) -> str:
+        """The policy in words for report labels ("" when it keeps everything)."""
+        return ""
+
+    @classmethod
+    def position_span(cls, options: Any) -> int | None:
+        """The most positions RoPE ever sees (None: grows with the sequence)."""
+        return None
+
+    def slots(self, max_tokens: int) -> int:
+        """Logical slots a row of ``max_tokens`` tokens takes in the store."""
+        return max_tokens
+
+    def block_extras(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Per-block metadata a block store keeps for this policy, per layer."""
+        return []
+
+    def planned_bytes(self, batch_size: int, slots: int) -> dict[str, int]:
+        """Bytes per component of what :meth:`allocate` holds, from shapes alone."""
+        return {}
+
+    def allocate(self, batch_size: int, slots: int) -> None:
+        """Per-row bookkeeping for ``batch_size`` new rows."""
+
+    def row_state(self) -> list[RowState]:
+        return []
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Tensors the policy holds beside the store's (counted in memory)."""
+        return []
+
+    def filled(self, lengths: list[int]) -> list[int]:
+        """Logical slots holding a token, per row."""
+        return lengths
+
+    def plan(self, info: StepInfo, lengths: list[int], store: Store, static: bool) -> Step:
+        raise NotImplementedError
+
+    def attend(self, step: Step, store: Store, layer: int, q, k, v, k_raw) -> torch.Tensor:
+        raise NotImplementedError
+
+    def end(self, step: Step, store: Store) -> None:
+        """After the layers (the cache advances the lengths)."""

@@ -1,0 +1,63 @@
+"""``keep_all``: every key and value kept, token t of a row in logical slot t; exact by
+construction. Decode reads every stored token in place (the decode kernel); multi-token
+steps run SDPA over the stored prefix, causal on a first prefill, else under the mask of
+:mod:`kvlab.cache.masks`. Over the contiguous store this is ``full`` (gpt-fast's static
+cache), over the paged store ``paged`` (vLLM's PagedAttention); in token codes the step's
+own tokens are read back as stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvlab.cache.base import Step, row_bounds, sdpa
+from kvlab.cache.masks import slot_positions, visible
+from kvlab.cache.policies.base import Policy
+from kvlab.cache.rows import decode_output, grouped
+from kvlab.kernels import decode_attention
+
+
+@dataclass
+class KeepAllStep(Step):
+    """``where``: the store's placement of the new tokens; ``origin`` (B,) zeros (every
+    stored token is visible to a decode query); ``read``: slots a multi-token step attends
+    over; ``mask`` (B, 1, T, read), None for plain causal attention."""
+
+    where: Any
+    origin: torch.Tensor
+    read: int = 0
+    mask: torch.Tensor | None = None
+
+
+class KeepAll(Policy):
+    stores = ("contiguous", "paged")
+
+    def plan(self, info, lengths, store, static) -> KeepAllStep:
+        start, end = row_bounds(lengths, info)
+        steps, longest = info.steps, max(lengths, default=0)
+        if longest + steps > store.slots:
+            raise ValueError(
+                f"a step of {steps} tokens after {longest} stored exceeds the "
+                f"{store.slots} slots allocated; allocate(batch, max_tokens) with more tokens"
+            )
+        slots = slot_positions(start, steps)  # (B, T)
+        real = torch.arange(steps, device=start.device)[None] < (end - start)[:, None]
+        where = store.place(lengths, info, slots, real)
+        step = KeepAllStep(info, start, end, where, torch.zeros_like(start))
+        if steps > 1:
+            step.read = longest + steps
+            if longest:
+                step.mask = visible(slots, torch.arange(step.read, device=start.device))
+        return step
+
+    def attend(self, step, store, layer, q, k, v, k_raw):
+        store.write(step.where, layer, k, v)
+        if step.decode:
+            queries = grouped(q, self.spec.num_kv_heads)
+            segment = store.segment(step.where, layer, queries, step.origin, step.end)
+            return decode_output(decode_attention([segment], q.shape[-1] ** -0.5, q.dtype), q)
+        keys, values = store.read(layer, step.read)
+        return sdpa(q, keys, values, mask=step.mask, causal=step.mask is None)

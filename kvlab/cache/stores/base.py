@@ -1,0 +1,86 @@
+"""The store contract: where a strategy's K/V rows live and how they are addressed.
+
+A store holds each layer's keys and values in the parts its codec names, allocates and
+frees rows, writes a step's new rows where :meth:`Store.place` put them, hands the decode
+kernel :class:`~kvlab.kernels.Segment`s over the rows in place, reads rows back for
+multi-token steps, and counts its bytes from its tensors. It knows no KV method: a policy
+(:mod:`kvlab.cache.policies`) decides which logical slot each token takes and what a query
+attends; the store only maps logical slots to memory.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from kvlab.cache.base import CacheSpec, RowState
+from kvlab.cache.codecs import Codec
+from kvlab.kernels import Segment
+
+
+class Store(ABC):
+    """Keys and values of every layer, addressed by (row, logical slot).
+
+    ``pooled``: rows draw on one shared pool (the serving budget is the pool, requests are
+    admitted by the blocks they need); otherwise a row reserves its whole capacity."""
+
+    kind: ClassVar[str]
+    pooled: ClassVar[bool] = False
+
+    def __init__(self, spec: CacheSpec, codec: Codec, options: Any):
+        self.spec, self.codec, self.options = spec, codec, options
+
+    @abstractmethod
+    def allocate(self, batch_size: int, slots: int) -> None:
+        """Room for ``batch_size`` new rows of ``slots`` logical slots each."""
+
+    @abstractmethod
+    def row_state(self) -> list[RowState]:
+        """What is indexed by row (see :meth:`KVCache.row_state`)."""
+
+    def release(self, rows: Sequence[int]) -> None:
+        """Give back what ``rows`` hold outside :meth:`row_state` (before they are freed)."""
+        return None
+
+    @abstractmethod
+    def place(self, lengths: list[int], info, slots: torch.Tensor, real: torch.Tensor) -> Any:
+        """Where the step's new tokens go: ``slots`` (B, T) their logical slots, ``real``
+        (B, T) the ones that are not padding. May take memory (and raise ``NoRoom`` before
+        changing anything); returns what :meth:`write` indexes with."""
+
+    @abstractmethod
+    def write(self, where: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode new k, v (B, H_kv, T, D) and write them at ``where``."""
+
+    @abstractmethod
+    def segment(self, layer: int, queries: torch.Tensor, lo, hi, ring: int = 0) -> Segment:
+        """Decode queries (B, H_kv, G, D) over logical slots [lo, hi) of each row, in place."""
+
+    @abstractmethod
+    def read(self, layer: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, H_kv, slots, D) of the first ``slots`` logical slots of every
+        row, decoded to the model dtype (multi-token steps)."""
+
+    @abstractmethod
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the store holds."""
+
+    @abstractmethod
+    def used_bytes(self, filled: Sequence[int]) -> int:
+        """Bytes holding tokens when row b fills ``filled[b]`` logical slots."""
+
+    def spawn(self) -> Store:
+        """An empty store for rows about to join this one (what rows share, it shares)."""
+        return type(self)(self.spec, self.codec, self.options)
+
+    def details(self) -> dict[str, int]:
+        """Extra lines of the memory report."""
+        return {}
+
+
+def parts_bytes(parts: Sequence[torch.Tensor]) -> int:
+    """Bytes of a list of tensors."""
+    return sum(t.numel() * t.element_size() for t in parts)
