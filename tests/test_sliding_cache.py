@@ -75,7 +75,7 @@ def test_sinks_are_kept(tiny_llama):
     cache.allocate(1, 64)
     engine = Engine(tiny_llama, cache)
     engine.prefill([list(range(3, 23))], chunk=20)
-    held = sorted(p for p in cache.policy.slot_pos[0].tolist() if p >= 0)
+    held = sorted(p for p in cache.store.slot_pos[0].tolist() if p >= 0)
     assert held == [0, 1, *range(20 - WINDOW, 20)]
 
 

@@ -307,6 +307,14 @@ def cat_rows(mine: torch.Tensor, theirs: torch.Tensor, axis: int = 0) -> torch.T
     return torch.cat([mine, theirs], dim=axis)
 
 
+def at_least(options, **least: int) -> None:
+    """Refuse any named option below its least allowed value, naming field and value."""
+    for name, low in least.items():
+        value = getattr(options, name)
+        if value < low:
+            raise ValueError(f"cache.options.{name}={value} must be >= {low}")
+
+
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
     """Bytes of a tensor of ``shape`` and ``dtype`` (for memory-model lines)."""
     count = 1

@@ -45,14 +45,12 @@ class ComposedCache(KVCache):
 
     @classmethod
     def planned_bytes(cls, spec, options, batch_size, max_tokens):
-        """The contiguous store's line from shapes alone; other stores' from an allocation
-        on the meta device."""
+        """A contiguous store's lines from shapes alone; other stores' from an allocation on
+        the meta device."""
         if not issubclass(cls.Store, ContiguousStore):
             return super().planned_bytes(spec, options, batch_size, max_tokens)
-        policy = cls.Policy(spec, options)
-        slots, codec = policy.slots(max_tokens), options.codec(spec.head_dim)
-        kv = ContiguousStore.planned_bytes(spec, codec, batch_size, slots)
-        return {"kv": kv, **policy.planned_bytes(batch_size, slots)}
+        codec = options.codec(spec.head_dim)
+        return cls.Store.planned_bytes(spec, codec, options, batch_size, max_tokens)
 
     @classmethod
     def describe(cls, options) -> str:
@@ -66,9 +64,8 @@ class ComposedCache(KVCache):
     # ---- rows ------------------------------------------------------------------------------
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)
-        slots = self.policy.slots(max_tokens)
-        self.store.allocate(batch_size, slots)
-        self.policy.allocate(batch_size, slots)
+        self.store.allocate(batch_size, max_tokens)
+        self.policy.allocate(batch_size, max_tokens)
 
     def free(self, rows: Sequence[int]) -> None:
         self.store.release(rows)
@@ -121,7 +118,7 @@ class ComposedCache(KVCache):
 
     def used_bytes(self) -> int:
         policy = sum(t.numel() * t.element_size() for t in self.policy.tensors())
-        return self.store.used_bytes(self.policy.filled(self.lengths)) + policy
+        return self.store.used_bytes(self.lengths) + policy
 
     def memory(self) -> MemoryReport:
         report = super().memory()

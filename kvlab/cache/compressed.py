@@ -159,7 +159,11 @@ class CompressedCache(KVCache):
     def plan(self, info: StepInfo) -> CompressedStep:
         start, end = self._row_bounds(info)
         window_step = self.window.plan(info) if self.window else None
-        window = self.window.policy.visible(window_step) if self.window else self._no_window(info)
+        window = (
+            self.window.policy.visible(window_step, self.window.store)
+            if self.window
+            else self._no_window(info)
+        )
         plans = {}
         for pool in self.pools.values():
             key = (pool.ratio, pool.overlap, pool.observed)

@@ -9,8 +9,9 @@ from kvlab.cache.policies.quest import Quest, QuestOptions
 from kvlab.cache.policies.window import Window, WindowOptions
 from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.cache.stores.paged import PagedOptions, PagedStore
+from kvlab.cache.stores.ring import RingStore
 
 FullCache = preset("full", KeepAll, ContiguousStore)
 PagedCache = preset("paged", KeepAll, PagedStore, (PagedOptions,))
 QuestCache = preset("quest", Quest, PagedStore, (QuestOptions, PagedOptions))
-SlidingCache = preset("sliding", Window, ContiguousStore, (WindowOptions,))
+SlidingCache = preset("sliding", Window, RingStore, (WindowOptions,))

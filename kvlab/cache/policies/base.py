@@ -39,19 +39,11 @@ class Policy:
         """The most positions RoPE ever sees (None: grows with the sequence)."""
         return None
 
-    def slots(self, max_tokens: int) -> int:
-        """Logical slots a row of ``max_tokens`` tokens takes in the store."""
-        return max_tokens
-
     def block_extras(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Per-block metadata a block store keeps for this policy, per layer."""
         return []
 
-    def planned_bytes(self, batch_size: int, slots: int) -> dict[str, int]:
-        """Bytes per component of what :meth:`allocate` holds, from shapes alone."""
-        return {}
-
-    def allocate(self, batch_size: int, slots: int) -> None:
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
         """Per-row bookkeeping for ``batch_size`` new rows."""
 
     def row_state(self) -> list[RowState]:
@@ -61,10 +53,6 @@ class Policy:
         """Tensors the policy holds beside the store's (counted in memory)."""
         return []
 
-    def filled(self, lengths: list[int]) -> list[int]:
-        """Logical slots holding a token, per row."""
-        return lengths
-
     def plan(self, info: StepInfo, lengths: list[int], store: Store, static: bool) -> Step:
         raise NotImplementedError
 
@@ -72,4 +60,6 @@ class Policy:
         raise NotImplementedError
 
     def end(self, step: Step, store: Store) -> None:
-        """After the layers (the cache advances the lengths)."""
+        """After the layers (the cache then advances the lengths): the store commits what
+        the step placed."""
+        store.commit(step.where)

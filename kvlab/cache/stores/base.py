@@ -34,8 +34,8 @@ class Store(ABC):
         self.spec, self.codec, self.options = spec, codec, options
 
     @abstractmethod
-    def allocate(self, batch_size: int, slots: int) -> None:
-        """Room for ``batch_size`` new rows of ``slots`` logical slots each."""
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
+        """Room for ``batch_size`` new rows of up to ``max_tokens`` tokens each."""
 
     @abstractmethod
     def row_state(self) -> list[RowState]:
@@ -50,6 +50,10 @@ class Store(ABC):
         """Where the step's new tokens go: ``slots`` (B, T) their logical slots, ``real``
         (B, T) the ones that are not padding. May take memory (and raise ``NoRoom`` before
         changing anything); returns what :meth:`write` indexes with."""
+
+    def commit(self, where: Any) -> None:
+        """After the step's layers: the tokens placed at ``where`` are stored."""
+        return None
 
     @abstractmethod
     def write(self, where: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -69,8 +73,8 @@ class Store(ABC):
         """Every tensor the store holds."""
 
     @abstractmethod
-    def used_bytes(self, filled: Sequence[int]) -> int:
-        """Bytes holding tokens when row b fills ``filled[b]`` logical slots."""
+    def used_bytes(self, lengths: Sequence[int]) -> int:
+        """Bytes holding tokens when row b has seen ``lengths[b]`` tokens."""
 
     def spawn(self) -> Store:
         """An empty store for rows about to join this one (what rows share, it shares)."""

@@ -74,3 +74,52 @@ class BlockPool:
     def in_use(self) -> list[int]:
         """Blocks with a reference (O(pool): for memory reports, not steps)."""
         return [b for b, r in enumerate(self.refs) if r > 0]
+
+    def usage(self, block_bytes: int) -> dict[str, int]:
+        """Blocks in use, the bytes they hold (``block_bytes`` each), the waste inside them
+        and what sharing saves (O(pool): for memory reports, not steps)."""
+        in_use, per_slot = self.in_use, block_bytes // self.block_size
+        referenced = sum(self.refs[b] for b in in_use)
+        return {
+            "blocks_total": self.num_blocks,
+            "blocks_in_use": len(in_use),
+            "in_use_bytes": len(in_use) * block_bytes,
+            "waste_bytes": sum(block_bytes - per_slot * self.fill[b] for b in in_use),
+            "shared_saved_bytes": (referenced - len(in_use)) * block_bytes,
+        }
+
+    # ---- the prefix index: blocks by the hash chain of their tokens ------------------------
+    def chain_key(self, tokens: list, table: list[int], index: int, end: int) -> tuple | None:
+        """(hash of the parent block's key, tokens) for block ``index`` of a row with
+        ``tokens`` and block ``table``, holding tokens up to ``end``; None without token
+        ids or an indexed parent."""
+        size = self.block_size
+        chunk = tuple(tokens[index * size : min((index + 1) * size, end)])
+        parent = self.key_of[table[index - 1]] if index else ()
+        if parent is None or not chunk or None in chunk:
+            return None
+        return (hash(parent), chunk)
+
+    def shared_prefix(self, ids: list[int], table: list[int]) -> list[int]:
+        """Take (share) the indexed blocks holding ``ids``'s leading full blocks, appending
+        them to the empty ``table``; at least the last token is left out (for its logits)."""
+        size, found = self.block_size, []
+        while (len(table) + 1) * size < len(ids):
+            chunk = tuple(ids[len(table) * size : (len(table) + 1) * size])
+            parent = self.key_of[table[-1]] if table else ()
+            block = None if parent is None else self.lookup((hash(parent), chunk))
+            if block is None:
+                break
+            table.append(block)
+            found.append(block)
+        return found
+
+    def index_completed(self, tokens: list, table: list[int], start: int, end: int) -> None:
+        """Index a row's blocks that tokens [start, end) filled up, so later prompts can
+        share them too."""
+        for index in range(start // self.block_size, end // self.block_size):
+            block = table[index]
+            if self.key_of[block] is None:
+                key = self.chain_key(tokens, table, index, end)
+                if key is not None:
+                    self.index(block, key)

@@ -42,14 +42,20 @@ class ContiguousStore(Store):
         return [((*lead, width), t) for width, t in codec.parts(spec.head_dim, spec.dtype)]
 
     @classmethod
-    def planned_bytes(cls, spec, codec, batch_size: int, slots: int) -> int:
-        """Bytes :meth:`allocate` takes, from shapes alone."""
-        per_layer = sum(nbytes(*part) for part in cls.layout(spec, codec, batch_size, slots))
-        return 2 * spec.num_layers * per_layer
+    def slots_for(cls, options, max_tokens: int) -> int:
+        """Logical slots a row of ``max_tokens`` tokens takes."""
+        return max_tokens
 
-    def allocate(self, batch_size: int, slots: int) -> None:
+    @classmethod
+    def planned_bytes(cls, spec, codec, options, batch_size: int, max_tokens: int) -> dict:
+        """Bytes per component :meth:`allocate` takes, from shapes alone."""
+        slots = cls.slots_for(options, max_tokens)
+        per_layer = sum(nbytes(*part) for part in cls.layout(spec, codec, batch_size, slots))
+        return {"kv": 2 * spec.num_layers * per_layer}
+
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
         s = self.spec
-        layout = self.layout(s, self.codec, batch_size, slots)
+        layout = self.layout(s, self.codec, batch_size, self.slots_for(self.options, max_tokens))
         make = lambda: [torch.zeros(shape, dtype=t, device=s.device) for shape, t in layout]  # noqa: E731
         self.keys = [make() for _ in range(s.num_layers)]
         self.values = [make() for _ in range(s.num_layers)]
@@ -85,8 +91,9 @@ class ContiguousStore(Store):
     def tensors(self) -> list[torch.Tensor]:
         return [t for layer in self.keys + self.values for t in layer]
 
-    def used_bytes(self, filled: Sequence[int]) -> int:
-        if not self.keys or not filled:
+    def used_bytes(self, lengths: Sequence[int]) -> int:
+        if not self.keys or not lengths:
             return 0
-        per_slot = parts_bytes(self.tensors()) // (len(filled) * self.slots)
-        return per_slot * sum(filled)
+        parts = [t for layer in self.keys + self.values for t in layer]
+        per_slot = parts_bytes(parts) // (len(lengths) * self.slots)
+        return per_slot * sum(lengths)

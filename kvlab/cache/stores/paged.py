@@ -1,13 +1,11 @@
 """``paged``: PagedAttention's KV layout (vLLM, Kwon et al., arXiv 2309.06180).
 
 K/V live in a pool of fixed-size blocks per layer; each row has a block table and takes
-blocks as it grows, returning them when it leaves. Blocks are indexed by the hash chain of
-their tokens, so a prompt that starts like an earlier one reuses its blocks (prefix
-sharing), and a block shared by several rows is copied before one of them writes into it.
-The table lives on the device and changes only where a step takes or copies a block;
-decode reads exactly the blocks in each row's table, in place. A policy may keep metadata
-per block (``block_extras``: Quest's key bounds); the store allocates, shares and copies
-it with the blocks. Logical slot t of a row is slot t % block_size of its block t // size.
+blocks as it grows. Blocks are indexed by the hash chain of their tokens, so a prompt that
+starts like an earlier one shares its blocks, copied before a row writes into a shared one.
+Decode reads exactly the blocks in each row's table, in place. A policy may keep metadata
+per block (``block_extras``: Quest's key bounds), allocated, shared and copied with it.
+Logical slot t of a row is slot t % block_size of its block t // block_size.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.cache.base import RowState, nbytes
+from kvlab.cache.base import RowState, at_least, nbytes
 from kvlab.cache.stores.base import Store, parts_bytes
 from kvlab.cache.stores.blocks import BlockPool
 from kvlab.kernels import Segment
@@ -30,10 +28,7 @@ class PagedOptions:
     prefix_sharing: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"cache.options.block_size={self.block_size} must be >= 1")
-        if self.num_blocks < 0:
-            raise ValueError(f"cache.options.num_blocks={self.num_blocks} must be >= 0 (0: auto)")
+        at_least(self, block_size=1, num_blocks=0)  # num_blocks 0: auto
 
 
 @dataclass
@@ -74,10 +69,9 @@ class PagedStore(Store):
 
     def block_bytes(self) -> int:
         """Bytes of one block across layers, keys, values and extras (the pool's unit)."""
-        s = self.spec
         per_head = sum(nbytes(shape, dtype) for shape, dtype in self._block_layout())
         extras = sum(nbytes(shape, dtype) for shape, dtype in self.block_extras)
-        return s.num_layers * (2 * s.num_kv_heads * per_head + extras)
+        return self.spec.num_layers * (2 * self.spec.num_kv_heads * per_head + extras)
 
     def make_pool(self, blocks: int) -> None:
         """A new pool of ``blocks`` blocks (the prefix index starts empty)."""
@@ -94,16 +88,12 @@ class PagedStore(Store):
 
         self.keys = [make() for _ in range(s.num_layers)]
         self.values = [make() for _ in range(s.num_layers)]
-        extras = [(blocks + 1, *shape) for shape, _ in self.block_extras]
-        self.extras = [
-            [zeros(shape, t) for shape, (_, t) in zip(extras, self.block_extras, strict=True)]
-            for _ in range(s.num_layers)
-        ]
+        extras = [((blocks + 1, *shape), t) for shape, t in self.block_extras]
+        self.extras = [[zeros(*extra) for extra in extras] for _ in range(s.num_layers)]
 
-    def allocate(self, batch_size: int, slots: int) -> None:
-        for row in range(len(self.tables)):
-            self._release_row(row)
-        per_row = -(-slots // self.options.block_size)
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
+        self.release(range(len(self.tables)))
+        per_row = -(-max_tokens // self.options.block_size)
         needed = batch_size * per_row + batch_size  # + copy-on-write
         grows = self.options.num_blocks == 0 and not self.serving
         if not self.keys or (grows and needed > self.pool.num_blocks):
@@ -113,7 +103,7 @@ class PagedStore(Store):
         self.table = torch.full(
             (batch_size, per_row), self.pool.num_blocks, device=self.spec.device
         )
-        self.slots = slots
+        self.slots = max_tokens
 
     def row_state(self) -> list[RowState]:
         """The block tables (host and device) and token ids; the pool is shared."""
@@ -122,12 +112,9 @@ class PagedStore(Store):
 
     def release(self, rows: Sequence[int]) -> None:
         for row in rows:
-            self._release_row(row)
-
-    def _release_row(self, row: int) -> None:
-        for block in self.tables[row]:
-            self.pool.release(block)
-        self.tables[row] = []
+            for block in self.tables[row]:
+                self.pool.release(block)
+            self.tables[row] = []
 
     # ---- serving: the pool is the budget ----------------------------------------------------
     def serve(self, budget_bytes: int) -> None:
@@ -143,8 +130,8 @@ class PagedStore(Store):
     def spawn(self) -> PagedStore:
         """Rows that share this store's pool (and prefix index): joining moves no KV."""
         new = type(self)(self.spec, self.codec, self.options, self.block_extras)
-        new.pool, new.keys, new.values, new.extras = self.pool, self.keys, self.values, self.extras
-        new.serving = self.serving
+        for shared in ("pool", "keys", "values", "extras", "serving"):
+            setattr(new, shared, getattr(self, shared))
         return new
 
     def request_bytes(self, tokens: int) -> int:
@@ -161,18 +148,11 @@ class PagedStore(Store):
         cached tokens) with empty ``row``; at least the last token is left to compute."""
         if not self.options.prefix_sharing:
             return 0
-        size, table, updates = self.options.block_size, self.tables[row], []
-        while (len(table) + 1) * size < len(ids):
-            chunk = tuple(ids[len(table) * size : (len(table) + 1) * size])
-            parent = self.pool.key_of[table[-1]] if table else ()
-            block = None if parent is None else self.pool.lookup((hash(parent), chunk))
-            if block is None:
-                break
-            updates.append((row, len(table), block))
-            table.append(block)
-            self.tokens[row] += chunk
-        self._update_table(updates)
-        return len(table) * size
+        table, first = self.tables[row], len(self.tables[row])
+        found = self.pool.shared_prefix(list(ids), table)
+        self.tokens[row] += ids[: len(table) * self.options.block_size]
+        self._update_table([(row, first + i, block) for i, block in enumerate(found)])
+        return len(table) * self.options.block_size
 
     # ---- placing a step: blocks to take, share or copy --------------------------------------
     def place(self, lengths, info, slots, real) -> PagedWrite:
@@ -236,7 +216,8 @@ class PagedStore(Store):
                     changed.append(index)
                 self.pool.forget(table[index])  # its content is about to change
             self.pool.fill[table[index]] = max(self.pool.fill[table[index]], slot + 1)
-        self._index_completed(row, start, end)
+        if self.options.prefix_sharing:
+            self.pool.index_completed(self.tokens[row], table, start, end)
         return changed, skipped
 
     def _next_block(self, row: int, index: int, end: int, first_step: bool) -> tuple[int, bool]:
@@ -254,26 +235,10 @@ class PagedStore(Store):
         return block, False
 
     def _chain_key(self, row: int, index: int, end: int) -> tuple | None:
-        """(hash of the parent block's key, tokens) for block ``index`` holding tokens up to
-        ``end``; None without prefix sharing, token ids, or an indexed parent."""
+        """The prefix index key of block ``index`` of ``row`` (None without sharing)."""
         if not self.options.prefix_sharing:
             return None
-        size = self.options.block_size
-        chunk = tuple(self.tokens[row][index * size : min((index + 1) * size, end)])
-        parent = self.pool.key_of[self.tables[row][index - 1]] if index else ()
-        if parent is None or not chunk or None in chunk:
-            return None
-        return (hash(parent), chunk)
-
-    def _index_completed(self, row: int, start: int, end: int) -> None:
-        """Index blocks that decoding filled up, so later prompts can share them too."""
-        size = self.options.block_size
-        for index in range(start // size, end // size):
-            block = self.tables[row][index]
-            if self.pool.key_of[block] is None:
-                key = self._chain_key(row, index, end)
-                if key is not None:
-                    self.pool.index(block, key)
+        return self.pool.chain_key(self.tokens[row], self.tables[row], index, end)
 
     def _copy_on_write(self, block: int) -> int:
         """A private copy of a shared block (and its extras), for the row about to write."""
@@ -314,7 +279,7 @@ class PagedStore(Store):
         pool = parts_bytes([t for layer in self.keys + self.values for t in layer])
         return pool // (self.pool.num_blocks + 1)
 
-    def used_bytes(self, filled: Sequence[int]) -> int:
+    def used_bytes(self, lengths: Sequence[int]) -> int:
         if not self.keys:
             return 0
         per_slot = self._pool_block_bytes() // self.options.block_size
@@ -324,18 +289,10 @@ class PagedStore(Store):
         return per_slot * sum(self.pool.fill[b] for b in in_use) + extras + table
 
     def details(self) -> dict[str, int]:
-        """Blocks in use, waste inside them, sharing, and what a contiguous store
+        """The pool's use (:meth:`BlockPool.usage`) and what a contiguous store
         preallocated to the maximum length would reserve for the same rows."""
         if not self.keys:
             return {}
-        in_use, block_bytes = self.pool.in_use, self._pool_block_bytes()
-        per_slot = block_bytes // self.options.block_size
-        referenced = sum(self.pool.refs[b] for b in in_use)
-        return {
-            "blocks_total": self.pool.num_blocks,
-            "blocks_in_use": len(in_use),
-            "in_use_bytes": len(in_use) * block_bytes,
-            "waste_bytes": sum(block_bytes - per_slot * self.pool.fill[b] for b in in_use),
-            "shared_saved_bytes": (referenced - len(in_use)) * block_bytes,
-            "contiguous_bytes": per_slot * self.slots * len(self.tables),
-        }
+        block_bytes = self._pool_block_bytes()
+        contiguous = block_bytes // self.options.block_size * self.slots * len(self.tables)
+        return {**self.pool.usage(block_bytes), "contiguous_bytes": contiguous}

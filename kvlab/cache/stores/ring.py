@@ -1,0 +1,70 @@
+"""``ring``: a contiguous store of ``sinks + window`` slots per row (+1 trash slot that
+padding and tokens dropped within a step write into), for windowed policies (StreamingLLM,
+Xiao et al., arXiv 2309.17453): position p sits at slot p while p < sinks, else at
+sinks + (p - sinks) % window, so a row's memory is bounded whatever its length.
+``slot_pos`` (B, slots) records the position each slot holds (-1: empty)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.cache.base import RowState, nbytes
+from kvlab.cache.stores.contiguous import ContiguousStore, ContiguousWrite
+
+
+@dataclass
+class RingWrite(ContiguousWrite):
+    """Also the new tokens' ``positions`` (B, T), recorded in ``slot_pos`` by :meth:`commit`."""
+
+    positions: torch.Tensor | None = None
+
+
+class RingStore(ContiguousStore):
+    kind = "ring"
+
+    def __init__(self, spec, codec, options):
+        super().__init__(spec, codec, options)
+        self.trash = 0
+        self.slot_pos = torch.full((0, 1), -1, device=spec.device)
+
+    @classmethod
+    def slots_for(cls, options, max_tokens: int) -> int:
+        return min(options.sinks + options.window, max_tokens) + 1
+
+    @classmethod
+    def planned_bytes(cls, spec, codec, options, batch_size: int, max_tokens: int) -> dict:
+        lines = super().planned_bytes(spec, codec, options, batch_size, max_tokens)
+        slots = cls.slots_for(options, max_tokens)
+        return {**lines, "slot_positions": nbytes((batch_size, slots), torch.long)}
+
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
+        super().allocate(batch_size, max_tokens)
+        self.trash = self.slots - 1
+        self.slot_pos = torch.full((batch_size, self.slots), -1, device=self.spec.device)
+
+    def row_state(self) -> list[RowState]:
+        return [*super().row_state(), (vars(self), "slot_pos", 0)]
+
+    def slot_of(self, positions: torch.Tensor) -> torch.Tensor:
+        """Slot of each position: sinks in place, the rest cycling over the window."""
+        sinks, window = self.options.sinks, self.options.window
+        return torch.where(positions < sinks, positions, sinks + (positions - sinks) % window)
+
+    def place(self, lengths, info, slots, real) -> RingWrite:
+        """``slots`` are the new tokens' positions; ``real`` those the ring keeps."""
+        rows = torch.arange(len(lengths), device=slots.device)[:, None]  # (B, 1)
+        return RingWrite(torch.where(real, self.slot_of(slots), self.trash), rows, slots)
+
+    def commit(self, where: RingWrite) -> None:
+        self.slot_pos.scatter_(1, where.slots, where.positions)
+        self.slot_pos[:, self.trash] = -1  # the trash slot holds nothing
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*super().tensors(), self.slot_pos]
+
+    def used_bytes(self, lengths: Sequence[int]) -> int:
+        filled = [min(n, self.trash) for n in lengths]
+        return super().used_bytes(filled) + self.slot_pos.numel() * self.slot_pos.element_size()
