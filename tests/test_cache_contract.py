@@ -82,17 +82,8 @@ def prompts(vocab: int, lengths=(11, 5, 17)) -> list[list[int]]:
 def step_logits(model, name, prompt, steps, chunk=0, options=None):
     """Greedy-continue ``prompt`` and return the logits of every step (prefill included)."""
     engine = Engine(model, build_cache(name, model.cache_spec(), options))
-    run = engine.stream([prompt], GenerationConfig(steps, stop_on_eos=False, prefill_chunk=chunk))
-    seen = []
-    original_emit = run._emit
-
-    def recording_emit(logits):
-        seen.append(logits.clone())
-        return original_emit(logits)
-
-    run._emit = recording_emit
-    for _ in run:
-        pass
+    cfg, seen = GenerationConfig(steps, stop_on_eos=False, prefill_chunk=chunk), []
+    run = engine.generate([prompt], cfg, on_logits=lambda logits, rows: seen.append(logits.clone()))
     return torch.cat(seen), run.tokens[0]
 
 
@@ -128,17 +119,13 @@ def test_chunked_prefill_equals_one_pass(name, tiny_llama):
 
 def recorded(engine, batch, cfg):
     """(tokens per row, logits per row and step) of one generation."""
-    run, rows = engine.stream(batch, cfg), [[] for _ in batch]
-    emit = run._emit
+    rows = [[] for _ in batch]
 
-    def recording_emit(logits):
-        for row, index in enumerate(run.active):
+    def record(logits, prompts):
+        for row, index in enumerate(prompts):
             rows[index].append(logits[row].clone())
-        return emit(logits)
 
-    run._emit = recording_emit
-    for _ in run:
-        pass
+    run = engine.generate(batch, cfg, on_logits=record)
     return run.tokens, [torch.stack(r) for r in rows]
 
 

@@ -246,11 +246,10 @@ def test_compiled_decode_equals_eager_in_one_graph(tiny_llama, name):
     cfg = GenerationConfig(65, stop_on_eos=False)
 
     def logits_of(engine):
-        seen, run = [], engine.stream([prompt], cfg)
-        emit = run._emit
-        run._emit = lambda logits: (seen.append(logits.clone()), emit(logits))[1]
-        for _ in run:
-            pass
+        seen = []
+        run = engine.generate(
+            [prompt], cfg, on_logits=lambda logits, _: seen.append(logits.clone())
+        )
         return run.tokens[0], torch.stack(seen)
 
     spec = tiny_llama.cache_spec()

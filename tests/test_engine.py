@@ -101,3 +101,16 @@ def test_sampling_config_names_the_bad_field(kwargs, field):
 def test_empty_prompt_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="non-empty"):
         engine(tiny_llama).generate([[]], GenerationConfig(2))
+
+
+def test_the_logits_hook_sees_every_sampled_distribution(tiny_llama):
+    """``on_logits`` receives the logits each token was sampled from (greedy: its argmax),
+    with the prompt index of each row."""
+    seen: list[tuple[torch.Tensor, list[int]]] = []
+    engine = Engine(tiny_llama, build_cache("full", tiny_llama.cache_spec()))
+    prompts = [[3, 4, 5], [6, 7, 8, 9, 10]]
+    cfg = GenerationConfig(4, stop_on_eos=False)
+    run = engine.generate(prompts, cfg, on_logits=lambda logits, rows: seen.append((logits, rows)))
+    assert len(seen) == 4 and all(rows == [0, 1] for _, rows in seen)
+    for index, tokens in enumerate(run.tokens):
+        assert tokens == [int(logits[index].argmax()) for logits, _ in seen]

@@ -7,7 +7,7 @@ the cache only through its contract, never its type.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +59,9 @@ class GenerationStats:
             self.kv_peak = report
 
 
+LogitsHook = Callable[[torch.Tensor, list[int]], None]
+
+
 class Generation:
     """A running generation: iterate to get ``{row: token}`` per step; ``tokens`` and
     ``stats`` hold the results once it is exhausted."""
@@ -69,6 +72,7 @@ class Generation:
         prompts: Sequence[Sequence[int]],
         cfg: GenerationConfig,
         contexts: Sequence[int] | None = None,
+        on_logits: LogitsHook | None = None,
     ):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("prompts must be a non-empty list of non-empty token lists")
@@ -80,7 +84,7 @@ class Generation:
                 f"contexts={list(contexts)} is invalid; allowed: one length per prompt, "
                 "1 <= context <= the prompt's length"
             )
-        self.engine, self.cfg = engine, cfg
+        self.engine, self.cfg, self.on_logits = engine, cfg, on_logits
         self.contexts = list(contexts) if contexts is not None else None
         self.seqs = [list(p) for p in prompts]
         self.tokens: list[list[int]] = [[] for _ in prompts]
@@ -154,6 +158,8 @@ class Generation:
 
     def _emit(self, logits: torch.Tensor) -> dict[int, int]:
         """Sample a token per active row, record it, and free rows that are done."""
+        if self.on_logits is not None:
+            self.on_logits(logits, list(self.active))
         chosen = sample(logits, self.cfg.sampling, self._gen).tolist()
         emitted, done_rows = {}, []
         for row, (index, token) in enumerate(zip(self.active, chosen, strict=True)):
@@ -202,21 +208,25 @@ class Engine:
         prompts: Sequence[Sequence[int]],
         cfg: GenerationConfig,
         contexts: Sequence[int] | None = None,
+        on_logits: LogitsHook | None = None,
     ) -> Generation:
         """A generation to iterate over, step by step (tokens as they come). ``contexts``:
         how many of each prompt's first tokens are its context (default: all); the rest (a
         question) is prefilled after it, so eviction compresses the context alone
-        (kvpress's protocol)."""
-        return Generation(self, prompts, cfg, contexts)
+        (kvpress's protocol). ``on_logits(logits, prompts)``: called before each sampling
+        with the next-token logits (R, V) and the prompt index of each of the R rows."""
+        return Generation(self, prompts, cfg, contexts, on_logits)
 
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
         cfg: GenerationConfig,
         contexts: Sequence[int] | None = None,
+        on_logits: LogitsHook | None = None,
     ) -> Generation:
-        """Run a generation to the end; read ``.tokens`` and ``.stats``."""
-        run = self.stream(prompts, cfg, contexts)
+        """Run a generation to the end; read ``.tokens`` and ``.stats`` (``on_logits``: as
+        :meth:`stream`)."""
+        run = self.stream(prompts, cfg, contexts, on_logits)
         for _ in run:
             pass
         return run
