@@ -36,3 +36,9 @@ def grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     head h // G."""
     batch, heads, _, dim = q.shape
     return q.reshape(batch, kv_heads, heads // kv_heads, dim)
+
+
+def heads_as_blocks(pool: torch.Tensor) -> torch.Tensor:
+    """A block pool part (N, H_kv, block, E), stored head-major, as (H_kv * N, 1, block, E):
+    block n of head h is row h * N + n (a view, no copy), for a table per (row, KV head)."""
+    return pool.transpose(0, 1).reshape(-1, 1, *pool.shape[2:])

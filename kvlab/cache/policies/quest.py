@@ -1,13 +1,11 @@
 """``quest``: query-aware sparsity over the paged store (Tang et al., "Quest: Query-Aware
 Sparsity for Efficient Long-Context LLM Inference", ICML 2024).
 
-Every token is kept (memory as ``paged``, plus two key bounds per block); per block and KV
-head the store keeps, as the policy's block metadata, the min and the max of its keys per
-channel. A decode query reads only the ``token_budget // block_size - 1`` blocks of each
-(row, KV head) whose upper bound on q·k, ``Σ_d max(q_d min_d, q_d max_d)`` summed over the
-head's query group, is highest, plus the block holding the newest token: the decode kernel
-reads those blocks in place through a table per (row, KV head). Prefill attends exactly,
-as Quest does. A budget that covers the sequence is ``paged`` exactly.
+Every token is kept; per block and KV head the store keeps (as this policy's block
+metadata) the min and max of its keys per channel. A decode query reads only the
+``token_budget // block_size - 1`` blocks of each (row, KV head) with the highest bound
+``Σ_d max(q_d min_d, q_d max_d)`` (summed over the head's query group), plus the newest
+block, in place through a table per (row, KV head). Prefill attends exactly, as Quest does.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache.policies.keep_all import KeepAll, KeepAllStep
-from kvlab.cache.rows import decode_output, grouped
+from kvlab.cache.rows import decode_output, grouped, heads_as_blocks
 from kvlab.kernels import Segment, decode_attention
 
 
@@ -105,8 +103,8 @@ class Quest(KeepAll):
         head = torch.arange(heads, device=table.device)[None, :, None]
         picked = (head * (store.pool.num_blocks + 1) + picked).flatten(0, 1)  # (B*H_kv, k+1)
         hi = (count * size + step.fill[:, None]).flatten()
-        keys = store.codec.stored([_per_head(p) for p in store.keys[layer]])
-        values = store.codec.stored([_per_head(p) for p in store.values[layer]])
+        keys = store.codec.stored([heads_as_blocks(p) for p in store.keys[layer]])
+        values = store.codec.stored([heads_as_blocks(p) for p in store.values[layer]])
         flat = queries.reshape(batch * heads, 1, *queries.shape[2:])
         return Segment(flat, keys, values, picked, torch.zeros_like(hi), hi)
 
@@ -118,9 +116,3 @@ def upper_bounds(queries: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -
     q = queries.float()
     upper = q.clamp(min=0) @ high.permute(0, 2, 3, 1).float()  # (B, H_kv, G, P)
     return (upper + q.clamp(max=0) @ low.permute(0, 2, 3, 1).float()).sum(2)
-
-
-def _per_head(pool: torch.Tensor) -> torch.Tensor:
-    """A pool part (N + 1, H_kv, block, E), stored head-major, as (H_kv * (N + 1), 1, block,
-    E): block n of head h is row h * (N + 1) + n (a view, no copy)."""
-    return pool.transpose(0, 1).reshape(-1, 1, *pool.shape[2:])
