@@ -79,7 +79,8 @@ def test_a_loaded_model_runs_the_kernel_the_probe_chose(tiny_checkpoints, dtype)
         fastest = min(choice["decode_ms"], key=choice["decode_ms"].get)
         assert choice["kernel"] in {fastest, "plain"}
     model, _ = load_model(str(tiny_checkpoints["smollm"]), dtype)
-    kernels = {type(m) for m in model.modules() if isinstance(m, nn.Linear | DecodeLinear)}
+    linear_types = nn.Linear | PrepackedLinear | DecodeLinear  # what each candidate installs
+    kernels = {type(m) for m in model.modules() if isinstance(m, linear_types)}
     assert kernels == {KERNEL_TYPES.get(choice["kernel"], DecodeLinear)}
     if choice["kernel"] != "onednn":
         assert model.lm_head.weight is model.embed_tokens.weight  # the tie survives
