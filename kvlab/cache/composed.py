@@ -17,7 +17,7 @@ from typing import ClassVar
 from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, RowState, register
 from kvlab.cache.codecs import CodecOptions
 from kvlab.cache.policies.base import Policy
-from kvlab.cache.stores.base import Store
+from kvlab.cache.stores.base import Store, parts_bytes
 from kvlab.cache.stores.contiguous import ContiguousStore
 
 _COMPOSITIONS: dict[str, tuple[type[Policy], type[Store]]] = {}
@@ -38,10 +38,9 @@ class ComposedCache(KVCache):
     def _new_store(self) -> Store:
         codec = self.options.codec(self.spec.head_dim)
         extras = self.policy.block_extras()
-        store_options = self.options
-        if extras:
-            return self.Store(self.spec, codec, store_options, block_extras=extras)
-        return self.Store(self.spec, codec, store_options)
+        if extras:  # only block stores keep per-block metadata
+            return self.Store(self.spec, codec, self.options, block_extras=extras)
+        return self.Store(self.spec, codec, self.options)
 
     @classmethod
     def planned_bytes(cls, spec, options, batch_size, max_tokens):
@@ -117,8 +116,7 @@ class ComposedCache(KVCache):
         return [*self.store.tensors(), *self.policy.tensors()]
 
     def used_bytes(self) -> int:
-        policy = sum(t.numel() * t.element_size() for t in self.policy.tensors())
-        return self.store.used_bytes(self.lengths) + policy
+        return self.store.used_bytes(self.lengths) + parts_bytes(self.policy.tensors())
 
     def memory(self) -> MemoryReport:
         report = super().memory()

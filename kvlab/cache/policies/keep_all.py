@@ -34,6 +34,7 @@ class KeepAllStep(Step):
 
 class KeepAll(Policy):
     stores = ("contiguous", "paged")
+    Step: type[KeepAllStep] = KeepAllStep  # a policy that extends keep_all extends its step
 
     def plan(self, info, lengths, store, static) -> KeepAllStep:
         start, end = row_bounds(lengths, info)
@@ -46,7 +47,7 @@ class KeepAll(Policy):
         slots = slot_positions(start, steps)  # (B, T)
         real = torch.arange(steps, device=start.device)[None] < (end - start)[:, None]
         where = store.place(lengths, info, slots, real)
-        step = KeepAllStep(info, start, end, where, torch.zeros_like(start))
+        step = self.Step(info, start, end, where, torch.zeros_like(start))
         if steps > 1:
             step.read = longest + steps
             if longest:

@@ -36,6 +36,7 @@ class QuestStep(KeepAllStep):
 
 class Quest(KeepAll):
     stores = ("paged",)
+    Step = QuestStep
 
     @classmethod
     def check(cls, options) -> None:
@@ -55,7 +56,7 @@ class Quest(KeepAll):
         return [bound, bound]
 
     def plan(self, info, lengths, store, static) -> QuestStep:
-        step = QuestStep(**vars(super().plan(info, lengths, store, static)))
+        step = super().plan(info, lengths, store, static)
         if step.decode:
             step.current = (step.end - 1) // self.options.block_size  # (B,)
             table = torch.arange(store.table.shape[1], device=step.end.device)

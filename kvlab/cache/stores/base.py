@@ -60,8 +60,11 @@ class Store(ABC):
         """Encode new k, v (B, H_kv, T, D) and write them at ``where``."""
 
     @abstractmethod
-    def segment(self, layer: int, queries: torch.Tensor, lo, hi, ring: int = 0) -> Segment:
-        """Decode queries (B, H_kv, G, D) over logical slots [lo, hi) of each row, in place."""
+    def segment(
+        self, where: Any, layer: int, queries: torch.Tensor, lo, hi, ring: int = 0
+    ) -> Segment:
+        """Decode queries (B, H_kv, G, D) over logical slots [lo, hi) of each row, in place
+        (``where``: the step's placement, whose row table a store may carry)."""
 
     @abstractmethod
     def read(self, layer: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
