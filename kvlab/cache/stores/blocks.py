@@ -105,9 +105,8 @@ class BlockPool:
         them to the empty ``table``; at least the last token is left out (for its logits)."""
         size, found = self.block_size, []
         while (len(table) + 1) * size < len(ids):
-            chunk = tuple(ids[len(table) * size : (len(table) + 1) * size])
-            parent = self.key_of[table[-1]] if table else ()
-            block = None if parent is None else self.lookup((hash(parent), chunk))
+            key = self.chain_key(ids, table, len(table), (len(table) + 1) * size)
+            block = None if key is None else self.lookup(key)
             if block is None:
                 break
             table.append(block)
