@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache, registered
-from kvlab.cache.composed import compositions
+from kvlab.cache.codecs import CodecOptions, KiviOptions
+from kvlab.cache.composed import compositions, preset
+from kvlab.cache.policies.keep_all import KeepAll
+from kvlab.cache.stores.paged import PagedOptions, PagedStore
+from kvlab.cache.stores.ring import RingStore
 from kvlab.engine import Engine, GenerationConfig
 
 # Every registered strategy on the tiny model (head_dim 16): its lossy setting, and a
@@ -41,8 +45,9 @@ EXACT = {
 }
 STRATEGIES = sorted(registered())
 TOLERANCE = 1e-4
-# The composition grid the registry declares: every (policy, store) preset in every codec,
-# and eviction over quantized storage (not yet a composed preset).
+# The composition grid the registry declares: every (policy, store) preset in every token
+# codec (KIVI's presets, whose codec is their own, are the int rows above), and eviction
+# over quantized storage (not yet a composed preset).
 CODECS = {
     "exact": {},
     "int8": dict(kv_bits=8, kv_group_size=16),
@@ -50,7 +55,8 @@ CODECS = {
 }
 GRID = [
     pytest.param(name, {**LOSSY[name], **codec}, id=f"{name}-{codec_name}")
-    for name in sorted(compositions())
+    for name, (_, _, codec_options) in sorted(compositions().items())
+    if codec_options is CodecOptions
     for codec_name, codec in CODECS.items()
 ]
 COMPOSED = [
@@ -64,10 +70,18 @@ COMPOSED = [
 
 
 def test_the_grid_holds_every_store_a_policy_names():
-    pairs = {(policy, store.kind) for policy, store in compositions().values()}
+    pairs = {(policy, store.kind) for policy, store, _ in compositions().values()}
     assert pairs == {
-        (policy, kind) for policy, _ in compositions().values() for kind in policy.stores
+        (policy, kind) for policy, _, _ in compositions().values() for kind in policy.stores
     }
+
+
+def test_a_choice_that_does_not_compose_is_refused_with_what_is_allowed():
+    with pytest.raises(ValueError, match=r"store 'ring'; allowed: \('contiguous', 'paged'\)"):
+        preset("keep_all_ring", KeepAll, RingStore)
+    with pytest.raises(ValueError, match=r"store 'paged' cannot stage; allowed: \['contiguous'\]"):
+        preset("kivi_paged", KeepAll, PagedStore, (PagedOptions,), codec=KiviOptions)
+    assert "keep_all_ring" not in registered() and "kivi_paged" not in registered()
 
 
 def test_every_strategy_has_contract_cases():

@@ -6,7 +6,6 @@ from kvlab.cache import (  # noqa: F401  (registers the strategies)
     gqa_shared,
     nocache,
     presets,
-    quantized,
 )
 from kvlab.cache.base import (
     CacheOptions,

@@ -1,11 +1,13 @@
 """A strategy as a choice on three axes: a policy (what is kept and attended) over a store
 (where K/V live) in a codec (how a token is held), and the presets that name such choices.
 
-:func:`preset` registers a named pair; its options are the union of the policy's, the
-store's and the codec's (``kv_bits``), checked field by field, so ``cache=paged
-cache.options.kv_bits=4`` is the paged store in token codes with no new code. The
-pairs a policy composes with are the stores it names (``Policy.stores``);
-:func:`compositions` lists them for the contract tests.
+:func:`preset` registers a named choice; its options are the union of the policy's, the
+store's and the codec's (``kv_bits`` for token codes, or KIVI's), checked field by field,
+so ``cache=paged cache.options.kv_bits=4`` is the paged store in token codes with no new
+code. The stores a policy composes with are those it names (``Policy.stores``); a staged
+codec (KIVI) needs a store with an exact staging ring (:data:`STAGED`). A choice that does
+not compose is refused when it is registered, with what is allowed; :func:`compositions`
+lists the registered ones for the contract tests.
 """
 
 from __future__ import annotations
@@ -15,12 +17,20 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, RowState, register
-from kvlab.cache.codecs import CodecOptions
+from kvlab.cache.codecs import CodecOptions, KiviOptions
 from kvlab.cache.policies.base import Policy
 from kvlab.cache.stores.base import Store, parts_bytes
 from kvlab.cache.stores.contiguous import ContiguousStore
+from kvlab.cache.stores.staged import StagedStore
 
-_COMPOSITIONS: dict[str, tuple[type[Policy], type[Store]]] = {}
+_COMPOSITIONS: dict[str, tuple[type[Policy], type[Store], type]] = {}
+STAGED: dict[type[Store], type[Store]] = {ContiguousStore: StagedStore}  # store -> its staged form
+STAGED_CODECS = (KiviOptions,)  # codec options whose codec is staged
+
+
+def store_for(store: type[Store], codec) -> type[Store]:
+    """The store class that holds ``codec``: a staged codec's, the store's staged form."""
+    return STAGED[store] if codec.staged else store
 
 
 class ComposedCache(KVCache):
@@ -37,10 +47,10 @@ class ComposedCache(KVCache):
 
     def _new_store(self) -> Store:
         codec = self.options.codec(self.spec.head_dim)
-        extras = self.policy.block_extras()
+        store, extras = store_for(self.Store, codec), self.policy.block_extras()
         if extras:  # only block stores keep per-block metadata
-            return self.Store(self.spec, codec, self.options, block_extras=extras)
-        return self.Store(self.spec, codec, self.options)
+            return store(self.spec, codec, self.options, block_extras=extras, static=self.static)
+        return store(self.spec, codec, self.options, static=self.static)
 
     @classmethod
     def planned_bytes(cls, spec, options, batch_size, max_tokens):
@@ -49,7 +59,8 @@ class ComposedCache(KVCache):
         if not issubclass(cls.Store, ContiguousStore):
             return super().planned_bytes(spec, options, batch_size, max_tokens)
         codec = options.codec(spec.head_dim)
-        return cls.Store.planned_bytes(spec, codec, options, batch_size, max_tokens)
+        store = store_for(cls.Store, codec)
+        return store.planned_bytes(spec, codec, options, batch_size, max_tokens)
 
     @classmethod
     def describe(cls, options) -> str:
@@ -123,12 +134,22 @@ class ComposedCache(KVCache):
         return dataclasses.replace(report, details=self.store.details())
 
 
-def preset(name: str, policy: type[Policy], store: type[Store], options=()) -> type:
-    """Register strategy ``name`` as ``policy`` over ``store``, its options the union of
-    ``options`` (the policy's and store's dataclasses) and the codec's."""
+def preset(
+    name: str, policy: type[Policy], store: type[Store], options=(), codec: type = CodecOptions
+) -> type:
+    """Register strategy ``name`` as ``policy`` over ``store`` in ``codec``'s codes, its
+    options the union of ``options`` (the policy's and store's dataclasses) and ``codec``."""
     if store.kind not in policy.stores:
-        raise ValueError(f"policy {policy.__name__} does not compose with store {store.kind!r}")
-    bases = (*options, CodecOptions, CacheOptions)
+        raise ValueError(
+            f"policy {policy.__name__} does not compose with store {store.kind!r}; "
+            f"allowed: {policy.stores}"
+        )
+    if issubclass(codec, STAGED_CODECS) and store not in STAGED:
+        raise ValueError(
+            f"codec {codec.__name__} keeps an exact residual, which store {store.kind!r} "
+            f"cannot stage; allowed: {sorted(s.kind for s in STAGED)}"
+        )
+    bases = (*options, codec, CacheOptions)
 
     def post_init(self) -> None:
         for base in bases:
@@ -143,10 +164,10 @@ def preset(name: str, policy: type[Policy], store: type[Store], options=()) -> t
     cls = type(f"{title}Cache", (ComposedCache,), {"Policy": policy, "Store": store})
     cls.Options, cls.__module__ = merged, "kvlab.cache.presets"
     merged.__module__, merged.__qualname__ = cls.__module__, f"{cls.__name__}.Options"
-    _COMPOSITIONS[name] = (policy, store)
+    _COMPOSITIONS[name] = (policy, store, codec)
     return register(name)(cls)
 
 
-def compositions() -> dict[str, tuple[type[Policy], type[Store]]]:
-    """Preset name → (policy, store) of every composed strategy."""
+def compositions() -> dict[str, tuple[type[Policy], type[Store], type]]:
+    """Preset name → (policy, store, codec options) of every composed strategy."""
     return dict(_COMPOSITIONS)

@@ -1,19 +1,30 @@
 """Codecs: how a token's K/V rows are held (one file each). ``exact`` keeps the model
-dtype; ``token`` holds per-token integer codes. KIVI's keys per channel
-(:mod:`kvlab.cache.quantized`) use the same arithmetic (:mod:`kvlab.kernels.int_codes`).
-Strategies whose storage can hold codes take :class:`CodecOptions` and ask it for their
-:class:`Codec`."""
+dtype; ``token`` holds per-token integer codes; ``channel`` per-channel codes over token
+groups; ``kivi`` is KIVI's pair (channel keys, token values, an exact residual). The
+arithmetic is :mod:`kvlab.kernels.int_codes`. Strategies whose storage can hold codes take
+:class:`CodecOptions` (or :class:`KiviOptions`) and ask it for their codec."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from kvlab.cache.codecs.base import Codec
+from kvlab.cache.codecs.channel import ChannelCodec
 from kvlab.cache.codecs.exact import Exact
+from kvlab.cache.codecs.kivi import Kivi, KiviOptions
 from kvlab.cache.codecs.token import TokenCodec
 from kvlab.kernels.int_codes import BITS
 
-__all__ = ["BITS", "Codec", "CodecOptions", "Exact", "TokenCodec"]
+__all__ = [
+    "BITS",
+    "ChannelCodec",
+    "Codec",
+    "CodecOptions",
+    "Exact",
+    "Kivi",
+    "KiviOptions",
+    "TokenCodec",
+]
 
 
 @dataclass

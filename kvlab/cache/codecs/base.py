@@ -1,11 +1,17 @@
 """The codec contract: how one token's key (or value) row is held. A codec states the parts
-a stored row has (width and dtype of each), encodes new rows into them, decodes them back,
-and names the format the decode kernel reads them in (:class:`~kvlab.kernels.Stored`).
-Stores hold parts as they hold any tensor; they never look inside a codec."""
+a stored row has (width and dtype of each, and how many tokens one row of each part
+covers), encodes new rows into them, decodes them back, and names the format the decode
+kernel reads them in (:class:`~kvlab.kernels.Stored`). Stores hold parts as they hold any
+tensor; they never look inside a codec.
+
+A codec holds keys and values alike unless it names a pair (:meth:`Codec.halves`); a
+``staged`` codec encodes whole groups of tokens and keeps the newest exact, so only a store
+with an exact staging ring holds it (:mod:`kvlab.cache.stores.staged`)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 
@@ -14,6 +20,8 @@ from kvlab.kernels import Stored
 
 class Codec(ABC):
     """Encodes K or V rows (..., D) into stored parts [(..., E_i)] and back."""
+
+    staged: ClassVar[bool] = False
 
     @abstractmethod
     def parts(self, dim: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
@@ -30,6 +38,14 @@ class Codec(ABC):
     @abstractmethod
     def stored(self, parts: list[torch.Tensor]) -> Stored:
         """Parts (N, H_kv, slots, E_i) as the decode kernel reads them, in place."""
+
+    def spans(self, dim: int) -> list[int]:
+        """Tokens one stored row of each part covers (1: a row per token)."""
+        return [1] * len(self.parts(dim, torch.float32))
+
+    def halves(self) -> tuple[Codec, Codec]:
+        """The codecs keys and values are held in."""
+        return self, self
 
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """x as it reads back after being stored."""

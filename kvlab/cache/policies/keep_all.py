@@ -39,10 +39,10 @@ class KeepAll(Policy):
     def plan(self, info, lengths, store, static) -> KeepAllStep:
         start, end = row_bounds(lengths, info)
         steps, longest = info.steps, max(lengths, default=0)
-        if longest + steps > store.slots:
+        if longest + steps > store.capacity:
             raise ValueError(
                 f"a step of {steps} tokens after {longest} stored exceeds the "
-                f"{store.slots} slots allocated; allocate(batch, max_tokens) with more tokens"
+                f"{store.capacity} slots allocated; allocate(batch, max_tokens) with more tokens"
             )
         slots = slot_positions(start, steps)  # (B, T)
         real = torch.arange(steps, device=start.device)[None] < (end - start)[:, None]
@@ -50,15 +50,18 @@ class KeepAll(Policy):
         step = self.Step(info, start, end, where, torch.zeros_like(start))
         if steps > 1:
             step.read = longest + steps
-            if longest:
+            held = store.held(where, step.read)
+            if held is not None:
+                step.mask = visible(slots, held)
+            elif longest:
                 step.mask = visible(slots, torch.arange(step.read, device=start.device))
         return step
 
     def attend(self, step, store, layer, q, k, v, k_raw):
-        store.write(step.where, layer, k, v)
         if step.decode:
+            store.write(step.where, layer, k, v)
             queries = grouped(q, self.spec.num_kv_heads)
-            segment = store.segment(step.where, layer, queries, step.origin, step.end)
-            return decode_output(decode_attention([segment], q.shape[-1] ** -0.5, q.dtype), q)
-        keys, values = store.read(layer, step.read)
+            segments = store.segments(step.where, layer, queries, step.origin, step.end)
+            return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
+        keys, values = store.context(step.where, layer, k, v, step.read)
         return sdpa(q, keys, values, mask=step.mask, causal=step.mask is None)

@@ -25,13 +25,22 @@ class Store(ABC):
     """Keys and values of every layer, addressed by (row, logical slot).
 
     ``pooled``: rows draw on one shared pool (the serving budget is the pool, requests are
-    admitted by the blocks they need); otherwise a row reserves its whole capacity."""
+    admitted by the blocks they need); otherwise a row reserves its whole capacity.
+    ``static``: every step has the same shapes and does the same work (a compiled decode
+    step), so a store never skips work on a host-side condition."""
 
     kind: ClassVar[str]
     pooled: ClassVar[bool] = False
 
-    def __init__(self, spec: CacheSpec, codec: Codec, options: Any):
-        self.spec, self.codec, self.options = spec, codec, options
+    def __init__(self, spec: CacheSpec, codec: Codec, options: Any, static: bool = False):
+        self.spec, self.codec, self.options, self.static = spec, codec, options, static
+
+    slots: int  # logical slots per row
+
+    @property
+    def capacity(self) -> int:
+        """Tokens a row can hold."""
+        return self.slots
 
     @abstractmethod
     def allocate(self, batch_size: int, max_tokens: int) -> None:
@@ -66,10 +75,27 @@ class Store(ABC):
         """Decode queries (B, H_kv, G, D) over logical slots [lo, hi) of each row, in place
         (``where``: the step's placement, whose row table a store may carry)."""
 
+    def segments(self, where: Any, layer: int, queries: torch.Tensor, lo, hi) -> list[Segment]:
+        """Every segment a decode query over logical slots [lo, hi) reads (a store that
+        holds some tokens apart, as the staged store its exact ring, returns more than one)."""
+        return [self.segment(where, layer, queries, lo, hi)]
+
     @abstractmethod
     def read(self, layer: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, H_kv, slots, D) of the first ``slots`` logical slots of every
         row, decoded to the model dtype (multi-token steps)."""
+
+    def held(self, where: Any, slots: int) -> torch.Tensor | None:
+        """The position each key column of :meth:`context` holds, (B, L) with -1 for none;
+        None where column j is logical slot j of the first ``slots``."""
+        return None
+
+    def context(self, where: Any, layer: int, k, v, slots: int):
+        """A multi-token step's keys and values: write the new k, v, then read the first
+        ``slots`` logical slots (a store may instead keep the step's own tokens exact and
+        say where each column lies through :meth:`held`)."""
+        self.write(where, layer, k, v)
+        return self.read(layer, slots)
 
     @abstractmethod
     def tensors(self) -> list[torch.Tensor]:
@@ -81,7 +107,7 @@ class Store(ABC):
 
     def spawn(self) -> Store:
         """An empty store for rows about to join this one (what rows share, it shares)."""
-        return type(self)(self.spec, self.codec, self.options)
+        return type(self)(self.spec, self.codec, self.options, static=self.static)
 
     def details(self) -> dict[str, int]:
         """Extra lines of the memory report."""

@@ -26,39 +26,48 @@ class ContiguousWrite:
 
 
 class ContiguousStore(Store):
-    """Per layer, keys and values as their codec's parts (B, H_kv, slots, E_i)."""
+    """Per layer, keys and values as their codecs' parts (B, H_kv, slots / span_i, E_i)."""
 
     kind = "contiguous"
 
-    def __init__(self, spec, codec, options=None):
-        super().__init__(spec, codec, options)
+    def __init__(self, spec, codec, options=None, static=False):
+        super().__init__(spec, codec, options, static)
+        self.key_codec, self.value_codec = codec.halves()
         self.keys: list[list[torch.Tensor]] = []  # per layer: [data] or [codes, scale, zero]
         self.values: list[list[torch.Tensor]] = []
 
     @staticmethod
     def layout(spec, codec, batch_size: int, slots: int) -> list[tuple[tuple, torch.dtype]]:
-        """(shape, dtype) of every part of one layer's keys (or values)."""
-        lead = (batch_size, spec.num_kv_heads, slots)
-        return [((*lead, width), t) for width, t in codec.parts(spec.head_dim, spec.dtype)]
+        """(shape, dtype) of every part of one layer's keys (or values) in ``codec``."""
+        lead, dim = (batch_size, spec.num_kv_heads), spec.head_dim
+        parts = zip(codec.parts(dim, spec.dtype), codec.spans(dim), strict=True)
+        return [((*lead, slots // span, width), t) for (width, t), span in parts]
 
     @classmethod
-    def slots_for(cls, options, max_tokens: int) -> int:
+    def slots_for(cls, codec, options, max_tokens: int) -> int:
         """Logical slots a row of ``max_tokens`` tokens takes."""
         return max_tokens
 
     @classmethod
     def planned_bytes(cls, spec, codec, options, batch_size: int, max_tokens: int) -> dict:
         """Bytes per component :meth:`allocate` takes, from shapes alone."""
-        slots = cls.slots_for(options, max_tokens)
-        per_layer = sum(nbytes(*part) for part in cls.layout(spec, codec, batch_size, slots))
-        return {"kv": 2 * spec.num_layers * per_layer}
+        slots = cls.slots_for(codec, options, max_tokens)
+        per_layer = sum(
+            nbytes(*part)
+            for half in codec.halves()
+            for part in cls.layout(spec, half, batch_size, slots)
+        )
+        return {"kv": spec.num_layers * per_layer}
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
-        s = self.spec
-        layout = self.layout(s, self.codec, batch_size, self.slots_for(self.options, max_tokens))
-        make = lambda: [torch.zeros(shape, dtype=t, device=s.device) for shape, t in layout]  # noqa: E731
-        self.keys = [make() for _ in range(s.num_layers)]
-        self.values = [make() for _ in range(s.num_layers)]
+        s, slots = self.spec, self.slots_for(self.codec, self.options, max_tokens)
+
+        def make(codec) -> list[torch.Tensor]:
+            layout = self.layout(s, codec, batch_size, slots)
+            return [torch.zeros(shape, dtype=t, device=s.device) for shape, t in layout]
+
+        self.keys = [make(self.key_codec) for _ in range(s.num_layers)]
+        self.values = [make(self.value_codec) for _ in range(s.num_layers)]
 
     @property
     def slots(self) -> int:
@@ -73,27 +82,46 @@ class ContiguousStore(Store):
         return ContiguousWrite(slots, rows)
 
     def write(self, where: ContiguousWrite, layer, k, v) -> None:
-        for parts, new in ((self.keys[layer], k), (self.values[layer], v)):
-            for part, value in zip(parts, self.codec.encode(new), strict=True):
-                write_rows(part, where.slots, value)
+        self.put(layer, k, v, where.slots)
+
+    def put(self, layer: int, k, v, slots: torch.Tensor) -> None:
+        """Encode k, v (B, H_kv, T, D) and write them at token slots (B, T); a part whose
+        rows span several tokens is written at the rows of those slots' groups (then
+        ``slots`` are whole aligned groups)."""
+        halves = ((self.keys[layer], self.key_codec, k), (self.values[layer], self.value_codec, v))
+        dim = self.spec.head_dim
+        for parts, codec, new in halves:
+            encoded = codec.encode(new)
+            for part, value, span in zip(parts, encoded, codec.spans(dim), strict=True):
+                write_rows(part, slots if span == 1 else slots[:, ::span] // span, value)
 
     def segment(self, where: ContiguousWrite, layer, queries, lo, hi, ring=0) -> Segment:
-        keys = self.codec.stored(self.keys[layer])
-        values = self.codec.stored(self.values[layer])
+        keys = self.key_codec.stored(self.keys[layer])
+        values = self.value_codec.stored(self.values[layer])
         return Segment(queries, keys, values, where.rows, lo, hi, ring)
 
     def read(self, layer, slots):
-        dtype = self.spec.dtype
-        keys = self.codec.decode([p[:, :, :slots] for p in self.keys[layer]], dtype)
-        values = self.codec.decode([p[:, :, :slots] for p in self.values[layer]], dtype)
-        return keys, values
+        return self.decoded(self.keys[layer], self.key_codec, slots), self.decoded(
+            self.values[layer], self.value_codec, slots
+        )
+
+    def decoded(self, parts: list[torch.Tensor], codec, slots: int) -> torch.Tensor:
+        """The first ``slots`` token slots of one layer's parts in the model dtype."""
+        spans = codec.spans(self.spec.head_dim)
+        cut = [p[:, :, : slots // span] for p, span in zip(parts, spans, strict=True)]
+        return codec.decode(cut, self.spec.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for layer in self.keys + self.values for t in layer]
 
     def used_bytes(self, lengths: Sequence[int]) -> int:
+        """Each part's per-row share times the rows ``lengths`` tokens fill."""
         if not self.keys or not lengths:
             return 0
-        parts = [t for layer in self.keys + self.values for t in layer]
-        per_slot = parts_bytes(parts) // (len(lengths) * self.slots)
-        return per_slot * sum(lengths)
+        dim, used = self.spec.head_dim, 0
+        for parts, codec in ((self.keys, self.key_codec), (self.values, self.value_codec)):
+            for index, span in enumerate(codec.spans(dim)):
+                layers = [layer[index] for layer in parts]
+                per_row = parts_bytes(layers) // (len(lengths) * layers[0].shape[2])
+                used += per_row * sum(n // span for n in lengths)
+        return used

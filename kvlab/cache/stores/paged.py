@@ -48,8 +48,8 @@ class PagedStore(Store):
     kind = "paged"
     pooled = True
 
-    def __init__(self, spec, codec, options: PagedOptions, block_extras=()):
-        super().__init__(spec, codec, options)
+    def __init__(self, spec, codec, options: PagedOptions, block_extras=(), static=False):
+        super().__init__(spec, codec, options, static)
         self.block_extras = list(block_extras)
         self.pool: BlockPool | None = None
         self.keys: list[list[torch.Tensor]] = []  # per layer: [data(, scale, zero)]
@@ -129,7 +129,7 @@ class PagedStore(Store):
 
     def spawn(self) -> PagedStore:
         """Rows that share this store's pool (and prefix index): joining moves no KV."""
-        new = type(self)(self.spec, self.codec, self.options, self.block_extras)
+        new = type(self)(self.spec, self.codec, self.options, self.block_extras, self.static)
         for shared in ("pool", "keys", "values", "extras", "serving"):
             setattr(new, shared, getattr(self, shared))
         return new

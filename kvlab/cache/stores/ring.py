@@ -25,19 +25,19 @@ class RingWrite(ContiguousWrite):
 class RingStore(ContiguousStore):
     kind = "ring"
 
-    def __init__(self, spec, codec, options):
-        super().__init__(spec, codec, options)
+    def __init__(self, spec, codec, options, static=False):
+        super().__init__(spec, codec, options, static)
         self.trash = 0
         self.slot_pos = torch.full((0, 1), -1, device=spec.device)
 
     @classmethod
-    def slots_for(cls, options, max_tokens: int) -> int:
+    def slots_for(cls, codec, options, max_tokens: int) -> int:
         return min(options.sinks + options.window, max_tokens) + 1
 
     @classmethod
     def planned_bytes(cls, spec, codec, options, batch_size: int, max_tokens: int) -> dict:
         lines = super().planned_bytes(spec, codec, options, batch_size, max_tokens)
-        slots = cls.slots_for(options, max_tokens)
+        slots = cls.slots_for(codec, options, max_tokens)
         return {**lines, "slot_positions": nbytes((batch_size, slots), torch.long)}
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:

@@ -1,0 +1,182 @@
+"""The contiguous store in a staged codec (KIVI, Liu et al., arXiv 2402.02750): row b's
+tokens [0, nq) are held as codes in the contiguous slots, nq = max(0, (length - residual)
+// G) * G, and the rest exactly in a ring of ``residual + G`` slots per row (position p at
+slot p % ring; +1 trash slot), so a group of G tokens is encoded once all its tokens are
+known and the ``residual`` newest stay exact. Decode reads the codes and the ring in place
+as two segments (scales folded per row in the kernel, never a decoded history); a
+multi-token step reads [codes decoded | ring | its own tokens exact] and encodes the groups
+it closes from the ring and its new rows. One trash group takes the writes of rows that
+close no group, so a static step writes the same shapes every step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.cache.base import RowState, nbytes, rows_of
+from kvlab.cache.rows import write_rows
+from kvlab.cache.stores.base import parts_bytes
+from kvlab.cache.stores.contiguous import ContiguousStore
+from kvlab.kernels import Segment, Stored
+
+
+@dataclass
+class StagedWrite:
+    """``rows`` (B, 1): each row's block; ``start``/``end`` (B,): tokens before / after the
+    step; ``coded``/``coded_after`` (B,): tokens held as codes before / after; ``groups``
+    (B, M): the groups the step encodes (the trash group where a row encodes fewer);
+    ``sources`` (B, M * G): their tokens' positions; ``ring_slots`` (B, T): each new token's
+    ring slot (trash: padding, or encoded within the step); ``encodes``: some row encodes;
+    ``read``: code slots a multi-token step reads."""
+
+    rows: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    coded: torch.Tensor
+    coded_after: torch.Tensor
+    groups: torch.Tensor
+    sources: torch.Tensor
+    ring_slots: torch.Tensor
+    encodes: bool
+    read: int
+
+
+class StagedStore(ContiguousStore):
+    """Codes (B, H_kv, slots / span, E) per part as the contiguous store holds them, and
+    per layer an exact key ring and value ring (B, H_kv, residual + G + 1, D)."""
+
+    def __init__(self, spec, codec, options=None, static=False):
+        super().__init__(spec, codec, options, static)
+        self.group, self.ring_size = codec.group, codec.residual + codec.group
+        self.rings: list[list[torch.Tensor]] = []  # per layer: [keys, values]
+
+    @classmethod
+    def slots_for(cls, codec, options, max_tokens: int) -> int:
+        group = codec.group
+        return -(-max_tokens // group) * group + group  # + one trash group
+
+    @classmethod
+    def planned_bytes(cls, spec, codec, options, batch_size: int, max_tokens: int) -> dict:
+        codes = super().planned_bytes(spec, codec, options, batch_size, max_tokens)["kv"]
+        ring = (batch_size, spec.num_kv_heads, codec.residual + codec.group + 1, spec.head_dim)
+        return {"codes": codes, "ring": 2 * spec.num_layers * nbytes(ring, spec.dtype)}
+
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
+        super().allocate(batch_size, max_tokens)
+        s = self.spec
+        shape = (batch_size, s.num_kv_heads, self.ring_size + 1, s.head_dim)
+        ring = lambda: torch.zeros(shape, dtype=s.dtype, device=s.device)  # noqa: E731
+        self.rings = [[ring(), ring()] for _ in range(s.num_layers)]
+
+    @property
+    def trash_group(self) -> int:
+        return self.slots // self.group - 1
+
+    @property
+    def capacity(self) -> int:
+        return self.slots - self.group
+
+    def row_state(self) -> list[RowState]:
+        return [*super().row_state(), *(e for layer in self.rings for e in rows_of(layer))]
+
+    # ---- placing a step --------------------------------------------------------------------
+    def place(self, lengths, info, slots, real) -> StagedWrite:
+        group, ring, device = self.group, self.ring_size, slots.device
+        start, end = slots[:, 0], slots[:, 0] + real.sum(dim=1)
+        coded, coded_after = self.codec.encoded(start), self.codec.encoded(end)
+        count = -(-info.steps // group)  # groups a row can close in this step
+        index = torch.arange(count, device=device)  # (M,)
+        closes = index[None] < ((coded_after - coded) // group)[:, None]
+        groups = torch.where(closes, (coded // group)[:, None] + index, self.trash_group)
+        sources = coded[:, None] + torch.arange(count * group, device=device)[None]
+        in_ring = real & (slots >= coded_after[:, None])
+        ring_slots = torch.where(in_ring, slots % ring, ring)  # trash: slot `ring`
+        rows = torch.arange(len(lengths), device=device)[:, None]
+        encodes = self.static or self._any_group_closes(lengths, info.num_new)
+        read = self.codec.encoded(max(lengths)) if info.steps > 1 else 0
+        return StagedWrite(
+            rows, start, end, coded, coded_after, groups, sources, ring_slots, encodes, read
+        )
+
+    def _any_group_closes(self, lengths: Sequence[int], num_new: Sequence[int]) -> bool:
+        """Host check: does some row encode a group in this step?"""
+        encoded = self.codec.encoded
+        return any(encoded(n + k) > encoded(n) for n, k in zip(lengths, num_new, strict=True))
+
+    def held(self, where: StagedWrite, slots: int) -> torch.Tensor:
+        """Positions of [codes | ring | new] columns (B, read + ring + 1 + T)."""
+        device, steps = where.start.device, where.ring_slots.shape[1]
+        codes = torch.arange(where.read, device=device)
+        codes = torch.where(codes[None] < where.coded[:, None], codes[None], -1)
+        ring_slots = torch.arange(self.ring_size + 1, device=device)
+        top = where.start[:, None] - 1
+        held = top - (top - ring_slots[None]) % self.ring_size  # newest position per slot
+        keep = (held >= where.coded[:, None]) & (ring_slots[None] < self.ring_size)
+        new = where.start[:, None] + torch.arange(steps, device=device)
+        return torch.cat([codes, torch.where(keep, held, -1), new], dim=1)
+
+    # ---- one layer -------------------------------------------------------------------------
+    def write(self, where: StagedWrite, layer, k, v) -> None:
+        """Decode: the new token into the ring, then the group it closes into codes (read
+        from the ring; the step's code segment ends before it)."""
+        self._write_ring(where, layer, k, v)
+        self._encode_closed(where, layer, None, None)
+
+    def context(self, where: StagedWrite, layer, k, v, slots: int):
+        keys, values = self.read(layer, where.read)
+        key_ring, value_ring = self.rings[layer]
+        keys = torch.cat([keys, key_ring, k], dim=2)
+        values = torch.cat([values, value_ring, v], dim=2)
+        self._encode_closed(where, layer, k, v)
+        self._write_ring(where, layer, k, v)
+        return keys, values
+
+    def segments(self, where: StagedWrite, layer, queries, lo, hi) -> list[Segment]:
+        codes = self.segment(where, layer, queries, lo, where.coded)
+        key_ring, value_ring = self.rings[layer]
+        exact = Segment(queries, Stored(key_ring), Stored(value_ring), where.rows,
+                        where.coded, hi, ring=self.ring_size)  # fmt: skip
+        return [codes, exact]
+
+    def _write_ring(self, where: StagedWrite, layer: int, k, v) -> None:
+        for ring, new in zip(self.rings[layer], (k, v), strict=True):
+            write_rows(ring, where.ring_slots, new)
+
+    def _encode_closed(self, where: StagedWrite, layer: int, k, v) -> None:
+        """Encode the groups the step closes from the ring (tokens before the step) and the
+        new k, v (B, H_kv, T, D); in decode the new token is already in the ring."""
+        if not where.encodes:
+            return
+        key_ring, value_ring = self.rings[layer]
+        keys, values = self._gather(where, key_ring, k), self._gather(where, value_ring, v)
+        slots = where.groups[:, :, None] * self.group + torch.arange(self.group, device=keys.device)
+        self.put(layer, keys, values, slots.flatten(1))
+
+    def _gather(self, where: StagedWrite, ring: torch.Tensor, new) -> torch.Tensor:
+        """Rows at positions ``where.sources`` (B, N): from the ring, or from ``new`` for
+        the positions the step itself brings."""
+        batch, heads, _, dim = ring.shape
+        index = (where.sources % self.ring_size)[:, None, :, None].expand(batch, heads, -1, dim)
+        rows = ring.gather(2, index)
+        if new is None:
+            return rows
+        offset = (where.sources - where.start[:, None]).clamp(0, new.shape[2] - 1)
+        fresh = new.gather(2, offset[:, None, :, None].expand(batch, heads, -1, dim))
+        brought = (where.sources >= where.start[:, None])[:, None, :, None]
+        return torch.where(brought, fresh, rows)
+
+    # ---- accounting ------------------------------------------------------------------------
+    def tensors(self) -> list[torch.Tensor]:
+        return [*super().tensors(), *(t for layer in self.rings for t in layer)]
+
+    def used_bytes(self, lengths: Sequence[int]) -> int:
+        """The codes of coded tokens (per-slot shares of the code parts) and the exact
+        tokens' share of the ring."""
+        if not self.keys or not lengths:
+            return 0
+        coded = [self.codec.encoded(n) for n in lengths]
+        rings = [t for layer in self.rings for t in layer]
+        per_slot = parts_bytes(rings) // (len(lengths) * (self.ring_size + 1))
+        return super().used_bytes(coded) + per_slot * (sum(lengths) - sum(coded))
