@@ -122,10 +122,12 @@ def kivi_dequantized(x: torch.Tensor, bits: int, group: int, residual: int, axis
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("axis", ["channel", "token"])
-def test_kivi_decode_equals_dequantize_then_attend(tiny_llama, bits, axis):
-    """Residual 6 with groups of 4 (residual % group != 0): decode over codes + exact ring
+@pytest.mark.parametrize("residual", [6, 0])
+def test_kivi_decode_equals_dequantize_then_attend(tiny_llama, bits, axis, residual):
+    """Residual 6 with groups of 4 (residual % group != 0), and no residual (a decode token
+    that completes a group is encoded in its own step): decode over codes + exact ring
     gives the attention of dequantize-then-attend, every layer, every step."""
-    options = dict(bits=bits, group_size=4, residual=6, key_axis=axis)
+    options = dict(bits=bits, group_size=4, residual=residual, key_axis=axis)
     cache = build_cache(f"int{bits}", tiny_llama.cache_spec(), options)
     seen: dict[int, list] = {}
     attend = cache.attend
@@ -138,10 +140,10 @@ def test_kivi_decode_equals_dequantize_then_attend(tiny_llama, bits, axis):
         values = torch.cat([h[1] for h in history], dim=2)
         if q.shape[2] == 1:  # a decode step: check it against the reference
             before = keys.shape[2] - 1  # the codes cover what was stored before the step
-            ref_k = torch.cat([kivi_dequantized(keys[:, :, :before], bits, 4, 6, axis),
+            ref_k = torch.cat([kivi_dequantized(keys[:, :, :before], bits, 4, residual, axis),
                                keys[:, :, before:]], dim=2)  # fmt: skip
-            ref_v = torch.cat([kivi_dequantized(values[:, :, :before], bits, 4, 6, "token"),
-                               values[:, :, before:]], dim=2)  # fmt: skip
+            ref_v = torch.cat([kivi_dequantized(values[:, :, :before], bits, 4, residual,
+                                                "token"), values[:, :, before:]], dim=2)  # fmt: skip
             expected = torch.nn.functional.scaled_dot_product_attention(
                 q, ref_k, ref_v, enable_gqa=True
             )

@@ -28,7 +28,7 @@ class StagedWrite:
     step; ``coded``/``coded_after`` (B,): tokens held as codes before / after; ``groups``
     (B, M): the groups the step encodes (the trash group where a row encodes fewer);
     ``sources`` (B, M * G): their tokens' positions; ``ring_slots`` (B, T): each new token's
-    ring slot (trash: padding, or encoded within the step); ``encodes``: some row encodes;
+    ring slot (trash: padding, or encoded within a multi-token step); ``encodes``: some row encodes;
     ``read``: code slots a multi-token step reads."""
 
     rows: torch.Tensor
@@ -91,7 +91,10 @@ class StagedStore(ContiguousStore):
         closes = index[None] < ((coded_after - coded) // group)[:, None]
         groups = torch.where(closes, (coded // group)[:, None] + index, self.trash_group)
         sources = coded[:, None] + torch.arange(count * group, device=device)[None]
-        in_ring = real & (slots >= coded_after[:, None])
+        # a decode token always passes through the ring (with no residual it may complete
+        # a group, which is encoded from the ring); a longer step's tokens encoded within
+        # it skip the ring, where several would share a slot in one write
+        in_ring = real & ((slots >= coded_after[:, None]) | (info.steps == 1))
         ring_slots = torch.where(in_ring, slots % ring, ring)  # trash: slot `ring`
         rows = torch.arange(len(lengths), device=device)[:, None]
         encodes = self.static or self._any_group_closes(lengths, info.num_new)
