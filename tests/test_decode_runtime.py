@@ -140,10 +140,10 @@ def test_kivi_decode_equals_dequantize_then_attend(tiny_llama, bits, axis, resid
         values = torch.cat([h[1] for h in history], dim=2)
         if q.shape[2] == 1:  # a decode step: check it against the reference
             before = keys.shape[2] - 1  # the codes cover what was stored before the step
-            ref_k = torch.cat([kivi_dequantized(keys[:, :, :before], bits, 4, residual, axis),
-                               keys[:, :, before:]], dim=2)  # fmt: skip
-            ref_v = torch.cat([kivi_dequantized(values[:, :, :before], bits, 4, residual,
-                                                "token"), values[:, :, before:]], dim=2)  # fmt: skip
+            coded_k = kivi_dequantized(keys[:, :, :before], bits, 4, residual, axis)
+            coded_v = kivi_dequantized(values[:, :, :before], bits, 4, residual, "token")
+            ref_k = torch.cat([coded_k, keys[:, :, before:]], dim=2)
+            ref_v = torch.cat([coded_v, values[:, :, before:]], dim=2)
             expected = torch.nn.functional.scaled_dot_product_attention(
                 q, ref_k, ref_v, enable_gqa=True
             )

@@ -170,6 +170,27 @@ class KVCache(ABC):
             kept = [value[b] for b in keep] if axis is None else value.index_select(axis, index)
             holder[key] = kept
 
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """Roll row b back to its first ``lengths[b]`` tokens, as if only those had been
+        fed (speculative decoding's rejected drafts): what comes next sees none of the
+        rest. A strategy that cannot do so exactly refuses with the reason."""
+        self.check_truncation(lengths)
+        raise ValueError(
+            f"cache={self.name} cannot roll back its rows: it keeps no exact history to "
+            "return to; allowed: the composed strategies (full, paged, quest, sliding, "
+            "int8/int4/int2, gqa_shared)"
+        )
+
+    def check_truncation(self, lengths: Sequence[int]) -> None:
+        """Refuse lengths that are not one per row within what each row holds."""
+        if len(lengths) != len(self.lengths) or any(
+            not 0 <= n <= held for n, held in zip(lengths, self.lengths, strict=True)
+        ):
+            raise ValueError(
+                f"truncate(lengths={list(lengths)}) is invalid; allowed: one length per "
+                f"row, each between 0 and what the row holds ({self.lengths})"
+            )
+
     def rows_kept(self, rows: Sequence[int]) -> tuple[list[int], torch.Tensor]:
         """The rows that stay when ``rows`` are freed (call before :meth:`free`), on the
         host and as an index on the device."""

@@ -84,6 +84,15 @@ class ComposedCache(KVCache):
     def row_state(self) -> list[RowState]:
         return [*super().row_state(), *self.store.row_state(), *self.policy.row_state()]
 
+    def truncate(self, lengths: Sequence[int]) -> None:
+        """The store drops (or refuses to drop) what lies past each new length; the policy
+        then mends what it derived from the dropped tokens."""
+        self.check_truncation(lengths)
+        lengths = list(lengths)
+        self.store.truncate(self.lengths, lengths)
+        self.policy.truncate(self.store, lengths)
+        self.lengths = lengths
+
     # ---- serving ---------------------------------------------------------------------------
     def serve(self, budget_bytes: int, max_tokens: int) -> None:
         if self.store.pooled:

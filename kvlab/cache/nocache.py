@@ -29,6 +29,10 @@ class NoCache(KVCache):
     def end(self, step) -> None:
         return None  # nothing is stored, so lengths stay 0
 
+    def truncate(self, lengths) -> None:
+        """Nothing is stored: the engine feeds the kept tokens again."""
+        self.check_truncation(lengths)
+
     def tensors(self) -> Iterable[torch.Tensor]:
         return []
 

@@ -59,6 +59,10 @@ class Policy:
     def attend(self, step: Step, store: Store, layer: int, q, k, v, k_raw) -> torch.Tensor:
         raise NotImplementedError
 
+    def truncate(self, store: Store, lengths: list[int]) -> None:
+        """After the store rolled rows back to ``lengths``: mend what the policy derived
+        from the dropped tokens (nothing, by default)."""
+
     def end(self, step: Step, store: Store) -> None:
         """After the layers (the cache then advances the lengths): the store commits what
         the step placed."""

@@ -87,6 +87,16 @@ class Quest(KeepAll):
         low.scatter_reduce_(0, index, stored.to(low.dtype), "amin")
         high.scatter_reduce_(0, index, stored.to(high.dtype), "amax")
 
+    def truncate(self, store, lengths) -> None:
+        """A partly kept block's bounds are recomputed from the keys it keeps."""
+        size = self.options.block_size
+        for row, n in enumerate(lengths):
+            if n % size:
+                block = store.tables[row][-1]
+                for keys, (low, high) in zip(store.keys, store.extras, strict=True):
+                    held = store.codec.decode([p[block] for p in keys], self.spec.dtype)
+                    low[block], high[block] = held[:, : n % size].aminmax(dim=1)
+
     def _selected(self, step: QuestStep, store, layer: int, queries: torch.Tensor) -> Segment:
         """The decode segment over each (row, KV head)'s top blocks by Quest's bound and
         its newest block: queries (B * H_kv, 1, G, D) over a per-head table."""

@@ -54,6 +54,12 @@ class Store(ABC):
         """Give back what ``rows`` hold outside :meth:`row_state` (before they are freed)."""
         return None
 
+    def truncate(self, lengths: Sequence[int], kept: Sequence[int]) -> None:
+        """Rows that held ``lengths[b]`` tokens now hold their first ``kept[b]``: drop the
+        rest, or refuse (``ValueError``, the reason) where they cannot be dropped exactly.
+        By default slots past a row's length are never read, so there is nothing to do."""
+        return None
+
     @abstractmethod
     def place(self, lengths: list[int], info, slots: torch.Tensor, real: torch.Tensor) -> Any:
         """Where the step's new tokens go: ``slots`` (B, T) their logical slots, ``real``

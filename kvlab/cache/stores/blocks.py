@@ -70,6 +70,12 @@ class BlockPool:
             self.free[block] = None
             self.used -= 1
 
+    def drop_tail(self, table: list[int], keep: int) -> None:
+        """Release the blocks of ``table`` after its first ``keep`` (a row rolled back)."""
+        for block in table[keep:]:
+            self.release(block)
+        del table[keep:]
+
     @property
     def in_use(self) -> list[int]:
         """Blocks with a reference (O(pool): for memory reports, not steps)."""
@@ -99,6 +105,26 @@ class BlockPool:
         if parent is None or not chunk or None in chunk:
             return None
         return (hash(parent), chunk)
+
+    def next_block(
+        self, tokens: list, table: list[int], end: int, sharing: bool, start: int
+    ) -> tuple[int, bool]:
+        """The next block of a row with ``tokens`` (up to ``end``) and block ``table``, in a
+        step that began at ``start``: an indexed block with the same token chain if there is
+        one (True), else a fresh block, indexed when it will be full or ends a prompt."""
+        index = len(table)
+        full = (index + 1) * self.block_size <= end
+        key = None
+        if sharing and (full or start == 0):
+            key = self.chain_key(tokens, table, index, end)
+        if key is not None:
+            block = self.lookup(key)
+            if block is not None:
+                return block, True
+        block = self.take()
+        if key is not None:
+            self.index(block, key)
+        return block, False
 
     def shared_prefix(self, ids: list[int], table: list[int]) -> list[int]:
         """Take (share) the indexed blocks holding ``ids``'s leading full blocks, appending

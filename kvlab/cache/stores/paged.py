@@ -116,6 +116,25 @@ class PagedStore(Store):
                 self.pool.release(block)
             self.tables[row] = []
 
+    def truncate(self, lengths, kept) -> None:
+        """Blocks past each kept length go back to the pool; a partly kept block that is
+        shared is copied now, so what the row writes next (and a policy's block metadata)
+        is its own."""
+        size, updates = self.options.block_size, []
+        ends = [self.tables[row][(n - 1) // size] for row, n in enumerate(kept) if n % size]
+        self.pool.ensure_free(sum(self.pool.refs[b] > 1 for b in ends))  # copies, up front
+        for row, n in enumerate(kept):
+            table = self.tables[row]
+            updates += [(row, i, self.pool.num_blocks) for i in range(-(-n // size), len(table))]
+            self.pool.drop_tail(table, -(-n // size))
+            del self.tokens[row][n:]
+            if n % size:
+                if self.pool.refs[table[-1]] > 1:
+                    table[-1] = self._copy_on_write(table[-1])
+                    updates.append((row, len(table) - 1, table[-1]))
+                self.pool.fill[table[-1]] = n % size
+        self._update_table(updates)
+
     # ---- serving: the pool is the budget ----------------------------------------------------
     def serve(self, budget_bytes: int) -> None:
         """A pool of as many blocks as ``budget_bytes`` holds (the trash block left out)."""
@@ -202,7 +221,8 @@ class PagedStore(Store):
         for i in range(len(new_ids)):
             index, slot = divmod(start + i, size)
             if index == len(table):
-                block, reused = self._next_block(row, index, end, first_step=start == 0)
+                sharing = self.options.prefix_sharing
+                block, reused = self.pool.next_block(self.tokens[row], table, end, sharing, start)
                 table.append(block)
                 changed.append(index)
                 if reused:
@@ -219,26 +239,6 @@ class PagedStore(Store):
         if self.options.prefix_sharing:
             self.pool.index_completed(self.tokens[row], table, start, end)
         return changed, skipped
-
-    def _next_block(self, row: int, index: int, end: int, first_step: bool) -> tuple[int, bool]:
-        """Block ``index`` of ``row``: an indexed block with the same token chain if there is
-        one (True), else a fresh block, indexed when it will be full or ends a prompt."""
-        full = (index + 1) * self.options.block_size <= end
-        key = self._chain_key(row, index, end) if (full or first_step) else None
-        if key is not None:
-            block = self.pool.lookup(key)
-            if block is not None:
-                return block, True
-        block = self.pool.take()
-        if key is not None:
-            self.pool.index(block, key)
-        return block, False
-
-    def _chain_key(self, row: int, index: int, end: int) -> tuple | None:
-        """The prefix index key of block ``index`` of ``row`` (None without sharing)."""
-        if not self.options.prefix_sharing:
-            return None
-        return self.pool.chain_key(self.tokens[row], self.tables[row], index, end)
 
     def _copy_on_write(self, block: int) -> int:
         """A private copy of a shared block (and its extras), for the row about to write."""

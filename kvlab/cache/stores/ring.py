@@ -62,6 +62,20 @@ class RingStore(ContiguousStore):
         self.slot_pos.scatter_(1, where.slots, where.positions)
         self.slot_pos[:, self.trash] = -1  # the trash slot holds nothing
 
+    def truncate(self, lengths, kept) -> None:
+        """Slots holding positions past a kept length become empty; a row whose window
+        has already let tokens go cannot get them back: refused, with the reason."""
+        for row, (held, n) in enumerate(zip(lengths, kept, strict=True)):
+            if n < held and held > self.trash:
+                raise ValueError(
+                    f"cannot roll row {row} back from {held} to {n} tokens: its ring of "
+                    f"{self.trash} slots (sinks + window) has dropped tokens the shorter "
+                    f"row would see again; allowed: rolling back rows of at most "
+                    f"{self.trash} tokens"
+                )
+        kept_now = torch.tensor(kept, device=self.slot_pos.device)[:, None]
+        self.slot_pos.masked_fill_(self.slot_pos >= kept_now, -1)
+
     def tensors(self) -> list[torch.Tensor]:
         return [*super().tensors(), self.slot_pos]
 

@@ -28,8 +28,9 @@ class StagedWrite:
     step; ``coded``/``coded_after`` (B,): tokens held as codes before / after; ``groups``
     (B, M): the groups the step encodes (the trash group where a row encodes fewer);
     ``sources`` (B, M * G): their tokens' positions; ``ring_slots`` (B, T): each new token's
-    ring slot (trash: padding, or encoded within a multi-token step); ``encodes``: some row encodes;
-    ``read``: code slots a multi-token step reads."""
+    ring slot (trash: padding, or encoded within a multi-token step); ``encodes``: some row
+    encodes; ``read``: code slots a multi-token step reads; ``ring_from`` (host): each row's
+    first position with an exact copy in the ring after the step."""
 
     rows: torch.Tensor
     start: torch.Tensor
@@ -41,6 +42,7 @@ class StagedWrite:
     ring_slots: torch.Tensor
     encodes: bool
     read: int
+    ring_from: list[int]
 
 
 class StagedStore(ContiguousStore):
@@ -51,6 +53,7 @@ class StagedStore(ContiguousStore):
         super().__init__(spec, codec, options, static)
         self.group, self.ring_size = codec.group, codec.residual + codec.group
         self.rings: list[list[torch.Tensor]] = []  # per layer: [keys, values]
+        self.ring_from: list[int] = []  # per row: tokens before it were encoded unringed
 
     @classmethod
     def slots_for(cls, codec, options, max_tokens: int) -> int:
@@ -69,6 +72,7 @@ class StagedStore(ContiguousStore):
         shape = (batch_size, s.num_kv_heads, self.ring_size + 1, s.head_dim)
         ring = lambda: torch.zeros(shape, dtype=s.dtype, device=s.device)  # noqa: E731
         self.rings = [[ring(), ring()] for _ in range(s.num_layers)]
+        self.ring_from = [0] * batch_size
 
     @property
     def trash_group(self) -> int:
@@ -79,7 +83,8 @@ class StagedStore(ContiguousStore):
         return self.slots - self.group
 
     def row_state(self) -> list[RowState]:
-        return [*super().row_state(), *(e for layer in self.rings for e in rows_of(layer))]
+        rings = (e for layer in self.rings for e in rows_of(layer))
+        return [*super().row_state(), *rings, (vars(self), "ring_from", None)]
 
     # ---- placing a step --------------------------------------------------------------------
     def place(self, lengths, info, slots, real) -> StagedWrite:
@@ -99,9 +104,47 @@ class StagedStore(ContiguousStore):
         rows = torch.arange(len(lengths), device=device)[:, None]
         encodes = self.static or self._any_group_closes(lengths, info.num_new)
         read = self.codec.encoded(max(lengths)) if info.steps > 1 else 0
+        ring_from = self._ring_from(lengths, info)
         return StagedWrite(
-            rows, start, end, coded, coded_after, groups, sources, ring_slots, encodes, read
+            rows,
+            start,
+            end,
+            coded,
+            coded_after,
+            groups,
+            sources,
+            ring_slots,
+            encodes,
+            read,
+            ring_from,
         )
+
+    def _ring_from(self, lengths: Sequence[int], info) -> list[int]:
+        """Each row's :attr:`ring_from` after the step: a multi-token step's tokens that it
+        encodes itself never enter the ring."""
+        if info.steps == 1:
+            return self.ring_from
+        coded = [self.codec.encoded(n + k) for n, k in zip(lengths, info.num_new, strict=True)]
+        pairs = zip(lengths, coded, self.ring_from, strict=True)
+        return [max(low, c) if c > n else low for n, c, low in pairs]
+
+    def commit(self, where: StagedWrite) -> None:
+        self.ring_from = where.ring_from
+
+    def truncate(self, lengths: Sequence[int], kept: Sequence[int]) -> None:
+        """Tokens past ``kept[b]`` are forgotten; groups encoded among the tokens kept
+        become exact again, which needs their exact copies still in the ring (written
+        there, not overwritten since): refused otherwise, with how far a row can go."""
+        for row, (held, n) in enumerate(zip(lengths, kept, strict=True)):
+            coded, back = self.codec.encoded(held), self.codec.encoded(n)
+            lowest = max(self.ring_from[row], held - self.ring_size)  # <= coded, always
+            if back < lowest:
+                raise ValueError(
+                    f"cannot roll row {row} back from {held} to {n} tokens: tokens "
+                    f"{back}..{coded} are held as codes and their exact copies are no longer "
+                    f"in the ring of {self.ring_size} slots (residual + group_size); allowed: "
+                    f"a length whose coded prefix is >= {lowest}, or a larger residual"
+                )
 
     def _any_group_closes(self, lengths: Sequence[int], num_new: Sequence[int]) -> bool:
         """Host check: does some row encode a group in this step?"""
