@@ -26,7 +26,7 @@ from kvlab import load_model
 from kvlab.cache import build_cache, cache_factory
 from kvlab.cache.base import StepInfo
 from kvlab.cache.evict.scorers.base import _SCORERS, scorers
-from kvlab.engine.generate import decode_logits
+from kvlab.engine.runner import decode_logits
 from kvlab.eval.longctx_tasks import score
 from kvlab.eval.ruler import RulerOptions, answer, full_bytes, ruler_items
 from kvlab.eval.ruler_tasks import prompt_ids

@@ -1,21 +1,27 @@
 """The inference engine: prefill (one pass or chunks), then token-by-token decode over any
 cache strategy, for a batch of prompts of different lengths, streamed and timed per phase.
 
-The loop is gpt-fast's (a model call per token, no framework in between); the engine knows
-the cache only through its contract, never its type.
+The forward steps are gpt-fast's (a model call per token, no framework in between); the
+requests' life — admission, preemption on a full cache, retirement, sampling — is the
+serving engine's (:mod:`.scheduler`, :mod:`.runner`, :mod:`.sequence`), run in rounds with
+every request arriving at once. The engine knows the cache only through its contract.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.cache.base import KVCache, MemoryReport, NoRoom
-from kvlab.engine.sampling import SamplingConfig, sample
+from kvlab.cache.base import KVCache, MemoryReport
+from kvlab.engine.runner import LogitsHook, ModelRunner, decode_logits
+from kvlab.engine.sampling import SamplingConfig
+from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.sequence import Sequence as Seq
 from kvlab.engine.timing import now
 from kvlab.models.llama import Decoder
+from kvlab.serving.trace import Request
 
 
 @dataclass(frozen=True)
@@ -59,12 +65,14 @@ class GenerationStats:
             self.kv_peak = report
 
 
-LogitsHook = Callable[[torch.Tensor, list[int]], None]
-
-
 class Generation:
-    """A running generation: iterate to get ``{row: token}`` per step; ``tokens`` and
-    ``stats`` hold the results once it is exhausted."""
+    """A running generation: iterate to get ``{prompt index: token}`` per step; ``tokens``
+    and ``stats`` hold the results once it is exhausted.
+
+    The prompts are requests that all arrive at once, served by the same scheduler, runner
+    and sequences as serving, in rounds: every waiting request is prefilled together (one
+    pass, or chunks), then decoded until it finishes; a request preempted by a full cache
+    waits for the next round and is recomputed (vLLM's recompute preemption)."""
 
     def __init__(
         self,
@@ -74,109 +82,96 @@ class Generation:
         contexts: Sequence[int] | None = None,
         on_logits: LogitsHook | None = None,
     ):
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("prompts must be a non-empty list of non-empty token lists")
-        if contexts is not None and (
-            len(contexts) != len(prompts)
-            or any(not 0 < c <= len(p) for c, p in zip(contexts, prompts, strict=True))
-        ):
-            raise ValueError(
-                f"contexts={list(contexts)} is invalid; allowed: one length per prompt, "
-                "1 <= context <= the prompt's length"
-            )
-        self.engine, self.cfg, self.on_logits = engine, cfg, on_logits
+        check_prompts(prompts, contexts)
+        self.engine, self.cfg = engine, cfg
         self.contexts = list(contexts) if contexts is not None else None
-        self.seqs = [list(p) for p in prompts]
-        self.tokens: list[list[int]] = [[] for _ in prompts]
-        self.active = list(range(len(prompts)))  # prompt index of each cache row
+        requests = [Request(i, 0.0, tuple(p), cfg.max_new_tokens) for i, p in enumerate(prompts)]
+        self.seqs = [Seq(r) for r in requests]
+        eos = engine.eos_ids if cfg.stop_on_eos else frozenset()
+        self.sched = Scheduler(engine.cache, eos)
+        self.runner = ModelRunner(engine.model, cfg.sampling, on_logits)
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
-        self._ttft_recorded = False
-        self._gen = torch.Generator(device=engine.device).manual_seed(cfg.sampling.seed)
+        self._ttft_recorded, self._began = False, 0.0
         window = engine.model.config.sliding_window
-        if window and max(map(len, self.seqs)) + cfg.max_new_tokens > window:
+        longest = max(map(len, prompts)) + cfg.max_new_tokens
+        if window and longest > window:
             raise ValueError(
-                f"prompt + max_new_tokens = {max(map(len, self.seqs)) + cfg.max_new_tokens} "
-                f"tokens exceeds the {window}-token sliding window the model was trained "
-                f"with, which kvlab's decoder does not apply; allowed: a total <= {window}"
+                f"prompt + max_new_tokens = {longest} tokens exceeds the {window}-token "
+                "sliding window the model was trained with, which kvlab's decoder does not "
+                f"apply; allowed: a total <= {window}"
             )
+        for seq in self.seqs:
+            self.sched.arrive(seq)
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        """The tokens generated for each prompt."""
+        return [s.output for s in self.seqs]
 
     def __iter__(self) -> Iterator[dict[int, int]]:
-        waiting = list(range(len(self.seqs)))
-        while waiting:  # more than one round only when the cache preempted sequences
-            self.active, waiting = waiting, []
-            yield self._prefill_round(waiting)
-            while self.active:
-                yield self._decode_step(waiting)
+        while not self.sched.idle:
+            yield self._decode_step() if self.sched.running else self._prefill_round()
 
-    def _prefill_round(self, waiting: list[int]) -> dict[int, int]:
-        """Prefill the active sequences (prompt + what they generated before a preemption);
-        rows that do not fit wait for the next round."""
-        engine, device = self.engine, self.engine.device
-        while True:
-            seqs = [self.seqs[i] for i in self.active]
-            chunk = self.cfg.prefill_chunk or max(map(len, seqs))
-            engine.cache.allocate(
-                len(seqs), -(-max(map(len, seqs)) // chunk) * chunk + self.cfg.max_new_tokens
-            )
-            start = now(device)
-            try:
-                contexts = self.contexts and [self.contexts[i] for i in self.active]
-                logits = engine.prefill(seqs, chunk, contexts)
-                break
-            except NoRoom as full:
-                self._preempt(waiting, full, free=False)
-        self.stats.note_memory(engine.cache.memory())  # every row's prompt is stored now
+    def _prefill_round(self) -> dict[int, int]:
+        """Prefill every waiting request (prompt + what it generated before a preemption);
+        those that do not fit wait for the next round."""
+        self.sched.admit_all()
+        logits = self.sched.retrying(self._prefill)
+        elapsed = now(self.engine.device) - self._began
+        self.stats.note_memory(self.engine.cache.memory())  # every row's prompt is stored now
         emitted = self._emit(logits)
         if self._ttft_recorded:
-            self.stats.reprefill_s.append(now(device) - start)
+            self.stats.reprefill_s.append(elapsed)
         else:
-            self.stats.ttft_s, self._ttft_recorded = now(device) - start, True
+            self.stats.ttft_s, self._ttft_recorded = elapsed, True
         return emitted
 
-    def _decode_step(self, waiting: list[int]) -> dict[int, int]:
-        engine, device = self.engine, self.engine.device
-        while True:
-            start, rows = now(device), len(self.active)
-            try:
-                emitted = self._emit(engine.decode_step([self.seqs[i] for i in self.active]))
-                break
-            except NoRoom as full:
-                self._preempt(waiting, full, free=True)
-        self.stats.step_s.append(now(device) - start)
-        self.stats.step_rows.append(rows)
-        return emitted
+    def _prefill(self) -> torch.Tensor:
+        seqs = [s.tokens for s in self.sched.running]
+        longest = max(map(len, seqs))
+        chunk = self.cfg.prefill_chunk or longest
+        self.engine.cache.allocate(
+            len(seqs), -(-longest // chunk) * chunk + self.cfg.max_new_tokens
+        )
+        self._began = now(self.engine.device)
+        contexts = self.contexts and [self.contexts[s.index] for s in self.sched.running]
+        return self.engine.prefill(seqs, chunk, contexts)
 
-    def _preempt(self, waiting: list[int], error: NoRoom, free: bool) -> None:
-        """Evict the most recently admitted sequence to recompute it later (vLLM's recompute
-        preemption); with a single sequence left, eviction cannot help: the error stands."""
-        if len(self.active) == 1:
-            raise error
-        if free:
-            self.engine.cache.free([len(self.active) - 1])
-        waiting.insert(0, self.active.pop())
-        self.stats.preemptions += 1
+    def _decode_step(self) -> dict[int, int]:
+        logits = self.sched.retrying(self._decode)
+        self.stats.step_s.append(now(self.engine.device) - self._began)
+        self.stats.step_rows.append(len(self.sched.running))
+        return self._emit(logits)
+
+    def _decode(self) -> torch.Tensor:
+        self._began = now(self.engine.device)
+        return self.engine.decode_step([s.tokens for s in self.sched.running])
 
     def _emit(self, logits: torch.Tensor) -> dict[int, int]:
-        """Sample a token per active row, record it, and free rows that are done."""
-        if self.on_logits is not None:
-            self.on_logits(logits, list(self.active))
-        chosen = sample(logits, self.cfg.sampling, self._gen).tolist()
-        emitted, done_rows = {}, []
-        for row, (index, token) in enumerate(zip(self.active, chosen, strict=True)):
-            self.seqs[index].append(token)
-            self.tokens[index].append(token)
-            emitted[index] = token
-            if self._finished(index, token):
-                done_rows.append(row)
-        if done_rows:
+        """Sample a token per running request, record it, and retire those that are done."""
+        running, self.stats.preemptions = self.sched.running, self.sched.preemptions
+        emitted = {}
+        for seq, token in zip(running, self.runner.sample(logits, running), strict=True):
+            seq.emit(token, 0.0)
+            emitted[seq.index] = token
+        if any(s.done(self.sched.eos_ids) for s in running):
             self.stats.note_memory(self.engine.cache.memory())
-            self.engine.cache.free(done_rows)
-            self.active = [i for r, i in enumerate(self.active) if r not in set(done_rows)]
+            self.sched.retire()
         return emitted
 
-    def _finished(self, index: int, token: int) -> bool:
-        eos = self.cfg.stop_on_eos and token in self.engine.eos_ids
-        return eos or len(self.tokens[index]) >= self.cfg.max_new_tokens
+
+def check_prompts(prompts: Sequence[Sequence[int]], contexts: Sequence[int] | None) -> None:
+    """Refuse empty prompts and contexts that are not one per prompt within it."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token lists")
+    if contexts is not None and (
+        len(contexts) != len(prompts)
+        or any(not 0 < c <= len(p) for c, p in zip(contexts, prompts, strict=True))
+    ):
+        raise ValueError(
+            f"contexts={list(contexts)} is invalid; allowed: one length per prompt, "
+            "1 <= context <= the prompt's length"
+        )
 
 
 class Engine:
@@ -286,16 +281,6 @@ def prefill_spans(width: int, chunk: int, contexts: Sequence[int]) -> list[tuple
     cuts = {*range(0, width, chunk), *(c for c in contexts if c < width), width}
     ordered = sorted(cuts)
     return list(zip(ordered[:-1], ordered[1:], strict=True))
-
-
-def decode_logits(
-    model: Decoder, cache: KVCache, seqs: Sequence[Sequence[int]], layers=None
-) -> torch.Tensor:
-    """One decode step over ``cache``'s rows: each sequence feeds its last token (not yet
-    stored) at its position; logits (B, V). Ids and positions go to the device in one copy."""
-    device = model.embed_tokens.weight.device
-    rows = torch.tensor([[s[-1], len(s) - 1] for s in seqs], device=device)  # (B, 2)
-    return model(rows[:, :1], rows[:, 1:], cache, layers=layers)[:, 0]
 
 
 def compiled_layers(model: Decoder):

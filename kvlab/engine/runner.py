@@ -1,28 +1,42 @@
-"""The model side of serving (nano-vllm's ``ModelRunner``): turn a group of sequences into
-one forward step over their cache — a prefill chunk of each, or one decode token each —
-and sample. One host-to-device copy of ids and positions per step; the cache builds the
+"""The model side of the engine (nano-vllm's ``ModelRunner``): turn a group of sequences
+into one forward step over their cache — a prefill chunk of each, or one decode token each
+— and sample, seeded once per run, with the logits shown to a hook first. Offline
+generation (:mod:`.generate`) and serving (:mod:`kvlab.serving.server`) sample through the
+same runner. One host-to-device copy of ids and positions per step; the cache builds the
 rest of the step's metadata (``KVCache.plan``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import torch
 
 from kvlab.cache.base import KVCache
-from kvlab.engine.generate import decode_logits
 from kvlab.engine.sampling import SamplingConfig, sample
 from kvlab.engine.sequence import Sequence
 from kvlab.models.llama import Decoder
 
+LogitsHook = Callable[[torch.Tensor, list[int]], None]
+
 
 class ModelRunner:
-    """Runs ``model`` over any cache; sampling is per step, seeded once."""
+    """Runs ``model`` over any cache; sampling is per step, seeded once. ``on_logits(logits,
+    requests)``: called before each sampling with the next-token logits (R, V) and the
+    request index of each of the R rows."""
 
-    def __init__(self, model: Decoder, sampling: SamplingConfig):
-        self.model, self.sampling = model, sampling
+    def __init__(
+        self, model: Decoder, sampling: SamplingConfig, on_logits: LogitsHook | None = None
+    ):
+        self.model, self.sampling, self.on_logits = model, sampling, on_logits
         self.device = model.embed_tokens.weight.device
         self._gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+
+    def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
+        """A token for each row of ``logits`` (row r is ``seqs[r]``'s)."""
+        if self.on_logits is not None:
+            self.on_logits(logits, [s.index for s in seqs])
+        return sample(logits, self.sampling, self._gen).tolist()
 
     @torch.inference_mode()
     def prefill_chunk(self, cache: KVCache, seqs: Seq[Sequence], chunk: int) -> list[int | None]:
@@ -43,7 +57,7 @@ class ModelRunner:
         ids, start, last = table[:, :width], table[:, width : width + 1], table[:, -1]
         positions = start + torch.arange(width, device=self.device)
         logits = self.model(ids, positions, cache, counts, last)  # (B, V)
-        tokens = sample(logits, self.sampling, self._gen).tolist()
+        tokens = self.sample(logits, seqs)
         for s, n in zip(seqs, counts, strict=True):
             s.computed += n
         return [
@@ -57,4 +71,12 @@ class ModelRunner:
         logits = decode_logits(self.model, cache, [s.tokens for s in seqs])
         for s in seqs:
             s.computed += 1
-        return sample(logits, self.sampling, self._gen).tolist()
+        return self.sample(logits, seqs)
+
+
+def decode_logits(model: Decoder, cache: KVCache, seqs: Seq[Seq[int]], layers=None) -> torch.Tensor:
+    """One decode step over ``cache``'s rows: each sequence feeds its last token (not yet
+    stored) at its position; logits (B, V). Ids and positions go to the device in one copy."""
+    device = model.embed_tokens.weight.device
+    rows = torch.tensor([[s[-1], len(s) - 1] for s in seqs], device=device)  # (B, 2)
+    return model(rows[:, :1], rows[:, 1:], cache, layers=layers)[:, 0]

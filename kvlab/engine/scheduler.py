@@ -12,15 +12,19 @@ width — and a group of several prompts computes each at the longest one's widt
 why groups hold one request unless asked), and joins the running batch
 (:meth:`KVCache.join`) once every prompt in it is fed. A step that does not fit
 (:class:`NoRoom`) preempts the most recently admitted request, which is recomputed later
-(vLLM's recompute preemption).
+(vLLM's recompute preemption). Offline generation uses the same scheduler in rounds
+(:meth:`Scheduler.admit_all`: every waiting request becomes the running batch when nothing
+runs), so preemption, retirement and the retry of a step that does not fit exist once.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from kvlab.cache.base import KVCache
+from kvlab.cache.base import KVCache, NoRoom
 from kvlab.engine.sequence import Sequence, Status
 
 
@@ -104,6 +108,29 @@ class Scheduler:
         if group:
             self._start_group(group)
         return group
+
+    def admit_all(self) -> list[Sequence]:
+        """Offline rounds: with nothing running, every waiting request becomes the running
+        batch at once, in the running cache itself (the caller allocates and prefills it)."""
+        if self.running or self.joining:
+            return []
+        self.running, self.waiting = list(self.waiting), deque()
+        for seq in self.running:
+            seq.status = Status.RUNNING
+            self.events.append(Event(self.step, "admit", seq.index))
+        return self.running
+
+    def retrying(self, work: Callable[[], Any]) -> Any:
+        """``work()``, preempting a request each time the step does not fit (the error
+        stands when one request is left)."""
+        while True:
+            try:
+                return work()
+            except NoRoom as full:
+                try:
+                    self.preempt()
+                except RuntimeError:
+                    raise full from None
 
     def _start_group(self, group: list[Sequence]) -> None:
         self.joining_cache = self.cache.spawn()

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvlab.cache.base import KVCache, NoRoom
+from kvlab.cache.base import KVCache
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingConfig
 from kvlab.engine.scheduler import Event, Scheduler
@@ -155,18 +154,6 @@ def serve(
     )
 
 
-def _retrying(sched: Scheduler, work: Callable[[], Any]) -> Any:
-    """``work()``, preempting a request each time the step does not fit."""
-    while True:
-        try:
-            return work()
-        except NoRoom as full:
-            try:
-                sched.preempt()
-            except RuntimeError:
-                raise full from None
-
-
 def _prefill(
     sched: Scheduler, runner: ModelRunner, chunk: int, clock: Any, profile: Profile
 ) -> None:
@@ -185,7 +172,7 @@ def _prefill(
 
     unfed = {s.index: s.to_feed for s in sched.joining}
     began = time.perf_counter()
-    tokens = _retrying(sched, step)
+    tokens = sched.retrying(step)
     if tokens is None:
         return
     t = clock.mark()
@@ -203,8 +190,8 @@ def _decode(sched: Scheduler, runner: ModelRunner, clock: Any, profile: Profile)
     if not sched.running:
         return
     began = time.perf_counter()
-    tokens = _retrying(
-        sched, lambda: runner.decode(sched.cache, sched.running) if sched.running else None
+    tokens = sched.retrying(
+        lambda: runner.decode(sched.cache, sched.running) if sched.running else None
     )
     if tokens is None:
         return
