@@ -3,7 +3,6 @@
 from kvlab.cache import (  # noqa: F401  (registers the strategies)
     compressed,
     evict,
-    gqa_shared,
     nocache,
     presets,
 )

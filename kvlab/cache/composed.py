@@ -41,8 +41,10 @@ class ComposedCache(KVCache):
     Store: ClassVar[type[Store]]
 
     def __init__(self, spec, options=None, static=False):
-        super().__init__(spec, options, static)
-        self.policy = self.Policy(spec, self.options)
+        options = options if options is not None else self.Options()
+        super().__init__(self.Policy.store_spec(spec, options), options, static)
+        self.model_spec = spec
+        self.policy = self.Policy(self.spec, self.options)
         self.store = self._new_store()
 
     def _new_store(self) -> Store:
@@ -58,7 +60,7 @@ class ComposedCache(KVCache):
         the meta device."""
         if not issubclass(cls.Store, ContiguousStore):
             return super().planned_bytes(spec, options, batch_size, max_tokens)
-        codec = options.codec(spec.head_dim)
+        spec, codec = cls.Policy.store_spec(spec, options), options.codec(spec.head_dim)
         store = store_for(cls.Store, codec)
         return store.planned_bytes(spec, codec, options, batch_size, max_tokens)
 
@@ -140,7 +142,8 @@ class ComposedCache(KVCache):
 
     def memory(self) -> MemoryReport:
         report = super().memory()
-        return dataclasses.replace(report, details=self.store.details())
+        policy = self.Policy.details(report, self.spec, self.model_spec)
+        return dataclasses.replace(report, details={**self.store.details(), **policy})
 
 
 def preset(

@@ -1,7 +1,7 @@
 """The strategies that are a policy over a store in a codec: each a named choice of
 :mod:`kvlab.cache.composed`, its yaml in ``conf/cache/<name>.yaml``. ``full``, ``paged``,
-``quest`` and ``sliding`` take any codec ``kv_bits`` names (exact or token codes);
-``int8``/``int4``/``int2`` are keep_all over the contiguous store in KIVI's codec."""
+``quest``, ``sliding`` and ``gqa_shared`` take any codec ``kv_bits`` names (exact or token
+codes); ``int8``/``int4``/``int2`` are keep_all over the contiguous store in KIVI's codec."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import dataclasses
 from kvlab.cache.codecs import KiviOptions
 from kvlab.cache.composed import preset
 from kvlab.cache.policies.keep_all import KeepAll
+from kvlab.cache.policies.merged_heads import MergedHeads, MergedHeadsOptions
 from kvlab.cache.policies.quest import Quest, QuestOptions
 from kvlab.cache.policies.window import Window, WindowOptions
 from kvlab.cache.stores.contiguous import ContiguousStore
@@ -20,6 +21,7 @@ FullCache = preset("full", KeepAll, ContiguousStore)
 PagedCache = preset("paged", KeepAll, PagedStore, (PagedOptions,))
 QuestCache = preset("quest", Quest, PagedStore, (QuestOptions, PagedOptions))
 SlidingCache = preset("sliding", Window, RingStore, (WindowOptions,))
+GQASharedCache = preset("gqa_shared", MergedHeads, ContiguousStore, (MergedHeadsOptions,))
 
 
 def kivi_width(bits: int) -> type[KiviOptions]:

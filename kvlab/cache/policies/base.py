@@ -39,6 +39,17 @@ class Policy:
         """The most positions RoPE ever sees (None: grows with the sequence)."""
         return None
 
+    @classmethod
+    def store_spec(cls, spec: CacheSpec, options: Any) -> CacheSpec:
+        """The shapes the store holds (the model's, unless the policy stores fewer heads)."""
+        return spec
+
+    @classmethod
+    def details(cls, report, spec: CacheSpec, model_spec: CacheSpec) -> dict[str, int]:
+        """Extra lines of the memory report (``spec``: the store's, ``model_spec``: the
+        model's)."""
+        return {}
+
     def block_extras(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """Per-block metadata a block store keeps for this policy, per layer."""
         return []
