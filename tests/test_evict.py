@@ -26,7 +26,7 @@ def kept_positions(model, options, prompt, contexts=None, new_tokens=1, scores=N
     ``scores``: a list that receives, per compression, each (row, head)'s score by position
     as the scorer gave them."""
     cache = build_cache("evict", model.cache_spec(), options)
-    seen, policy = [], cache._policy_keep
+    seen, policy = [], cache.policy.keep
     scorer = scorers()[cache.options.scorer].fn
 
     def spy(obs):
@@ -40,7 +40,7 @@ def kept_positions(model, options, prompt, contexts=None, new_tokens=1, scores=N
                            for b in rows])  # fmt: skip
         return keep
 
-    cache._policy_keep = spy
+    cache.policy.keep = spy
     cfg = GenerationConfig(new_tokens, stop_on_eos=False)
     run = Engine(model, cache).generate([prompt], cfg, contexts)
     return seen, cache, run
@@ -159,7 +159,7 @@ def test_adaptive_heads_keep_different_counts_with_the_layer_total(tiny_llama):
     cache = build_cache("evict", tiny_llama.cache_spec(), options)
     cache.allocate(1, len(prompt) + 1)
     Engine(tiny_llama, cache).prefill([prompt], len(prompt))
-    counts = [store.held.tolist() for store in cache.stores]
+    counts = [store.held.tolist() for store in cache.store.layers]
     heads = tiny_llama.cache_spec().num_kv_heads
     assert all(sum(c) == heads * 48 for c in counts)
     assert any(len(set(c)) > 1 for c in counts)  # some layer's heads differ
@@ -193,8 +193,8 @@ def test_decode_time_compression_bounds_the_cache(tiny_llama):
     most = 0
     for _ in run:
         if cache.lengths:
-            most = max(most, max(max(s.held.tolist()) for s in cache.stores))
-    target = cache.target
+            most = max(most, max(max(s.held.tolist()) for s in cache.store.layers))
+    target = cache.policy.target
     assert target == 64 - int(64 * 0.5) and len(run.tokens[0]) == 40
     assert most <= max(target, len(prompt)) + options["interval"]
 
@@ -220,9 +220,9 @@ def test_replayed_context_equals_attend(tiny_llama):
     rope = RotaryTables(tiny_llama.inv_freq, positions, torch.float32)
     step = replayed.plan(StepInfo(positions, [len(prompt)], rope, None, [True]))
     for layer, (q, k, v) in enumerate(recorded):
-        replayed.compress_step(step, layer, q, k, v)
+        replayed.policy.compress_step(step, replayed.store, layer, q, k, v)
     replayed.end(step)
-    for a, b in zip(live.stores, replayed.stores, strict=True):
+    for a, b in zip(live.store.layers, replayed.store.layers, strict=True):
         assert torch.equal(a.table, b.table) and torch.equal(a.held, b.held)
         assert all(torch.equal(x, y) for x, y in zip(a.parts, b.parts, strict=True))
 

@@ -5,9 +5,10 @@ scoring overhead of eviction, measured side by side in one process.
 Each item's context is prefilled once, recording every layer's queries, keys and values
 (they do not depend on what a cache keeps: the context attends to itself exactly under
 ``full``, KIVI and eviction); each eviction setting then compresses that record with
-:meth:`EvictCache.compress_step` (exactly what ``attend`` leaves; checked on the first item
-against ``eval=ruler``'s own path) and answers the question. ``sliding`` and
-``compressed`` attend differently within the context, so they run through ``eval=ruler``.
+:meth:`kvlab.cache.policies.evict.Evict.compress_step` (exactly what ``attend``
+leaves; checked on the first item against ``eval=ruler``'s own path) and answers the
+question. ``sliding`` and ``compressed`` attend differently within the context, so they run
+through ``eval=ruler``.
 
   python experiments/eviction_ruler/study.py OUT_DIR [--samples 1]
 """
@@ -67,8 +68,8 @@ def replay(model, cache, recorded, length: int, capacity: int) -> float:
     with torch.inference_mode():
         step = cache.plan(StepInfo(positions, [length], rope, None, [True]))
         for layer, (q, k, v) in enumerate(recorded):
-            if hasattr(cache, "compress_step"):
-                cache.compress_step(step, layer, q, k, v)
+            if hasattr(getattr(cache, "policy", None), "compress_step"):
+                cache.policy.compress_step(step, cache.store, layer, q, k, v)
             else:
                 cache.attend(step, layer, q, k, v, k)
         cache.end(step)

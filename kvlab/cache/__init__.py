@@ -2,7 +2,6 @@
 
 from kvlab.cache import (  # noqa: F401  (registers the strategies)
     compressed,
-    evict,
     nocache,
     presets,
 )

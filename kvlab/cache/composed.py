@@ -19,7 +19,7 @@ from typing import ClassVar
 from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, RowState, register
 from kvlab.cache.codecs import CodecOptions, KiviOptions
 from kvlab.cache.policies.base import Policy
-from kvlab.cache.stores.base import Store, parts_bytes
+from kvlab.cache.stores.base import Store
 from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.cache.stores.staged import StagedStore
 
@@ -49,18 +49,23 @@ class ComposedCache(KVCache):
 
     def _new_store(self) -> Store:
         codec = self.options.codec(self.spec.head_dim)
-        store, extras = store_for(self.Store, codec), self.policy.block_extras()
+        store, kwargs = store_for(self.Store, codec), self.policy.store_kwargs()
+        extras = self.policy.block_extras()
         if extras:  # only block stores keep per-block metadata
-            return store(self.spec, codec, self.options, block_extras=extras, static=self.static)
-        return store(self.spec, codec, self.options, static=self.static)
+            kwargs["block_extras"] = extras
+        return store(self.spec, codec, self.options, static=self.static, **kwargs)
 
     @classmethod
     def planned_bytes(cls, spec, options, batch_size, max_tokens):
         """A contiguous store's lines from shapes alone; other stores' from an allocation on
         the meta device."""
+        codec = options.codec(spec.head_dim)
+        held = cls.Policy.planned_bytes(spec, codec, options, batch_size, max_tokens)
+        if held is not None:
+            return held
         if not issubclass(cls.Store, ContiguousStore):
             return super().planned_bytes(spec, options, batch_size, max_tokens)
-        spec, codec = cls.Policy.store_spec(spec, options), options.codec(spec.head_dim)
+        spec = cls.Policy.store_spec(spec, options)
         store = store_for(cls.Store, codec)
         return store.planned_bytes(spec, codec, options, batch_size, max_tokens)
 
@@ -80,7 +85,7 @@ class ComposedCache(KVCache):
         self.policy.allocate(batch_size, max_tokens)
 
     def free(self, rows: Sequence[int]) -> None:
-        self.store.release(rows)
+        self.store.release(rows, self.lengths)
         super().free(rows)
 
     def row_state(self) -> list[RowState]:
@@ -138,7 +143,7 @@ class ComposedCache(KVCache):
         return [*self.store.tensors(), *self.policy.tensors()]
 
     def used_bytes(self) -> int:
-        return self.store.used_bytes(self.lengths) + parts_bytes(self.policy.tensors())
+        return self.store.used_bytes(self.lengths)  # a policy's buffers hold no tokens
 
     def memory(self) -> MemoryReport:
         report = super().memory()
@@ -173,7 +178,8 @@ def preset(
         "Options", [], bases=bases, namespace={"__post_init__": post_init}
     )
     title = "".join(part.title() for part in name.split("_"))
-    cls = type(f"{title}Cache", (ComposedCache,), {"Policy": policy, "Store": store})
+    namespace = {"Policy": policy, "Store": store, "serves": policy.serves}
+    cls = type(f"{title}Cache", (ComposedCache,), namespace)
     cls.Options, cls.__module__ = merged, "kvlab.cache.presets"
     merged.__module__, merged.__qualname__ = cls.__module__, f"{cls.__name__}.Options"
     _COMPOSITIONS[name] = (policy, store, codec)

@@ -9,18 +9,22 @@ import dataclasses
 
 from kvlab.cache.codecs import KiviOptions
 from kvlab.cache.composed import preset
+from kvlab.cache.evict.options import EvictOptions
+from kvlab.cache.policies.evict import Evict
 from kvlab.cache.policies.keep_all import KeepAll
 from kvlab.cache.policies.merged_heads import MergedHeads, MergedHeadsOptions
 from kvlab.cache.policies.quest import Quest, QuestOptions
 from kvlab.cache.policies.window import Window, WindowOptions
 from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.cache.stores.paged import PagedOptions, PagedStore
+from kvlab.cache.stores.ragged import RaggedStore
 from kvlab.cache.stores.ring import RingStore
 
 FullCache = preset("full", KeepAll, ContiguousStore)
 PagedCache = preset("paged", KeepAll, PagedStore, (PagedOptions,))
 QuestCache = preset("quest", Quest, PagedStore, (QuestOptions, PagedOptions))
 SlidingCache = preset("sliding", Window, RingStore, (WindowOptions,))
+EvictCache = preset("evict", Evict, RaggedStore, (EvictOptions,))
 GQASharedCache = preset("gqa_shared", MergedHeads, ContiguousStore, (MergedHeadsOptions,))
 
 

@@ -21,6 +21,7 @@ class Policy:
     """Keeps every token in slot = position unless a subclass says otherwise."""
 
     stores: ClassVar[tuple[str, ...]] = ()  # store kinds this policy composes with
+    serves: ClassVar[bool] = True  # rows can join and leave a running batch
 
     def __init__(self, spec: CacheSpec, options: Any):
         self.spec, self.options = spec, options
@@ -48,6 +49,16 @@ class Policy:
     def details(cls, report, spec: CacheSpec, model_spec: CacheSpec) -> dict[str, int]:
         """Extra lines of the memory report (``spec``: the store's, ``model_spec``: the
         model's)."""
+        return {}
+
+    @classmethod
+    def planned_bytes(cls, spec, codec, options, batch_size: int, max_tokens: int):
+        """The memory model's line where the policy decides what is held (None: the
+        store's allocation says)."""
+        return None
+
+    def store_kwargs(self) -> dict[str, Any]:
+        """Arguments the policy gives its store's constructor."""
         return {}
 
     def block_extras(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -78,3 +89,14 @@ class Policy:
         """After the layers (the cache then advances the lengths): the store commits what
         the step placed."""
         store.commit(step.where)
+
+
+def check_room(lengths: list[int], info: StepInfo, room: int) -> int:
+    """The step's width, once it is known to fit rows of ``room`` tokens."""
+    steps, longest = info.steps, max(lengths, default=0)
+    if longest + steps > room:
+        raise ValueError(
+            f"a step of {steps} tokens after {longest} stored exceeds the {room} slots "
+            "allocated; allocate(batch, max_tokens) with more tokens"
+        )
+    return steps

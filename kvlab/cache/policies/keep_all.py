@@ -15,7 +15,7 @@ import torch
 
 from kvlab.cache.base import Step, row_bounds, sdpa
 from kvlab.cache.masks import slot_positions, visible
-from kvlab.cache.policies.base import Policy
+from kvlab.cache.policies.base import Policy, check_room
 from kvlab.cache.rows import decode_output, grouped
 from kvlab.kernels import decode_attention
 
@@ -38,12 +38,7 @@ class KeepAll(Policy):
 
     def plan(self, info, lengths, store, static) -> KeepAllStep:
         start, end = row_bounds(lengths, info)
-        steps, longest = info.steps, max(lengths, default=0)
-        if longest + steps > store.capacity:
-            raise ValueError(
-                f"a step of {steps} tokens after {longest} stored exceeds the "
-                f"{store.capacity} slots allocated; allocate(batch, max_tokens) with more tokens"
-            )
+        steps, longest = check_room(lengths, info, store.capacity), max(lengths, default=0)
         slots = slot_positions(start, steps)  # (B, T)
         real = torch.arange(steps, device=start.device)[None] < (end - start)[:, None]
         where = store.place(lengths, info, slots, real)

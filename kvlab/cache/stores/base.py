@@ -50,8 +50,9 @@ class Store(ABC):
     def row_state(self) -> list[RowState]:
         """What is indexed by row (see :meth:`KVCache.row_state`)."""
 
-    def release(self, rows: Sequence[int]) -> None:
-        """Give back what ``rows`` hold outside :meth:`row_state` (before they are freed)."""
+    def release(self, rows: Sequence[int], lengths: Sequence[int] = ()) -> None:
+        """Give back what ``rows`` hold outside :meth:`row_state` (before they are freed;
+        ``lengths``: every row's tokens, the freed ones included)."""
         return None
 
     def truncate(self, lengths: Sequence[int], kept: Sequence[int]) -> None:

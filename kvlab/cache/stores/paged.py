@@ -110,7 +110,7 @@ class PagedStore(Store):
         host = [(vars(self), name, None) for name in ("tables", "tokens")]
         return [*host, (vars(self), "table", 0)]
 
-    def release(self, rows: Sequence[int]) -> None:
+    def release(self, rows: Sequence[int], lengths: Sequence[int] = ()) -> None:
         for row in rows:
             for block in self.tables[row]:
                 self.pool.release(block)

@@ -1,4 +1,5 @@
-"""Per-head ragged storage: every (row, KV head) of a layer holds its own number of tokens.
+"""``ragged``: per-head storage, every (row, KV head) of a layer holds its own number of
+tokens (what eviction keeps).
 
 A layer's keys and values live in a pool of blocks of :data:`BLOCK` tokens (N, 1, BLOCK, E);
 each (row, head) owns a run of consecutive blocks, addressed through a table (BH, blocks)
@@ -6,16 +7,22 @@ as the decode kernel reads paged caches (vLLM's block table, one per head), so t
 attends each head over exactly its tokens. :func:`pack` builds a store from dense tokens
 and a keep mask, sized to the kept tokens plus ``room`` for what comes next: the bytes a
 store holds are the tokens it keeps (rounded up to a block per head), not the context.
+:class:`RaggedStore` is the store contract over one :class:`HeadStore` per layer: a policy
+repacks a layer with the tokens it keeps (:meth:`RaggedStore.repack`), decode appends each
+head's new token after its own and reads exactly its tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvlab.cache.base import RowState
 from kvlab.cache.codecs import Codec
-from kvlab.kernels import Stored
+from kvlab.cache.stores.base import Store
+from kvlab.kernels import Segment, Stored
 
 BLOCK = 16  # tokens per block: rounding costs at most BLOCK - 1 slots per (row, head)
 
@@ -102,3 +109,150 @@ def pack(
     new_parts = [place(p, (p.shape[-1],)) for p in parts]
     kept_positions = None if positions is None else place(positions.to(torch.int32), ())
     return HeadStore(new_parts, table.contiguous(), held, kept_positions)
+
+
+@dataclass
+class RaggedWrite:
+    """The step's new tokens: ``positions``/``real`` (B, T), ``offsets`` (T,), ``end`` (B,)
+    tokens per row after the step."""
+
+    positions: torch.Tensor
+    real: torch.Tensor
+    offsets: torch.Tensor
+    end: torch.Tensor
+
+
+class RaggedStore(Store):
+    """Per layer a :class:`HeadStore` (None until a layer is first packed). ``room``:
+    slots each head keeps free after a repack (None: the rest of the row's capacity)."""
+
+    kind = "ragged"
+
+    def __init__(self, spec, codec, options=None, room: int | None = None, static=False):
+        super().__init__(spec, codec, options, static)
+        self.room = room
+        self.layers: list[HeadStore | None] = []
+        self.slots = self.rows = 0
+
+    @staticmethod
+    def planned_bytes(spec, codec, batch_size: int, kept: int) -> dict[str, int]:
+        """Bytes of ``kept`` tokens per (row, KV head) in every layer, rounded up to a
+        block, plus each head's block table and token count (int64)."""
+        blocks = -(-kept // BLOCK)
+        per_token = codec.bytes_per_token(spec.head_dim, spec.dtype)
+        heads = batch_size * spec.num_kv_heads * spec.num_layers
+        return {"kv": 2 * heads * blocks * BLOCK * per_token, "tables": heads * (blocks + 1) * 8}
+
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
+        self.layers, self.slots = [None] * self.spec.num_layers, max_tokens
+        self.rows = batch_size
+
+    def row_state(self) -> list[RowState]:
+        return []  # rows are repacked by release (a head's run is not a row slice)
+
+    def release(self, rows: Sequence[int], lengths: Sequence[int] = ()) -> None:
+        """Repack every layer without ``rows`` (``lengths``: every row's, before)."""
+        drop = set(rows)
+        keep = [b for b in range(len(lengths)) if b not in drop]
+        self.rows = len(keep)
+        if not keep:
+            self.layers = [None] * len(self.layers)
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self.spec.device)
+        seen = torch.tensor([lengths[b] for b in keep], device=self.spec.device)
+        for layer, held in enumerate(self.layers):
+            if held is not None:
+                parts, valid, positions = held.dense(len(lengths))
+                pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
+                self.repack(layer, [pick(p) for p in parts], pick(valid), pick(positions), seen)
+
+    def truncate(self, lengths, kept) -> None:
+        if list(lengths) != list(kept):
+            raise ValueError(
+                "cannot roll back a ragged store: what each head kept was chosen with the "
+                "tokens to drop present; allowed: no rollback (cache=evict)"
+            )
+
+    def place(self, lengths, info, slots, real) -> RaggedWrite:
+        offsets = torch.arange(info.steps, device=slots.device)
+        return RaggedWrite(slots, real, offsets, slots[:, 0] + real.sum(dim=1))
+
+    def write(self, where: RaggedWrite, layer, k, v) -> None:
+        """Decode: each head's new token after its own (room exists: a repack left it)."""
+        store, heads = self.layers[layer], self.spec.num_kv_heads
+        new = [p.flatten(0, 1) for p in self.codec.encode(k) + self.codec.encode(v)]
+        store.write(new, where.offsets, where.positions.repeat_interleave(heads, 0))
+        store.held += 1
+
+    def segment(self, where, layer, queries, lo, hi, ring=0) -> Segment:
+        """Every (row, KV head) over exactly its tokens: queries (B * H_kv, 1, G, D)."""
+        store = self.layers[layer]
+        flat = queries.flatten(0, 1)[:, None]
+        keys, values = store.stored(0, self.codec), store.stored(1, self.codec)
+        return Segment(flat, keys, values, store.table, torch.zeros_like(store.held), store.held)
+
+    def dense(self, layer: int, batch: int):
+        """What ``layer`` holds, dense: parts (B, H_kv, S, E_i), valid, positions (-1:
+        none; a layer never repacked with positions holds tokens 0 .. n - 1 per head)."""
+        store, s = self.layers[layer], self.spec
+        if store is None:
+            shape = (batch, s.num_kv_heads, 1, s.head_dim)
+            probe = torch.zeros(shape, dtype=s.dtype, device=s.device)
+            empty = [p[:, :, :0] for p in self.codec.encode(probe)]
+            positions = torch.zeros(batch, s.num_kv_heads, 0, dtype=torch.long, device=s.device)
+            return empty + empty, positions.bool(), positions
+        parts, valid, positions = store.dense(batch)
+        if positions is None:
+            width = valid.shape[-1]
+            positions = torch.arange(width, device=valid.device).expand_as(valid)
+        return parts, valid, positions.masked_fill(~valid, -1)
+
+    def decoded(self, layer: int, batch: int):
+        """(parts, keys, values, valid, positions): :meth:`dense` with keys and values
+        decoded to the model dtype."""
+        parts, valid, positions = self.dense(layer, batch)
+        half, dtype = len(parts) // 2, self.spec.dtype
+        keys, values = (
+            self.codec.decode(parts[:half], dtype),
+            self.codec.decode(parts[half:], dtype),
+        )
+        return parts, keys, values, valid, positions
+
+    def with_step(self, where: RaggedWrite, layer: int, k, v):
+        """:meth:`decoded` followed by the step's new tokens (B, H_kv, S + T, ...); the
+        parts are the held ones only."""
+        batch, heads = k.shape[0], self.spec.num_kv_heads
+        held_parts, keys, values, held_valid, held_pos = self.decoded(layer, batch)
+        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        valid = torch.cat([held_valid, where.real[:, None].expand(batch, heads, -1)], dim=2)
+        new_pos = where.positions[:, None].expand(batch, heads, -1)
+        positions = torch.cat([held_pos, new_pos], 2)
+        return held_parts, keys, values, valid, positions.masked_fill(~valid, -1)
+
+    def repack(self, layer: int, parts, keep, positions, seen) -> None:
+        """``layer`` holds the ``keep`` tokens of dense ``parts`` (rows have seen ``seen``
+        (B,) tokens), with :attr:`room` per head after them; positions kept when the policy
+        repacks again later (a fixed room)."""
+        if self.room is not None:
+            self.layers[layer] = pack(parts, keep, torch.full_like(seen, self.room), positions)
+        else:
+            self.layers[layer] = pack(parts, keep, self.slots - seen, None)
+
+    def read(self, layer, slots):
+        """Each head's held tokens decoded, left-aligned and padded to the longest (at most
+        ``slots``); :meth:`dense` says which entries hold a token."""
+        parts, _, _ = self.dense(layer, self.rows)
+        half, dtype = len(parts) // 2, self.spec.dtype
+        cut = [p[:, :, :slots] for p in parts]
+        return self.codec.decode(cut[:half], dtype), self.codec.decode(cut[half:], dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for store in self.layers if store is not None for t in store.tensors()]
+
+    def used_bytes(self, lengths: Sequence[int]) -> int:
+        total = 0
+        for store in self.layers:
+            if store is not None:
+                per_token = sum(p[0, 0, 0].numel() * p.element_size() for p in store.parts)
+                total += int(store.held.sum()) * per_token
+        return total
