@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache, registered
+from kvlab.cache.codecs import Fp8Codec
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import Segment, Stored, decode_attention, kernel_available, reference_attention
+from kvlab.kernels.attention import _kernel_applies
 from kvlab.kernels.int_codes import BITS, ChannelCodes, TokenCodes
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler for the kernel")
@@ -35,6 +37,12 @@ def stored_case(name: str, seq: int = 300):
     if name in ("fp32", "bf16"):
         dtype = torch.float32 if name == "fp32" else torch.bfloat16
         return Stored(k.to(dtype)), Stored(v.to(dtype))
+    if name.startswith("fp8"):  # e4m3 keys, e5m2 values; bf16 scales in one case
+        scale_dtype = torch.bfloat16 if name.endswith("bf16") else torch.float32
+        k_codec, v_codec = Fp8Codec("e4m3", 16, D), Fp8Codec("e5m2", 32, D)
+        k_parts = [p.to(scale_dtype) if p.is_floating_point() else p for p in k_codec.encode(k)]
+        v_parts = [p.to(scale_dtype) if p.is_floating_point() else p for p in v_codec.encode(v)]
+        return k_codec.stored(k_parts), v_codec.stored(v_parts)
     bits = int(name[-1])
     k_words, k_scale, k_zero = ChannelCodes(bits, 30).encode(k)  # 30-token groups
     v_words, v_scale, v_zero = TokenCodes(bits, 32).encode(v)
@@ -42,7 +50,7 @@ def stored_case(name: str, seq: int = 300):
     return keys, Stored(v_words, "token_codes", bits, 32, v_scale, v_zero)
 
 
-CASES = ["fp32", "bf16", *(f"codes{b}" for b in BITS)]
+CASES = ["fp32", "bf16", *(f"codes{b}" for b in BITS), "fp8", "fp8-bf16"]
 
 
 @needs_kernel
@@ -50,6 +58,7 @@ CASES = ["fp32", "bf16", *(f"codes{b}" for b in BITS)]
 def test_kernel_equals_reference_over_a_contiguous_store(case):
     keys, values = stored_case(case)
     segment = contiguous_segment(keys, values, [0, 5], [300, 123])
+    assert _kernel_applies(segment)  # the C kernel, not the fallback, computes `out`
     out = decode_attention([segment], D**-0.5, torch.float32)
     torch.testing.assert_close(out, reference_attention([segment], D**-0.5), atol=1e-5, rtol=0)
 

@@ -20,7 +20,7 @@ import torch
 from kvlab.kernels.build import library
 from kvlab.kernels.int_codes import ChannelCodes, TokenCodes
 
-FORMATS = {"fp": 0, "token_codes": 2, "channel_codes": 3}  # fp32 / bf16 picked by dtype
+FORMATS = {"fp": 0, "token_codes": 2, "channel_codes": 3, "fp8": 4}  # fp: fp32/bf16 by dtype
 CHUNK = 256  # tokens per partial result
 MAX_HEAD_DIM = 256
 
@@ -30,7 +30,9 @@ class Stored:
     """K or V rows as held: ``data`` (N, H_kv, slots, E) — E = D floats for ``fp``, or
     D * bits / 32 int32 words of codes — with ``scale``/``zero`` (N, H_kv, rows, S) for
     codes: rows = slots and S = D / group (``token_codes``), or rows = slots / group and
-    S = D (``channel_codes``). Only the last axis needs to be contiguous."""
+    S = D (``channel_codes``). ``fp8``: uint8 bytes of an 8-bit float format (E = D), a
+    scale per token and ``group`` channels, and as ``zero`` the format's 256 values (fp32).
+    Only the last axis needs to be contiguous."""
 
     data: torch.Tensor
     format: str = "fp"
@@ -58,6 +60,10 @@ class Stored:
 
         if self.format == "fp":
             return take(self.data).float()
+        if self.format == "fp8":
+            values = self.zero[take(self.data).long()]  # (B, H, L, D) through the table
+            scale = take(self.scale).float().repeat_interleave(self.group, dim=-1)
+            return values * scale
         words, scale, zero = take(self.data), take(self.scale), take(self.zero)
         codec = (TokenCodes if self.format == "token_codes" else ChannelCodes)(
             self.bits, self.group
@@ -208,6 +214,17 @@ def _store_applies(st: Stored) -> bool:
         return False
     if st.format == "fp":
         return st.data.dtype in (torch.float32, torch.bfloat16)
+    if st.format == "fp8":
+        return (
+            st.data.dtype == torch.uint8
+            and st.scale is not None
+            and st.scale.dtype in (torch.float32, torch.bfloat16)
+            and st.scale.stride(-1) == 1
+            and st.zero is not None
+            and st.zero.dtype == torch.float32
+            and st.zero.shape == (256,)
+            and st.zero.is_contiguous()
+        )
     return (
         st.data.dtype == torch.int32
         and st.scale is not None

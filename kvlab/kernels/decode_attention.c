@@ -12,7 +12,9 @@
  * Codes are uint32 words, planar: word j holds the codes of channels j, j + W, j + 2W, ...
  * at bit offsets 0, bits, 2 bits, ... (W = D * bits / 32), so unpacking reads contiguous
  * words. Token codes have a scale and zero per `group` channels of each token; channel
- * codes (KIVI keys) one per channel for each `group` consecutive slots of a block.
+ * codes (KIVI keys) one per channel for each `group` consecutive slots of a block. FP8
+ * rows are one byte a channel, decoded through the format's 256-entry table (built by
+ * torch, so the decoding is torch's), times a scale per token and group of channels.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,7 +27,7 @@
 #include <immintrin.h>
 #endif
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_TOKEN_CODES = 2, FMT_CHANNEL_CODES = 3 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_TOKEN_CODES = 2, FMT_CHANNEL_CODES = 3, FMT_FP8 = 4 };
 
 typedef struct {
   int32_t format, bits, group, scale_bf16;
@@ -74,6 +76,21 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
       const uint16_t *p = (const uint16_t *)s->data + at + i * s->s_slot;
       float *out = tile + i * D;
       for (int d = 0; d < D; d++) out[d] = bf16_to_f32(p[d]);
+    }
+    return;
+  }
+  if (s->format == FMT_FP8) { /* one byte a channel through the format's 256-entry table
+                                (held in `zero`), a scale per token and group of channels */
+    const float *table = (const float *)s->zero;
+    const int groups = D / s->group;
+    for (int i = 0; i < count; i++) {
+      const uint8_t *c = (const uint8_t *)s->data + at + i * s->s_slot;
+      const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
+      float *out = tile + i * D;
+      for (int g = 0; g < groups; g++) {
+        const float a = scalar_at(s->scale, s->scale_bf16, z_at + g);
+        for (int d = g * s->group; d < (g + 1) * s->group; d++) out[d] = table[c[d]] * a;
+      }
     }
     return;
   }

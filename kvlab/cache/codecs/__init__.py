@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from kvlab.cache.codecs.base import Codec
 from kvlab.cache.codecs.channel import ChannelCodec
 from kvlab.cache.codecs.exact import Exact
+from kvlab.cache.codecs.fp8 import FORMATS as FP8_FORMATS
+from kvlab.cache.codecs.fp8 import Fp8Codec
 from kvlab.cache.codecs.kivi import Kivi, KiviOptions
 from kvlab.cache.codecs.token import TokenCodec
 from kvlab.kernels.int_codes import BITS
@@ -21,6 +23,7 @@ __all__ = [
     "Codec",
     "CodecOptions",
     "Exact",
+    "Fp8Codec",
     "Kivi",
     "KiviOptions",
     "TokenCodec",
@@ -30,29 +33,48 @@ __all__ = [
 @dataclass
 class CodecOptions:
     """Options of strategies whose storage can be quantized per token (``paged``,
-    ``sliding``): ``kv_bits=0`` keeps K/V exactly; 8/4/2 store every token's keys and
-    values as token codes with a scale and zero per ``kv_group_size`` channels — HF
-    QuantizedCache's layout, no full-precision residual, the step's own tokens read back
-    through storage too. (``int8``/``int4``/``int2`` are KIVI: keys per channel and an
-    exact residual; report labels name the difference.)"""
+    ``sliding``, ...): ``kv_bits=0`` keeps K/V exactly; 8/4/2 store every token's keys and
+    values as codes with a scale per ``kv_group_size`` channels: integer codes and a zero
+    (``kv_format=int``, HF QuantizedCache's layout), or at 8 bits an fp8 format
+    (``kv_format=e4m3`` or ``e5m2``, vLLM's fp8 cache with a dynamic scale). No
+    full-precision residual: the step's own tokens are read back through storage too.
+    (``int8``/``int4``/``int2`` are KIVI: keys per channel and an exact residual; report
+    labels name the difference.)"""
 
     kv_bits: int = 0
     kv_group_size: int = 32
+    kv_format: str = "int"
 
     def __post_init__(self) -> None:
         if self.kv_bits not in (0, *BITS):
             raise ValueError(f"cache.options.kv_bits={self.kv_bits} is invalid; allowed: 0, {BITS}")
         if self.kv_group_size < 1:
             raise ValueError(f"cache.options.kv_group_size={self.kv_group_size} must be >= 1")
+        formats = ("int", *FP8_FORMATS)
+        if self.kv_format not in formats:
+            raise ValueError(
+                f"cache.options.kv_format={self.kv_format!r} is invalid; allowed: {formats}"
+            )
+        if self.kv_format != "int" and self.kv_bits != 8:
+            raise ValueError(
+                f"cache.options.kv_format={self.kv_format!r} is an 8-bit format but "
+                f"kv_bits={self.kv_bits}; allowed: kv_bits=8 with it"
+            )
 
     def codec(self, head_dim: int) -> Codec:
-        """The codec of the stored rows: exact, or token codes of ``kv_bits``."""
+        """The codec of the stored rows: exact, integer token codes or fp8."""
         if not self.kv_bits:
             return Exact()
+        if self.kv_format != "int":
+            return Fp8Codec(self.kv_format, self.kv_group_size, head_dim)
         return TokenCodec(self.kv_bits, self.kv_group_size, head_dim)
 
     def describe(self) -> str:
         """The storage in words, for report labels ("" when exact)."""
         if not self.kv_bits:
             return ""
+        if self.kv_format != "int":
+            return (
+                f"fp8 {self.kv_format} keys and values, a scale per {self.kv_group_size} channels"
+            )
         return f"per-token int{self.kv_bits} keys and values, no exact residual"
