@@ -35,17 +35,24 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    """``name`` of a registered strategy; every other key is an option of that strategy."""
+    """``name`` of a registered strategy; ``policy``/``store``/``codec``: its choice on the
+    three axes (as its yaml names them; "" = the strategy's), checked before anything
+    loads; every key of ``options`` is an option of that strategy."""
 
     name: str = "full"
+    policy: str = ""
+    store: str = ""
+    codec: str = ""
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from kvlab.cache import registered
         from kvlab.cache.base import cache_options
+        from kvlab.cache.composed import check_axes
 
         known = registered()
         _require(self.name in known, "cache.name", self.name, ", ".join(sorted(known)))
+        check_axes(self.name, policy=self.policy, store=self.store, codec=self.codec)
         cache_options(self.name, self.options)  # the strategy checks its own options
 
 

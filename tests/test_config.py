@@ -205,3 +205,33 @@ def test_report_labels_name_how_a_strategy_stores_kv():
     assert "KIVI int4: keys per channel" in kivi
     assert "per-token int4 keys and values, no exact residual" in per_token
     assert series_label({"cache.name": "full"}) == "full"
+
+
+def test_every_composed_preset_names_its_axes_in_its_yaml():
+    """conf/cache/<name>.yaml states the preset's policy, store and codec, as registered."""
+    from omegaconf import OmegaConf
+
+    from kvlab.cache.composed import axes_of, compositions
+
+    for name in compositions():
+        yaml = OmegaConf.load(Path(CONF_DIR) / "cache" / f"{name}.yaml")
+        assert (yaml.policy, yaml.store, yaml.codec) == axes_of(name), name
+
+
+@pytest.mark.parametrize(
+    ("axes", "message"),
+    [
+        (dict(name="full", store="paged"), r"keep_all × paged × per_token is cache=paged"),
+        (dict(name="full", codec="kivi"), r"is cache=int2 or int4 or int8"),
+        (dict(name="paged", codec="kivi"), r"does not compose: codec kivi keeps an exact"),
+        (dict(name="sliding", store="paged"), r"policy window composes with stores \['ring'\]"),
+        (dict(name="full", store="disk"), r"cache.store='disk' is invalid; allowed: \["),
+        (dict(name="compressed", store="ring"), r"not a choice on the three axes"),
+    ],
+)
+def test_a_choice_on_the_axes_that_is_not_the_strategy_is_refused_before_loading(axes, message):
+    from kvlab.config import CacheConfig
+
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(**axes)
+    assert CacheConfig(name="int4", policy="keep_all", store="contiguous", codec="kivi")

@@ -189,3 +189,62 @@ def preset(
 def compositions() -> dict[str, tuple[type[Policy], type[Store], type]]:
     """Preset name → (policy, store, codec options) of every composed strategy."""
     return dict(_COMPOSITIONS)
+
+
+AXES = ("policy", "store", "codec")
+
+
+def axes_of(name: str) -> tuple[str, str, str]:
+    """(policy, store, codec) entry names of composed strategy ``name``."""
+    policy, store, codec = _COMPOSITIONS[name]
+    return policy.name, store.kind, codec.name
+
+
+def check_axes(name: str, **asked: str) -> None:
+    """Refuse ``cache.policy/store/codec`` values that are not strategy ``name``'s, before
+    anything loads: name the strategy that is that choice, or say why it does not compose."""
+    given = {axis: value for axis, value in asked.items() if value}
+    if not given:
+        return
+    if name not in _COMPOSITIONS:
+        field, value = next(iter(given.items()))
+        raise ValueError(
+            f"cache.{field}={value!r} is invalid for cache={name}, which is not a choice on "
+            f"the three axes; allowed: no cache.policy/store/codec (composed: "
+            f"{sorted(_COMPOSITIONS)})"
+        )
+    own = dict(zip(AXES, axes_of(name), strict=True))
+    wanted = {**own, **given}
+    known = _axis_entries()
+    for axis, value in given.items():
+        if value not in known[axis]:
+            raise ValueError(f"cache.{axis}={value!r} is invalid; allowed: {sorted(known[axis])}")
+    if wanted == own:
+        return
+    choice = " × ".join(wanted[axis] for axis in AXES)
+    named = sorted(n for n in _COMPOSITIONS if axes_of(n) == tuple(wanted.values()))
+    field = next(axis for axis in AXES if wanted[axis] != own[axis])
+    head = f"cache.{field}={wanted[field]!r} is not cache={name} ({' × '.join(own.values())})"
+    if named:
+        raise ValueError(f"{head}; the choice {choice} is cache={' or '.join(named)}")
+    raise ValueError(f"{head}; {choice} does not compose: {_why_not(known, **wanted)}")
+
+
+def _axis_entries() -> dict[str, dict[str, type]]:
+    """Every policy, store and codec options class the registered presets use, by name."""
+    entries: dict[str, dict[str, type]] = {axis: {} for axis in AXES}
+    for policy, store, codec in _COMPOSITIONS.values():
+        entries["policy"].setdefault(policy.name, policy)
+        entries["store"].setdefault(store.kind, store)
+        entries["codec"].setdefault(codec.name, codec)
+    return entries
+
+
+def _why_not(known: dict[str, dict[str, type]], policy: str, store: str, codec: str) -> str:
+    policy_cls, codec_cls = known["policy"][policy], known["codec"][codec]
+    if store not in policy_cls.stores:
+        return f"policy {policy} composes with stores {list(policy_cls.stores)}"
+    if issubclass(codec_cls, STAGED_CODECS) and known["store"][store] not in STAGED:
+        stages = sorted(s.kind for s in STAGED)
+        return f"codec {codec} keeps an exact residual, which only {stages} stages"
+    return "no preset names it yet (add one line to kvlab/cache/presets.py)"

@@ -7,6 +7,7 @@ arithmetic is :mod:`kvlab.kernels.int_codes`. Strategies whose storage can hold 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvlab.cache.codecs.base import Codec
 from kvlab.cache.codecs.channel import ChannelCodec
@@ -40,6 +41,8 @@ class CodecOptions:
     full-precision residual: the step's own tokens are read back through storage too.
     (``int8``/``int4``/``int2`` are KIVI: keys per channel and an exact residual; report
     labels name the difference.)"""
+
+    name: ClassVar[str] = "per_token"  # the codec axis entry: exact or per-token codes
 
     kv_bits: int = 0
     kv_group_size: int = 32

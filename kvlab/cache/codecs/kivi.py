@@ -8,6 +8,7 @@ store's (:mod:`kvlab.cache.stores.staged`); this is the pair of codecs and the r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from kvlab.cache.codecs.base import Codec
 from kvlab.cache.codecs.channel import ChannelCodec
@@ -19,6 +20,8 @@ from kvlab.kernels.int_codes import BITS, KEY_AXES
 class KiviOptions:
     """``bits`` of every code, ``group_size`` G (tokens per key group, channels per value
     group), ``residual`` newest tokens exact, ``key_axis`` channel (KIVI) or token."""
+
+    name: ClassVar[str] = "kivi"  # the codec axis entry
 
     bits: int = 4
     group_size: int = 32

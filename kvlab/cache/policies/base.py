@@ -20,6 +20,7 @@ from kvlab.cache.stores.base import Store
 class Policy:
     """Keeps every token in slot = position unless a subclass says otherwise."""
 
+    name: ClassVar[str] = ""  # the policy's axis entry, as yaml names it
     stores: ClassVar[tuple[str, ...]] = ()  # store kinds this policy composes with
     serves: ClassVar[bool] = True  # rows can join and leave a running batch
 

@@ -42,6 +42,7 @@ class EvictStep(Step):
 class Evict(Policy):
     """``decoding``: the decode-time compression's state (``when="decode"``), else None."""
 
+    name = "evict"
     stores = ("ragged",)
     serves = False  # rows join and leave a running batch: not implemented for ragged heads
 

@@ -33,6 +33,7 @@ class KeepAllStep(Step):
 
 
 class KeepAll(Policy):
+    name = "keep_all"
     stores = ("contiguous", "paged")
     Step: type[KeepAllStep] = KeepAllStep  # a policy that extends keep_all extends its step
 

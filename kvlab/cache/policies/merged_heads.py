@@ -29,6 +29,7 @@ class MergedHeadsOptions:
 
 
 class MergedHeads(KeepAll):
+    name = "merged_heads"
     stores = ("contiguous",)
 
     @classmethod

@@ -35,6 +35,7 @@ class QuestStep(KeepAllStep):
 
 
 class Quest(KeepAll):
+    name = "quest"
     stores = ("paged",)
     Step = QuestStep
 

@@ -61,6 +61,7 @@ class WindowStep(Step):
 class Window(Policy):
     """Over the ring store, which maps positions to its slots and records what each holds."""
 
+    name = "window"
     stores = ("ring",)
 
     @classmethod
