@@ -239,7 +239,7 @@ class RunConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     eval: dict[str, Any] = field(default_factory=dict)  # eval name -> its options
     logger: LoggerConfig = field(default_factory=LoggerConfig)
-    threads: int = 0  # 0: torch's default
+    threads: int = 0  # 0: the CPUs this process was given (kvlab.threads)
     resume: bool = True  # skip a point whose result.json says ok for the same config
 
     def __post_init__(self) -> None:

@@ -28,6 +28,7 @@ from kvlab.models.cpu_kernels import prepack_linears
 from kvlab.models.llama import Decoder
 from kvlab.paths import CONF_DIR
 from kvlab.quant import quantize_
+from kvlab.threads import apply_threads
 from kvlab.tracking import config_dict, environment, read_record, write_record
 from kvlab.workload import build_prompts
 
@@ -89,8 +90,7 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
     """Run the workload of ``cfg`` once after a warm-up, then its evals (their files go to
     ``out_dir``); the metrics of that run."""
     check_context(cfg)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    apply_threads(cfg.threads)  # the CPUs this process was given, not the machine's
     device = resolve_device(cfg.model.device)
     model, tokenizer = load_run_model(cfg.model, cfg.quant, device)
 

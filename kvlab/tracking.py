@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from kvlab.threads import threads_source
+
 RESULT_FILE = "result.json"
 TABLE_COLUMNS = (
     "model.source",
@@ -76,6 +78,7 @@ def environment() -> dict[str, Any]:
         "kvlab": _version("kvlab"),
         "kvlab_commit": _git_commit(),
         "threads": torch.get_num_threads(),
+        "threads_source": threads_source(),  # threads=, OMP_NUM_THREADS, SLURM, affinity
         "cpu": _cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...
         "cpu_kernels": _cpu_kernels(),
