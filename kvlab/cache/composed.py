@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, RowState, register
-from kvlab.cache.codecs import CodecOptions, KiviOptions
+from kvlab.cache.codecs import CodecOptions
 from kvlab.cache.policies.base import Policy
 from kvlab.cache.stores.base import Store
 from kvlab.cache.stores.contiguous import ContiguousStore
@@ -25,12 +25,16 @@ from kvlab.cache.stores.staged import StagedStore
 
 _COMPOSITIONS: dict[str, tuple[type[Policy], type[Store], type]] = {}
 STAGED: dict[type[Store], type[Store]] = {ContiguousStore: StagedStore}  # store -> its staged form
-STAGED_CODECS = (KiviOptions,)  # codec options whose codec is staged
 
 
 def store_for(store: type[Store], codec) -> type[Store]:
     """The store class that holds ``codec``: a staged codec's, the store's staged form."""
     return STAGED[store] if codec.staged else store
+
+
+def holds(store: type[Store], codec_options: type) -> bool:
+    """Can ``store`` hold the codecs of ``codec_options`` (a staged one needs a staged form)?"""
+    return not codec_options.staged or store in STAGED
 
 
 class ComposedCache(KVCache):
@@ -161,7 +165,7 @@ def preset(
             f"policy {policy.__name__} does not compose with store {store.kind!r}; "
             f"allowed: {policy.stores}"
         )
-    if issubclass(codec, STAGED_CODECS) and store not in STAGED:
+    if not holds(store, codec):
         raise ValueError(
             f"codec {codec.__name__} keeps an exact residual, which store {store.kind!r} "
             f"cannot stage; allowed: {sorted(s.kind for s in STAGED)}"
@@ -244,7 +248,7 @@ def _why_not(known: dict[str, dict[str, type]], policy: str, store: str, codec: 
     policy_cls, codec_cls = known["policy"][policy], known["codec"][codec]
     if store not in policy_cls.stores:
         return f"policy {policy} composes with stores {list(policy_cls.stores)}"
-    if issubclass(codec_cls, STAGED_CODECS) and known["store"][store] not in STAGED:
+    if not holds(known["store"][store], codec_cls):
         stages = sorted(s.kind for s in STAGED)
         return f"codec {codec} keeps an exact residual, which only {stages} stages"
     return "no preset names it yet (add one line to kvlab/cache/presets.py)"

@@ -43,6 +43,7 @@ class CodecOptions:
     labels name the difference.)"""
 
     name: ClassVar[str] = "per_token"  # the codec axis entry: exact or per-token codes
+    staged: ClassVar[bool] = False  # its codecs encode token by token
 
     kv_bits: int = 0
     kv_group_size: int = 32

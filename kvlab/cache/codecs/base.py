@@ -54,3 +54,22 @@ class Codec(ABC):
     def bytes_per_token(self, dim: int, dtype: torch.dtype) -> int:
         """Bytes one row of ``dim`` channels takes, from :meth:`parts`."""
         return sum(width * part.itemsize for width, part in self.parts(dim, dtype))
+
+
+class PackedCodes(Codec):
+    """Integer codes as :mod:`kvlab.kernels.int_codes` packs them — words, scale, zero — held
+    as three parts and read by the kernel in ``format`` (token or channel codes)."""
+
+    format: ClassVar[str]
+
+    def __init__(self, codes):
+        self.codes, self.bits, self.group = codes, codes.bits, codes.group
+
+    def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(self.codes.encode(x))
+
+    def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return self.codes.decode(*parts, dtype=dtype)
+
+    def stored(self, parts: list[torch.Tensor]) -> Stored:
+        return Stored(parts[0], self.format, self.bits, self.group, *parts[1:])

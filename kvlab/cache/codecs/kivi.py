@@ -22,6 +22,7 @@ class KiviOptions:
     group), ``residual`` newest tokens exact, ``key_axis`` channel (KIVI) or token."""
 
     name: ClassVar[str] = "kivi"  # the codec axis entry
+    staged: ClassVar[bool] = True  # its codec encodes token groups (a store must stage them)
 
     bits: int = 4
     group_size: int = 32
