@@ -91,7 +91,7 @@ class Generation:
         self.sched = Scheduler(engine.cache, eos)
         self.runner = ModelRunner(engine.model, cfg.sampling, on_logits)
         self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
-        self._ttft_recorded, self._began = False, 0.0
+        self._ttft_recorded = False
         window = engine.model.config.sliding_window
         longest = max(map(len, prompts)) + cfg.max_new_tokens
         if window and longest > window:
@@ -116,8 +116,8 @@ class Generation:
         """Prefill every waiting request (prompt + what it generated before a preemption);
         those that do not fit wait for the next round."""
         self.sched.admit_all()
-        logits = self.sched.retrying(self._prefill)
-        elapsed = now(self.engine.device) - self._began
+        logits, began = self.sched.retrying(self._prefill)
+        elapsed = now(self.engine.device) - began
         self.stats.note_memory(self.engine.cache.memory())  # every row's prompt is stored now
         emitted = self._emit(logits)
         if self._ttft_recorded:
@@ -126,26 +126,27 @@ class Generation:
             self.stats.ttft_s, self._ttft_recorded = elapsed, True
         return emitted
 
-    def _prefill(self) -> torch.Tensor:
+    def _prefill(self) -> tuple[torch.Tensor, float]:
+        """The running requests' prefill logits, and when their (last) attempt began."""
         seqs = [s.tokens for s in self.sched.running]
         longest = max(map(len, seqs))
         chunk = self.cfg.prefill_chunk or longest
         self.engine.cache.allocate(
             len(seqs), -(-longest // chunk) * chunk + self.cfg.max_new_tokens
         )
-        self._began = now(self.engine.device)
+        began = now(self.engine.device)
         contexts = self.contexts and [self.contexts[s.index] for s in self.sched.running]
-        return self.engine.prefill(seqs, chunk, contexts)
+        return self.engine.prefill(seqs, chunk, contexts), began
 
     def _decode_step(self) -> dict[int, int]:
-        logits = self.sched.retrying(self._decode)
-        self.stats.step_s.append(now(self.engine.device) - self._began)
+        logits, began = self.sched.retrying(self._decode)
+        self.stats.step_s.append(now(self.engine.device) - began)
         self.stats.step_rows.append(len(self.sched.running))
         return self._emit(logits)
 
-    def _decode(self) -> torch.Tensor:
-        self._began = now(self.engine.device)
-        return self.engine.decode_step([s.tokens for s in self.sched.running])
+    def _decode(self) -> tuple[torch.Tensor, float]:
+        began = now(self.engine.device)
+        return self.engine.decode_step([s.tokens for s in self.sched.running]), began
 
     def _emit(self, logits: torch.Tensor) -> dict[int, int]:
         """Sample a token per running request, record it, and retire those that are done."""

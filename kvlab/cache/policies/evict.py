@@ -55,7 +55,7 @@ class Evict(Policy):
         """The kept fraction of ``max_tokens`` tokens (``when="decode"``: its target); a
         generation holds the kept fraction of its prompt plus room for its new tokens."""
         kept = max_tokens - int(max_tokens * options.ratio)
-        return RaggedStore.planned_bytes(spec, codec, batch_size, kept)
+        return RaggedStore.kept_bytes(spec, codec, batch_size, kept)
 
     def store_kwargs(self) -> dict[str, Any]:
         """Decode-time compression repacks every ``interval`` steps: that much room."""

@@ -71,7 +71,8 @@ class BlockPool:
             self.used -= 1
 
     def drop_tail(self, table: list[int], keep: int) -> None:
-        """Release the blocks of ``table`` after its first ``keep`` (a row rolled back)."""
+        """Release the blocks of ``table`` after its first ``keep`` (a row rolled back, or
+        freed: ``keep=0``)."""
         for block in table[keep:]:
             self.release(block)
         del table[keep:]

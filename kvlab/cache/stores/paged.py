@@ -112,9 +112,7 @@ class PagedStore(Store):
 
     def release(self, rows: Sequence[int], lengths: Sequence[int] = ()) -> None:
         for row in rows:
-            for block in self.tables[row]:
-                self.pool.release(block)
-            self.tables[row] = []
+            self.pool.drop_tail(self.tables[row], 0)
 
     def truncate(self, lengths, kept) -> None:
         """Blocks past each kept length go back to the pool; a partly kept block that is

@@ -135,7 +135,7 @@ class RaggedStore(Store):
         self.slots = self.rows = 0
 
     @staticmethod
-    def planned_bytes(spec, codec, batch_size: int, kept: int) -> dict[str, int]:
+    def kept_bytes(spec, codec, batch_size: int, kept: int) -> dict[str, int]:
         """Bytes of ``kept`` tokens per (row, KV head) in every layer, rounded up to a
         block, plus each head's block table and token count (int64)."""
         blocks = -(-kept // BLOCK)

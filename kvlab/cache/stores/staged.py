@@ -102,9 +102,11 @@ class StagedStore(ContiguousStore):
         in_ring = real & ((slots >= coded_after[:, None]) | (info.steps == 1))
         ring_slots = torch.where(in_ring, slots % ring, ring)  # trash: slot `ring`
         rows = torch.arange(len(lengths), device=device)[:, None]
-        encodes = self.static or self._any_group_closes(lengths, info.num_new)
+        host = [(n, self.codec.encoded(n), self.codec.encoded(n + k))  # host lengths, coded
+                for n, k in zip(lengths, info.num_new, strict=True)]  # fmt: skip
+        encodes = self.static or any(after > before for _, before, after in host)
         read = self.codec.encoded(max(lengths)) if info.steps > 1 else 0
-        ring_from = self._ring_from(lengths, info)
+        ring_from = self._ring_from(host, info.steps)
         return StagedWrite(
             rows,
             start,
@@ -119,14 +121,14 @@ class StagedStore(ContiguousStore):
             ring_from,
         )
 
-    def _ring_from(self, lengths: Sequence[int], info) -> list[int]:
-        """Each row's :attr:`ring_from` after the step: a multi-token step's tokens that it
-        encodes itself never enter the ring."""
-        if info.steps == 1:
+    def _ring_from(self, host: list[tuple[int, int, int]], steps: int) -> list[int]:
+        """Each row's :attr:`ring_from` after the step (``host``: per row its length and
+        coded tokens before and after): a multi-token step's tokens that it encodes itself
+        never enter the ring."""
+        if steps == 1:
             return self.ring_from
-        coded = [self.codec.encoded(n + k) for n, k in zip(lengths, info.num_new, strict=True)]
-        pairs = zip(lengths, coded, self.ring_from, strict=True)
-        return [max(low, c) if c > n else low for n, c, low in pairs]
+        pairs = zip(host, self.ring_from, strict=True)
+        return [max(low, after) if after > n else low for (n, _, after), low in pairs]
 
     def commit(self, where: StagedWrite) -> None:
         self.ring_from = where.ring_from
@@ -145,11 +147,6 @@ class StagedStore(ContiguousStore):
                     f"in the ring of {self.ring_size} slots (residual + group_size); allowed: "
                     f"a length whose coded prefix is >= {lowest}, or a larger residual"
                 )
-
-    def _any_group_closes(self, lengths: Sequence[int], num_new: Sequence[int]) -> bool:
-        """Host check: does some row encode a group in this step?"""
-        encoded = self.codec.encoded
-        return any(encoded(n + k) > encoded(n) for n, k in zip(lengths, num_new, strict=True))
 
     def held(self, where: StagedWrite, slots: int) -> torch.Tensor:
         """Positions of [codes | ring | new] columns (B, read + ring + 1 + T)."""
