@@ -9,8 +9,8 @@ import torch
 
 from kvlab.cache import build_cache, cache_factory
 from kvlab.cache.base import strategy
-from kvlab.cache.compressor import calibrate, save
-from kvlab.cache.pooling import GATES
+from kvlab.cache.pooled.calibration import calibrate, save
+from kvlab.cache.pooled.pooling import GATES
 from kvlab.models.rope import RotaryTables
 
 LOSSY = dict(csa_ratio=2, hca_ratio=4, window=3, sinks=1, top_k=2, observe=2)
@@ -37,7 +37,7 @@ def with_random_gates(cache):
     """Give every layer a random calibrated gate (no file): exercises the per-channel path."""
     gen = torch.Generator().manual_seed(0)
     dim = cache.spec.head_dim
-    for pool in cache.pools.values():
+    for pool in cache.policy.pools.values():
         pool.gate = "calibrated"
         pool.proj = torch.randn(dim, 2 * dim, generator=gen) * 0.3
         pool.bias = torch.randn(pool.span, 2 * dim, generator=gen)
@@ -107,11 +107,10 @@ def test_uniform_entries_are_window_means_rotated_at_the_window_start(tiny_llama
             tokens = slice(max(0, (w + 1) * ratio - span), (w + 1) * ratio)
             rope = RotaryTables(tiny_llama.inv_freq, torch.tensor([[w * ratio]]), torch.float32)
             key = rope.rotate_heads_first(k_raw[:, :, tokens].mean(dim=2, keepdim=True))
-            torch.testing.assert_close(
-                cache.entries[layer][0, 0, :, w], key[0, :, 0], atol=1e-5, rtol=0
-            )
+            keys, values = cache.policy.layers[layer].read(17 // ratio)
+            torch.testing.assert_close(keys[0, :, w], key[0, :, 0], atol=1e-5, rtol=0)
             value = v[0, :, tokens].mean(dim=1)
-            torch.testing.assert_close(cache.entries[layer][1, 0, :, w], value, atol=1e-5, rtol=0)
+            torch.testing.assert_close(values[0, :, w], value, atol=1e-5, rtol=0)
 
 
 def test_memory_report_counts_entries_buffer_and_window(tiny_llama):
@@ -156,7 +155,7 @@ def test_calibrated_compressor_fits_saves_and_refuses_other_models(
 
     calibrated = dict(options_dict, gate="calibrated", compressor=str(tmp_path))
     cache = cache_factory("compressed", tiny_llama, calibrated)()
-    assert all(pool.proj is not None for pool in cache.pools.values())
+    assert all(pool.proj is not None for pool in cache.policy.pools.values())
     run_logits(tiny_llama, cache, windows[0], 48)
 
     other, _ = load_model(str(tiny_checkpoints["qwen2"]))
@@ -188,7 +187,7 @@ def test_bad_options_name_the_field(tiny_llama, options, field):
 
 
 def test_entries_become_visible_when_closed_or_when_out_of_the_window():
-    from kvlab.cache.pooling import visible_entries
+    from kvlab.cache.pooled.pooling import visible_entries
 
     positions = torch.arange(12)[None]
     closed = visible_entries(positions, 3, ratio=4)[0, 0]  # (T, N)
@@ -199,11 +198,13 @@ def test_entries_become_visible_when_closed_or_when_out_of_the_window():
 
 
 def test_sequential_calibration_records_inputs_through_the_fitted_layers(tiny_llama):
-    from kvlab.cache.compressor import record
+    from kvlab.cache.pooled.calibration import record
 
     ids = random_ids(tiny_llama, 24)
     student = build_cache("compressed", tiny_llama.cache_spec(), LOSSY)
-    student.pools = {0: student.pools[0]}  # layer 0 compresses, layer 1 is still exact
+    student.policy.pools = {
+        0: student.policy.pools[0]
+    }  # layer 0 compresses, layer 1 is still exact
     teacher, taught = record(tiny_llama, ids), record(tiny_llama, ids, student)
     for a, b in zip(teacher[0], taught[0], strict=True):
         torch.testing.assert_close(a, b)  # layer 0 gets the same inputs
@@ -215,23 +216,31 @@ def test_every_option_calibration_depends_on_keys_the_cached_compressor(tiny_lla
     must be listed here: fitted, or in NOT_FITTED)."""
     from dataclasses import fields
 
-    from kvlab.cache.compressor import NOT_FITTED, default_dir
+    from kvlab.cache.pooled.calibration import NOT_FITTED, default_dir
 
     spec = tiny_llama.cache_spec()
     other = dict(schedule=["hca"], csa_ratio=3, hca_ratio=8, window=5, sinks=0, top_k=3)
     other |= dict(overlap=False, proportional=True, in_window=False, calibration=dict(steps=7))
+    other |= dict(kv_group_size=8)  # the codec: sequential calibration's student runs in it
     unfitted = dict(gate="keynorm", observe=3, compressor="/elsewhere")
     options_type = type(build_cache("compressed", spec, LOSSY).options)
-    assert {f.name for f in fields(options_type)} == set(other) | set(unfitted)
+    assert {f.name for f in fields(options_type)} == set(other) | set(unfitted) | {
+        "kv_bits",
+        "kv_format",
+    }
     assert set(unfitted) == set(NOT_FITTED)
     base = default_dir("m", build_cache("compressed", spec, LOSSY).options)
     for name, value in (other | unfitted).items():
         moved = default_dir("m", build_cache("compressed", spec, LOSSY | {name: value}).options)
         assert (moved == base) == (name in NOT_FITTED), name
+    coded = [LOSSY | {"kv_group_size": 8, "kv_bits": bits} for bits in (0, 8)]
+    coded.append(coded[1] | {"kv_format": "e4m3"})  # kv_bits and kv_format move it too
+    dirs = {default_dir("m", build_cache("compressed", spec, o).options) for o in coded}
+    assert len(dirs) == 3
 
 
 def test_compressor_cache_key_covers_the_calibration_text(tiny_llama, tmp_path):
-    from kvlab.cache.compressor import default_dir, recipe
+    from kvlab.cache.pooled.calibration import default_dir, recipe
 
     text = tmp_path / "calibration.txt"
     text.write_text("first text\n")

@@ -226,7 +226,8 @@ def test_every_composed_preset_names_its_axes_in_its_yaml():
         (dict(name="paged", codec="kivi"), r"does not compose: codec kivi keeps an exact"),
         (dict(name="sliding", store="paged"), r"policy window composes with stores \['ring'\]"),
         (dict(name="full", store="disk"), r"cache.store='disk' is invalid; allowed: \["),
-        (dict(name="compressed", store="ring"), r"not a choice on the three axes"),
+        (dict(name="nocache", store="ring"), r"not a choice on the three axes"),
+        (dict(name="compressed", store="paged"), r"policy pooled composes with stores"),
     ],
 )
 def test_a_choice_on_the_axes_that_is_not_the_strategy_is_refused_before_loading(axes, message):

@@ -29,7 +29,7 @@ LOSSY = {
     "int4": dict(group_size=4, residual=4), "int2": dict(group_size=4, residual=4),
 }  # fmt: skip
 BACK = {"int4": 1, "int2": 1}
-REFUSED = {"evict"}  # what each head kept was chosen with the dropped tokens present
+REFUSED = {"evict", "compressed"}  # chosen (evict) or pooled (compressed) with dropped tokens
 
 
 def test_every_composed_strategy_has_a_rollback_case():

@@ -1,7 +1,6 @@
 """KV-cache strategies: one file each, registered by name (see ``base.py`` for the contract)."""
 
 from kvlab.cache import (  # noqa: F401  (registers the strategies)
-    compressed,
     nocache,
     presets,
 )

@@ -60,14 +60,18 @@ class ComposedCache(KVCache):
         return store(self.spec, codec, self.options, static=self.static, **kwargs)
 
     @classmethod
+    def prepare(cls, model, options) -> None:
+        cls.Policy.prepare(model, options, cls)
+
+    @classmethod
     def planned_bytes(cls, spec, options, batch_size, max_tokens):
-        """A contiguous store's lines from shapes alone; other stores' from an allocation on
-        the meta device."""
+        """A contiguous store's lines from shapes alone; other stores' (and those of a
+        policy holding tensors of its own) from an allocation on the meta device."""
         codec = options.codec(spec.head_dim)
         held = cls.Policy.planned_bytes(spec, codec, options, batch_size, max_tokens)
         if held is not None:
             return held
-        if not issubclass(cls.Store, ContiguousStore):
+        if cls.Policy.holds_tensors or not issubclass(cls.Store, ContiguousStore):
             return super().planned_bytes(spec, options, batch_size, max_tokens)
         spec = cls.Policy.store_spec(spec, options)
         store = store_for(cls.Store, codec)
@@ -100,6 +104,7 @@ class ComposedCache(KVCache):
         then mends what it derived from the dropped tokens."""
         self.check_truncation(lengths)
         lengths = list(lengths)
+        self.policy.check_truncation(self.lengths, lengths)
         self.store.truncate(self.lengths, lengths)
         self.policy.truncate(self.store, lengths)
         self.lengths = lengths
@@ -147,11 +152,11 @@ class ComposedCache(KVCache):
         return [*self.store.tensors(), *self.policy.tensors()]
 
     def used_bytes(self) -> int:
-        return self.store.used_bytes(self.lengths)  # a policy's buffers hold no tokens
+        return self.store.used_bytes(self.lengths) + self.policy.used_bytes(self.lengths)
 
     def memory(self) -> MemoryReport:
         report = super().memory()
-        policy = self.Policy.details(report, self.spec, self.model_spec)
+        policy = self.policy.details(report, self.spec, self.model_spec)
         return dataclasses.replace(report, details={**self.store.details(), **policy})
 
 

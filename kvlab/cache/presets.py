@@ -1,7 +1,8 @@
 """The strategies that are a policy over a store in a codec: each a named choice of
 :mod:`kvlab.cache.composed`, its yaml in ``conf/cache/<name>.yaml``. ``full``, ``paged``,
-``quest``, ``sliding`` and ``gqa_shared`` take any codec ``kv_bits`` names (exact or token
-codes); ``int8``/``int4``/``int2`` are keep_all over the contiguous store in KIVI's codec."""
+``quest``, ``sliding``, ``gqa_shared`` and ``compressed`` take any codec ``kv_bits`` names
+(exact or token codes); ``int8``/``int4``/``int2`` are keep_all over the contiguous store in
+KIVI's codec."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from kvlab.cache.evict.options import EvictOptions
 from kvlab.cache.policies.evict import Evict
 from kvlab.cache.policies.keep_all import KeepAll
 from kvlab.cache.policies.merged_heads import MergedHeads, MergedHeadsOptions
+from kvlab.cache.policies.pooled import Pooled
 from kvlab.cache.policies.quest import Quest, QuestOptions
 from kvlab.cache.policies.window import Window, WindowOptions
+from kvlab.cache.pooled.options import PooledOptions
 from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.cache.stores.paged import PagedOptions, PagedStore
 from kvlab.cache.stores.ragged import RaggedStore
@@ -26,6 +29,7 @@ QuestCache = preset("quest", Quest, PagedStore, (QuestOptions, PagedOptions))
 SlidingCache = preset("sliding", Window, RingStore, (WindowOptions,))
 EvictCache = preset("evict", Evict, RaggedStore, (EvictOptions,))
 GQASharedCache = preset("gqa_shared", MergedHeads, ContiguousStore, (MergedHeadsOptions,))
+CompressedCache = preset("compressed", Pooled, RingStore, (PooledOptions,))
 
 
 def kivi_width(bits: int) -> type[KiviOptions]:

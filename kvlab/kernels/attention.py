@@ -47,9 +47,10 @@ class Stored:
         def split(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.view(-1, 1, *t.shape[2:])
 
+        table = self.format == "fp8"  # fp8's zero is the format's 256 values, not per row
         return Stored(
             split(self.data), self.format, self.bits, self.group, split(self.scale),
-            split(self.zero),
+            self.zero if table else split(self.zero),
         )  # fmt: skip
 
     def rows(self, block_ids: torch.Tensor, dim: int) -> torch.Tensor:
@@ -115,10 +116,16 @@ class Segment:
 
     def per_head_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Table, lo and hi of :meth:`per_head`'s rows."""
-        heads = self.q.shape[1]
-        head = torch.arange(heads, device=self.table.device)
-        table = (self.table[:, None, :] * heads + head[None, :, None]).flatten(0, 1)
-        return table, self.lo.repeat_interleave(heads), self.hi.repeat_interleave(heads)
+        return per_head_index(self.table, self.lo, self.hi, self.q.shape[1])
+
+
+def per_head_index(table, lo, hi, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:meth:`Segment.per_head`'s table, lo and hi for a segment of ``heads`` KV heads over
+    ``table`` (B, blocks) and bounds ``lo``, ``hi`` (B,) (a step's policy builds it once for
+    all its layers)."""
+    head = torch.arange(heads, device=table.device)
+    table = (table[:, None, :] * heads + head[None, :, None]).flatten(0, 1)
+    return table, lo.repeat_interleave(heads), hi.repeat_interleave(heads)
 
 
 def decode_attention(segments: list[Segment], scale: float, out_dtype: torch.dtype):

@@ -23,9 +23,15 @@ class Policy:
     name: ClassVar[str] = ""  # the policy's axis entry, as yaml names it
     stores: ClassVar[tuple[str, ...]] = ()  # store kinds this policy composes with
     serves: ClassVar[bool] = True  # rows can join and leave a running batch
+    holds_tensors: ClassVar[bool] = False  # K/V of its own beside the store's (pooled entries)
 
     def __init__(self, spec: CacheSpec, options: Any):
         self.spec, self.options = spec, options
+
+    @classmethod
+    def prepare(cls, model, options: Any, strategy: type) -> None:
+        """Fit, once per model, what the policy learns from it (``strategy``: the class of
+        the composed strategy, for a calibration that runs it); nothing by default."""
 
     @classmethod
     def check(cls, options: Any) -> None:
@@ -76,11 +82,19 @@ class Policy:
         """Tensors the policy holds beside the store's (counted in memory)."""
         return []
 
+    def used_bytes(self, lengths: list[int]) -> int:
+        """Of :meth:`tensors`' bytes, those holding what rows of ``lengths`` tokens stored."""
+        return 0
+
     def plan(self, info: StepInfo, lengths: list[int], store: Store, static: bool) -> Step:
         raise NotImplementedError
 
     def attend(self, step: Step, store: Store, layer: int, q, k, v, k_raw) -> torch.Tensor:
         raise NotImplementedError
+
+    def check_truncation(self, lengths: list[int], kept: list[int]) -> None:
+        """Refuse, before the store changes anything, a rollback from ``lengths`` to
+        ``kept`` the policy cannot make exact (``ValueError``, the reason)."""
 
     def truncate(self, store: Store, lengths: list[int]) -> None:
         """After the store rolled rows back to ``lengths``: mend what the policy derived

@@ -1,4 +1,5 @@
-"""The calibrated compressor of the ``compressed`` strategy: per layer, a gating projection
+"""The calibration of the ``pooled`` policy's learned gate (``cache=compressed
+cache.options.gate=calibrated``), its compressor: per layer, a gating projection
 (D, 2D) and a position bias (span, 2D), DeepSeek-V4's Z = C W^Z and B (report §2.3), here
 fed with the model's own raw keys since no compressor was trained with the model.
 
@@ -23,39 +24,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvlab.cache.base import CacheOptions, CacheSpec, KVCache, Step, StepInfo
-from kvlab.cache.pooling import LayerPooling, attend_entries, bulk_windows, visible_entries
-from kvlab.cache.presets import FullCache
+from kvlab.cache.base import strategy as strategy_named
+from kvlab.cache.pooled.options import CalibrationOptions
+from kvlab.cache.pooled.pooling import LayerPooling, attend_entries, bulk_windows, visible_entries
 from kvlab.paths import cache_dir
 
 MANIFEST = "manifest.json"
 WEIGHTS = "compressor.safetensors"
-
-
-@dataclass
-class CalibrationOptions:
-    """``cache.options.calibration``: text, windows drawn from it, and the optimiser."""
-
-    source: str = "wikitext2-valid"
-    samples: int = 4
-    seqlen: int = 1024
-    steps: int = 48
-    lr: float = 0.01
-    seed: int = 0
-    sequential: bool = False  # fit each layer on the inputs the fitted layers below give it
-
-    def __post_init__(self) -> None:
-        for name in ("samples", "seqlen", "steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(
-                    f"cache.options.calibration.{name}={getattr(self, name)} must be >= 1"
-                )
-        if self.lr <= 0:
-            raise ValueError(f"cache.options.calibration.lr={self.lr} must be > 0")
-
-
-def calibration_defaults() -> dict[str, Any]:
-    """``cache.options.calibration`` when not given: :class:`CalibrationOptions`' defaults."""
-    return asdict(CalibrationOptions())
 
 
 # Options that do not change what calibration fits (the gate is "calibrated" whenever a
@@ -136,27 +111,32 @@ def load_into(pools: dict[int, LayerPooling], spec: CacheSpec, options: CacheOpt
         pool.proj, pool.bias = proj.float(), bias.float()
 
 
-class _Recorder(FullCache):
-    """The exact cache, keeping every layer's q, k, v and raw k of the step (fp32); the
-    layers a ``student`` compressed cache pools (and its window-only layers) attend through
-    it instead, so later layers see the inputs compression gives them."""
+class _Recorder(KVCache):
+    """The exact cache (``cache=full``), keeping every layer's q, k, v and raw k of the step
+    (fp32); the layers a ``student`` compressed cache pools (and its window-only layers)
+    attend through the student instead, so later layers see the inputs compression gives
+    them."""
+
+    name = "recorder"
 
     def __init__(self, spec, student=None):
         super().__init__(spec)
+        self.exact = strategy_named("full")(spec)
         self.seen: dict[int, tuple[torch.Tensor, ...]] = {}
         self.student = student
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)
+        self.exact.allocate(batch_size, max_tokens)
         if self.student is not None:
             self.student.allocate(batch_size, max_tokens)
 
     def plan(self, info: StepInfo) -> _RecorderStep:
         student = self.student.plan(info) if self.student is not None else None
-        return _RecorderStep(super().plan(info), student)
+        return _RecorderStep(self.exact.plan(info), student)
 
     def end(self, step: _RecorderStep) -> None:
-        super().end(step.own)
+        self.exact.end(step.own)
         if self.student is not None:
             self.student.end(step.student)
 
@@ -164,10 +144,16 @@ class _Recorder(FullCache):
         self.seen[layer] = tuple(t.float() for t in (q, k, v, k_raw))
         student = self.student
         if student is not None and (
-            layer in student.pools or student.options.layer_kind(layer) == "window"
+            layer in student.policy.pools or student.options.layer_kind(layer) == "window"
         ):
             return student.attend(step.student, layer, q, k, v, k_raw)
-        return super().attend(step.own, layer, q, k, v, k_raw)
+        return self.exact.attend(step.own, layer, q, k, v, k_raw)
+
+    def tensors(self):
+        return self.exact.tensors()
+
+    def used_bytes(self) -> int:
+        return self.exact.used_bytes()
 
 
 @dataclass
@@ -202,7 +188,8 @@ def calibrate(
     compressed strategy's class, whose uniform-gate cache is the student."""
     start = time.perf_counter()
     student = strategy(model.cache_spec(), dataclasses.replace(options, gate="uniform"))
-    pools, student.pools = student.pools, {}  # the student compresses the layers fitted so far
+    pools = student.policy.pools  # the student compresses the layers fitted so far
+    student.policy.pools = {}
     sequential = CalibrationOptions(**options.calibration).sequential
     records = None if sequential else [record(model, ids) for ids in windows]
     weights, errors = {}, {}
@@ -212,7 +199,7 @@ def calibrate(
         else:
             samples = [r[layer] for r in records]
         before, after = fit_layer(pool, samples, model.inv_freq, options)
-        student.pools[layer] = pool
+        student.policy.pools[layer] = pool
         weights[f"{layer}.proj"], weights[f"{layer}.bias"] = pool.proj, pool.bias
         errors[str(layer)] = {"uniform": before, "calibrated": after}
     seconds = round(time.perf_counter() - start, 1)

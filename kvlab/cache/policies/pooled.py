@@ -1,0 +1,150 @@
+"""``pooled``: DeepSeek-V4's compressed attention (report of 2026-04-24, §2.3). Per layer,
+CSA (windows of ``csa_ratio`` tokens pooled with overlap, a top-k of entries per query),
+HCA (windows of ``hca_ratio`` tokens, dense) or a plain window, as ``schedule`` cycles
+(``cache=compressed``; ``csa``, ``hca``: one kind); every layer keeps the ``window`` newest
+and ``sinks`` first tokens exactly (the ``window`` policy over the ring store). Prefill
+pools the windows it closes in bulk, decode each as its last token arrives; open windows
+wait in exact buffers; entries are in the strategy's codec. Gates: ``pooled/pooling.py``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvlab.cache.base import Step, row_bounds
+from kvlab.cache.policies.base import Policy
+from kvlab.cache.policies.window import Window, WindowOptions, WindowStep
+from kvlab.cache.pooled import calibration
+from kvlab.cache.pooled.layer import PooledLayer, TopK, memory_lines
+from kvlab.cache.pooled.plan import plan_pooling
+from kvlab.cache.pooled.pooling import attend_entries
+from kvlab.cache.rows import decode_output, grouped
+from kvlab.kernels import decode_attention
+from kvlab.kernels.attention import per_head_index
+
+
+@dataclass
+class PooledStep(Step):
+    """The window's mask (B, 1, T, L) and own step, a ``PoolingPlan`` per geometry, the
+    decode kernel's row ``tables`` (B, 1) and ``origin`` (B,), per-head ``top_k`` tables
+    of geometries whose entries outnumber their top-k, and the window's per-head index."""
+
+    window: torch.Tensor = None
+    window_step: WindowStep | None = None
+    plans: dict = field(default_factory=dict)
+    tables: torch.Tensor | None = None
+    origin: torch.Tensor | None = None
+    top_k: dict[tuple, TopK] = field(default_factory=dict)
+    window_heads: tuple | None = None
+
+
+class Pooled(Policy):
+    name = "pooled"
+    stores = ("ring",)
+    holds_tensors = True
+
+    @classmethod
+    def prepare(cls, model, options, strategy) -> None:
+        """The calibrated gate trains its compressor once per model (cached on disk)."""
+        if options.gate == "calibrated" and not options.compressor:
+            calibration.ensure_trained(model, options, strategy)
+
+    def __init__(self, spec, options):
+        super().__init__(spec, options)
+        o = options
+        self.window = Window(spec, WindowOptions(o.sinks, o.window)) if o.window else None
+        self.pools = o.poolings(spec.num_layers)
+        if o.gate == "calibrated" and spec.device.type != "meta":
+            calibration.load_into(self.pools, spec, o)
+        self.layers: dict[int, PooledLayer] = {}
+
+    def allocate(self, batch_size: int, max_tokens: int) -> None:
+        codec = self.options.codec(self.spec.head_dim)
+        self.layers = {n: PooledLayer(pool, self.spec, codec) for n, pool in self.pools.items()}
+        for pooled in self.layers.values():
+            pooled.allocate(batch_size, max_tokens)
+
+    def row_state(self):
+        return [entry for pooled in self.layers.values() for entry in pooled.row_state()]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for pooled in self.layers.values() for t in pooled.tensors()]
+
+    def used_bytes(self, lengths: list[int]) -> int:
+        return sum(p.used_bytes(lengths) for p in self.layers.values()) if lengths else 0
+
+    def details(self, report, spec, model_spec) -> dict[str, int]:
+        own = memory_lines(list(self.layers.values()))
+        return {"window": report.held_bytes - sum(own.values()), **own}
+
+    def check_truncation(self, lengths, kept) -> None:
+        if list(lengths) != list(kept):
+            raise ValueError(
+                "cache=compressed cannot roll back its rows: an entry pools the tokens to "
+                "drop with those kept; allowed: no rollback (policy pooled)"
+            )
+
+    # ---- one step --------------------------------------------------------------------
+    def plan(self, info, lengths, store, static) -> PooledStep:
+        start, end = row_bounds(lengths, info)
+        window_step = self.window.plan(info, lengths, store, static) if self.window else None
+        batch, steps = info.positions.shape
+        mask = torch.zeros(batch, 1, steps, 0, dtype=torch.bool, device=start.device)
+        if window_step is not None:
+            mask = self.window.visible(window_step, store)
+        step = PooledStep(info, start, end, mask, window_step)
+        step.tables = torch.arange(len(lengths), device=start.device)[:, None]
+        step.origin = torch.zeros_like(start)
+        ends = [n + k for n, k in zip(lengths, info.num_new, strict=True)]
+        behind = self.options.entries_behind()
+        kernel = step.decode and not self.options.proportional
+        for pooled in self.layers.values():
+            key, pool = pooled.geometry, pooled.pool
+            if key not in step.plans:
+                read = pooled.slots if static else max(n // pool.ratio for n in ends)
+                step.plans[key] = plan_pooling(info, lengths, (start, end), pool, read, behind)
+                if kernel and pool.top_k and pooled.slots - 1 > pool.top_k:
+                    seen = step.plans[key].seen
+                    step.top_k[key] = pooled.top_k_index(seen, step.origin, pool.top_k)
+        if step.top_k and window_step is not None:
+            where, heads = window_step.where, self.spec.num_kv_heads
+            step.window_heads = per_head_index(where.rows, step.origin, window_step.filled, heads)
+        return step
+
+    def attend(self, step, store, layer, q, k, v, k_raw):
+        pooled = self.layers.get(layer)
+        if pooled is None:
+            return self.window.attend(step.window_step, store, layer, q, k, v, k_raw)
+        plan, pool = step.plans[pooled.geometry], pooled.pool
+        pooling = (plan, q, k_raw, v, step.info.rope.inv_freq, torch.compiler.is_compiling())
+        if step.decode and not self.options.proportional:
+            pooled.pool_step(*pooling)
+            segments = self._decode_segments(step, store, layer, pooled, q, k, v)
+            return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
+        if self.window is not None:
+            window = (*self.window.context(step.window_step, store, layer, k, v), step.window)
+        else:
+            window = (k[:, :, :0], v[:, :, :0], step.window)
+        pooled.pool_step(*pooling)
+        keys, values = pooled.read(plan.visible.shape[-1])
+        bias = math.log(pool.ratio) if self.options.proportional else 0.0
+        return attend_entries(q, (keys, values, plan.visible), window, pool.top_k, bias)
+
+    def _decode_segments(self, step: PooledStep, store, layer, pooled: PooledLayer, q, k, v):
+        """Entries and exact window in place, one softmax; top-k: k entries per KV head."""
+        queries = grouped(q, self.spec.num_kv_heads)
+        window = []
+        if self.window is not None:
+            window = self.window.decode_segments(step.window_step, store, layer, q, k, v)
+        key = pooled.geometry
+        if key not in step.top_k:
+            seen = step.plans[key].seen
+            return [pooled.segment(queries, step.tables, step.origin, seen), *window]
+        picked = pooled.top_k_segment(queries, pooled.pool.top_k, step.top_k[key])
+        return [picked, *(w.per_head(step.window_heads) for w in window)]
+
+    def end(self, step: PooledStep, store) -> None:
+        if step.window_step is not None:
+            store.commit(step.window_step.where)
