@@ -10,6 +10,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from kvlab.speculative.config import SpecConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -237,6 +239,7 @@ class RunConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding
     eval: dict[str, Any] = field(default_factory=dict)  # eval name -> its options
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     threads: int = 0  # 0: the CPUs this process was given (kvlab.threads)
@@ -250,6 +253,12 @@ class RunConfig:
             self.engine.compile,
             "false with workload=serving (the running batch changes size every few steps, "
             "so each size would compile anew)",
+        )
+        _require(
+            not (self.spec.enabled and self.workload.kind == "serving"),
+            "spec.method",
+            self.spec.method,
+            "none with workload=serving (speculation runs in offline generation so far)",
         )
         from kvlab.eval import eval_options
 
@@ -282,6 +291,11 @@ def check_context(cfg: RunConfig) -> None:
     for name, options in cfg.eval.items():
         demand = getattr(eval_options(name, options), "context_demand", None)
         demands += [demand()] if demand else []
+    if cfg.spec.enabled and demands and cfg.workload.serving is None:
+        from kvlab.engine.generate import check_rollback
+
+        options = cache_options(cfg.cache.name, cfg.cache.options)
+        check_rollback(strategy, options, demands[0][1], cfg.spec)
     for field, tokens in demands:
         if tokens > limit and (span is None or span > limit):
             raise ValueError(

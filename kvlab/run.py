@@ -83,7 +83,9 @@ def build_run_model(
 def generation_config(cfg: RunConfig, new_tokens: int | None = None) -> GenerationConfig:
     w = cfg.workload
     sampling = SamplingConfig(w.temperature, w.top_k, w.top_p, w.seed)
-    return GenerationConfig(new_tokens or w.new_tokens, sampling, w.stop_on_eos, w.prefill_chunk)
+    return GenerationConfig(
+        new_tokens or w.new_tokens, sampling, w.stop_on_eos, w.prefill_chunk, cfg.spec
+    )
 
 
 def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:

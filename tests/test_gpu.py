@@ -124,9 +124,9 @@ def test_serving_on_cuda_gives_each_request_what_it_generates_alone(tiny_cuda, n
     but timing."""
     from test_cache_contract import LOSSY
 
-    from kvlab.serving.clock import FakeClock
+    from kvlab.engine.clock import FakeClock
+    from kvlab.engine.sequence import Request
     from kvlab.serving.server import ServeConfig, serve
-    from kvlab.serving.trace import Request
 
     gen = torch.Generator().manual_seed(5)
     requests = [

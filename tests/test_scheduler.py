@@ -11,9 +11,9 @@ import torch
 from kvlab.cache import build_cache, registered
 from kvlab.cache.base import strategy
 from kvlab.engine import Engine, GenerationConfig
-from kvlab.serving.clock import FakeClock
+from kvlab.engine.clock import FakeClock
+from kvlab.engine.sequence import Request
 from kvlab.serving.server import ServeConfig, serve
-from kvlab.serving.trace import Request
 from tests.test_cache_contract import LOSSY
 
 SERVING = sorted(n for n, cls in registered().items() if cls.stores_past and cls.serves)

@@ -140,6 +140,14 @@ class KVCache(ABC):
         return {"allocated": sum(t.numel() * t.element_size() for t in cache.tensors())}
 
     @classmethod
+    def speculation_refusal(cls, options: CacheOptions, tokens: int, depth: int) -> str | None:
+        """Why speculative decoding could not run over rows of up to ``tokens`` tokens —
+        a verification step that is not what decoding computes, or rows that cannot be
+        rolled back by ``depth`` rejected drafts (:meth:`truncate`) —, or None where it can;
+        asked before anything runs. By default a strategy cannot roll back."""
+        return f"cache={cls.name} keeps no exact history to return to"
+
+    @classmethod
     def prepare(cls, model: torch.nn.Module, options: CacheOptions) -> None:
         """Fit, once per model, whatever the strategy learns from it (a calibrated
         compressor) before its caches are built; by default there is nothing to fit."""

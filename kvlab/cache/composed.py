@@ -86,6 +86,14 @@ class ComposedCache(KVCache):
     def position_span(cls, options) -> int | None:
         return cls.Policy.position_span(options)
 
+    @classmethod
+    def speculation_refusal(cls, options, tokens: int, depth: int) -> str | None:
+        """The policy's reason, else the store's (in the codec's form)."""
+        store = STAGED[cls.Store] if options.staged else cls.Store
+        return cls.Policy.speculation_refusal(options, tokens, depth) or store.speculation_refusal(
+            options, tokens, depth
+        )
+
     # ---- rows ------------------------------------------------------------------------------
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         super().allocate(batch_size, max_tokens)

@@ -2,9 +2,9 @@
 cache strategy, for a batch of prompts of different lengths, streamed and timed per phase.
 
 The forward steps are gpt-fast's (a model call per token, no framework in between); the
-requests' life — admission, preemption on a full cache, retirement, sampling — is the
-serving engine's (:mod:`.scheduler`, :mod:`.runner`, :mod:`.sequence`), run in rounds with
-every request arriving at once. The engine knows the cache only through its contract.
+requests' life — admission, preemption on a full cache, retirement, sampling — is the one
+engine loop's (:mod:`.loop`), which serving runs too, here in rounds with every request
+arriving at once. The engine knows the cache only through its contract.
 """
 
 from __future__ import annotations
@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.cache.base import KVCache, MemoryReport
+from kvlab.cache.base import KVCache
+from kvlab.engine.clock import WallClock
+from kvlab.engine.loop import EngineLoop, GenerationStats, Rounds
 from kvlab.engine.runner import LogitsHook, ModelRunner, decode_logits
 from kvlab.engine.sampling import SamplingConfig
 from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.sequence import Request
 from kvlab.engine.sequence import Sequence as Seq
-from kvlab.engine.timing import now
 from kvlab.models.llama import Decoder
-from kvlab.serving.trace import Request
+from kvlab.speculative.config import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop_on_eos: bool = True
     prefill_chunk: int = 0  # 0: the whole prompt in one pass
+    spec: SpecConfig = field(default_factory=SpecConfig)  # speculative decoding
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -40,39 +43,16 @@ class GenerationConfig:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 0 (0 = one pass)")
 
 
-@dataclass
-class GenerationStats:
-    """Timings (seconds) and KV memory of one generation, filled in while it runs. The
-    first prefill round is the TTFT; prefill rounds after a preemption (recomputing the
-    evicted sequences) are prefill work too, counted in ``reprefill_s``, never as decode
-    steps."""
-
-    prompt_tokens: int = 0
-    ttft_s: float = 0.0
-    step_s: list[float] = field(default_factory=list)  # one entry per decode step
-    step_rows: list[int] = field(default_factory=list)  # sequences decoded in that step
-    reprefill_s: list[float] = field(default_factory=list)  # prefill rounds after the first
-    kv_peak: MemoryReport = field(default_factory=lambda: MemoryReport(0, 0, 0))
-    preemptions: int = 0  # sequences evicted by a full cache and recomputed later
-
-    def note_memory(self, report: MemoryReport) -> None:
-        """Keep the largest report: most bytes held, then most bytes holding tokens (a
-        preallocated pool holds the same bytes throughout)."""
-        if (report.held_bytes, report.used_bytes) >= (
-            self.kv_peak.held_bytes,
-            self.kv_peak.used_bytes,
-        ):
-            self.kv_peak = report
-
-
 class Generation:
-    """A running generation: iterate to get ``{prompt index: token}`` per step; ``tokens``
-    and ``stats`` hold the results once it is exhausted.
+    """A running generation: iterate to get ``{prompt index: token}`` for each token as it
+    comes (a speculative step yields one such dict per token position it emitted);
+    ``tokens`` and ``stats`` hold the results once it is exhausted.
 
-    The prompts are requests that all arrive at once, served by the same scheduler, runner
-    and sequences as serving, in rounds: every waiting request is prefilled together (one
-    pass, or chunks), then decoded until it finishes; a request preempted by a full cache
-    waits for the next round and is recomputed (vLLM's recompute preemption)."""
+    The prompts are requests that all arrive at t = 0, served by the engine loop
+    (:class:`~kvlab.engine.loop.EngineLoop`) in rounds (:class:`~kvlab.engine.loop.Rounds`):
+    every waiting request is prefilled together (one pass, or chunks), then decoded until
+    it finishes; a request preempted by a full cache waits for the next round and is
+    recomputed."""
 
     def __init__(
         self,
@@ -83,15 +63,6 @@ class Generation:
         on_logits: LogitsHook | None = None,
     ):
         check_prompts(prompts, contexts)
-        self.engine, self.cfg = engine, cfg
-        self.contexts = list(contexts) if contexts is not None else None
-        requests = [Request(i, 0.0, tuple(p), cfg.max_new_tokens) for i, p in enumerate(prompts)]
-        self.seqs = [Seq(r) for r in requests]
-        eos = engine.eos_ids if cfg.stop_on_eos else frozenset()
-        self.sched = Scheduler(engine.cache, eos)
-        self.runner = ModelRunner(engine.model, cfg.sampling, on_logits)
-        self.stats = GenerationStats(prompt_tokens=sum(len(p) for p in prompts))
-        self._ttft_recorded = False
         window = engine.model.config.sliding_window
         longest = max(map(len, prompts)) + cfg.max_new_tokens
         if window and longest > window:
@@ -100,65 +71,52 @@ class Generation:
                 "sliding window the model was trained with, which kvlab's decoder does not "
                 f"apply; allowed: a total <= {window}"
             )
-        for seq in self.seqs:
-            self.sched.arrive(seq)
+        if cfg.spec.enabled:
+            check_rollback(type(engine.cache), engine.cache.options, longest, cfg.spec)
+        requests = [Request(i, 0.0, tuple(p), cfg.max_new_tokens) for i, p in enumerate(prompts)]
+        self.seqs = [Seq(r) for r in requests]
+        eos = engine.eos_ids if cfg.stop_on_eos else frozenset()
+        rounds = Rounds(cfg.prefill_chunk, cfg.max_new_tokens, contexts and list(contexts))
+        self.loop = EngineLoop(
+            engine,
+            rounds,
+            Scheduler(engine.cache, eos),
+            ModelRunner(engine.model, cfg.sampling, on_logits),
+            WallClock(engine.device),
+            cfg.spec,
+        )
+        self.loop.stats.prompt_tokens = sum(len(p) for p in prompts)
+        self.loop.add(self.seqs)
 
     @property
     def tokens(self) -> list[list[int]]:
         """The tokens generated for each prompt."""
         return [s.output for s in self.seqs]
 
+    @property
+    def stats(self) -> GenerationStats:
+        return self.loop.stats
+
     def __iter__(self) -> Iterator[dict[int, int]]:
-        while not self.sched.idle:
-            yield self._decode_step() if self.sched.running else self._prefill_round()
+        while not self.loop.finished:
+            emitted = self.loop.step()
+            for position in range(max(map(len, emitted.values()), default=0)):
+                yield {i: out[position] for i, out in emitted.items() if position < len(out)}
 
-    def _prefill_round(self) -> dict[int, int]:
-        """Prefill every waiting request (prompt + what it generated before a preemption);
-        those that do not fit wait for the next round."""
-        self.sched.admit_all()
-        logits, began = self.sched.retrying(self._prefill)
-        elapsed = now(self.engine.device) - began
-        self.stats.note_memory(self.engine.cache.memory())  # every row's prompt is stored now
-        emitted = self._emit(logits)
-        if self._ttft_recorded:
-            self.stats.reprefill_s.append(elapsed)
-        else:
-            self.stats.ttft_s, self._ttft_recorded = elapsed, True
-        return emitted
 
-    def _prefill(self) -> tuple[torch.Tensor, float]:
-        """The running requests' prefill logits, and when their (last) attempt began."""
-        seqs = [s.tokens for s in self.sched.running]
-        longest = max(map(len, seqs))
-        chunk = self.cfg.prefill_chunk or longest
-        self.engine.cache.allocate(
-            len(seqs), -(-longest // chunk) * chunk + self.cfg.max_new_tokens
+def check_rollback(strategy: type[KVCache], options, longest: int, spec: SpecConfig) -> None:
+    """Refuse, before anything runs, speculation over a strategy whose rows of up to
+    ``longest`` tokens cannot roll back the drafts a step rejects."""
+    k = spec.num_speculative_tokens
+    reason = strategy.speculation_refusal(options, longest, k)
+    if reason:
+        raise ValueError(
+            f"spec.method={spec.method!r} rolls cache rows back by up to {k} rejected drafts "
+            f"(spec.num_speculative_tokens) and cache={strategy.name} cannot: {reason}; "
+            "allowed: spec.method=none, or a strategy that rolls back (full, paged, quest, "
+            "gqa_shared; int8/int4/int2 with cache.options.rollback >= k; sliding while a row "
+            "fits its window)"
         )
-        began = now(self.engine.device)
-        contexts = self.contexts and [self.contexts[s.index] for s in self.sched.running]
-        return self.engine.prefill(seqs, chunk, contexts), began
-
-    def _decode_step(self) -> dict[int, int]:
-        logits, began = self.sched.retrying(self._decode)
-        self.stats.step_s.append(now(self.engine.device) - began)
-        self.stats.step_rows.append(len(self.sched.running))
-        return self._emit(logits)
-
-    def _decode(self) -> tuple[torch.Tensor, float]:
-        began = now(self.engine.device)
-        return self.engine.decode_step([s.tokens for s in self.sched.running]), began
-
-    def _emit(self, logits: torch.Tensor) -> dict[int, int]:
-        """Sample a token per running request, record it, and retire those that are done."""
-        running, self.stats.preemptions = self.sched.running, self.sched.preemptions
-        emitted = {}
-        for seq, token in zip(running, self.runner.sample(logits, running), strict=True):
-            seq.emit(token, 0.0)
-            emitted[seq.index] = token
-        if any(s.done(self.sched.eos_ids) for s in running):
-            self.stats.note_memory(self.engine.cache.memory())
-            self.sched.retire()
-        return emitted
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], contexts: Sequence[int] | None) -> None:
@@ -252,6 +210,18 @@ class Engine:
             ends_here = (lengths > begin) & (lengths <= begin + piece.shape[1])
             last[ends_here] = logits[ends_here]
         return last
+
+    @torch.inference_mode()
+    def verify(self, seqs: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]):
+        """One step feeding each sequence's last token (not yet stored) and its drafts;
+        logits (B, 1 + most drafts, V): after the last token and after each draft."""
+        width = 1 + max(map(len, drafts))
+        rows = [[s[-1], *d] + [0] * (width - 1 - len(d)) for s, d in zip(seqs, drafts, strict=True)]
+        host = torch.tensor([[*r, len(s) - 1] for r, s in zip(rows, seqs, strict=True)])
+        table = host.to(self.device)
+        positions = table[:, -1:] + torch.arange(width, device=self.device)
+        num_new = [1 + len(d) for d in drafts]
+        return self.model(table[:, :width], positions, self.cache, num_new)
 
     @torch.inference_mode()
     def decode_step(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:

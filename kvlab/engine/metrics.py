@@ -20,8 +20,11 @@ _STATUS = Path("/proc/self/status")
 
 def generation_metrics(stats: GenerationStats) -> dict[str, float | int]:
     """Latency, throughput and KV memory of one finished generation."""
-    itl_ms = [s * 1e3 for s in stats.step_s] or [0.0]
-    decoded = sum(stats.step_rows)
+    per_row = [
+        tokens / rows for tokens, rows in zip(stats.step_tokens, stats.step_rows, strict=True)
+    ]
+    itl_ms = [s * 1e3 / n for s, n in zip(stats.step_s, per_row, strict=True)] or [0.0]
+    decoded = sum(stats.step_tokens)
     kv = stats.kv_peak
     return {
         "ttft_ms": stats.ttft_s * 1e3,
@@ -40,7 +43,20 @@ def generation_metrics(stats: GenerationStats) -> dict[str, float | int]:
         "kv_bytes_reserved": kv.reserved_bytes,
         "kv_tokens": kv.tokens,
         "kv_bytes_per_token": kv.bytes_per_token,
-        "itl_ms": itl_ms,  # every decode step, for per-token plots and tables
+        "itl_ms": itl_ms,  # every decode step, per token emitted, for plots and tables
+        **speculation_metrics(stats),
+    }
+
+
+def speculation_metrics(stats: GenerationStats) -> dict[str, float | int]:
+    """Draft tokens verified and kept, and tokens a row emits per decode step (1 without
+    speculation)."""
+    rows = sum(stats.step_rows)
+    return {
+        "spec/drafted": stats.drafted,
+        "spec/accepted": stats.accepted,
+        "spec/acceptance_rate": stats.accepted / stats.drafted if stats.drafted else 0.0,
+        "spec/tokens_per_step": sum(stats.step_tokens) / rows if rows else 0.0,
     }
 
 

@@ -1,8 +1,8 @@
 """The model side of the engine (nano-vllm's ``ModelRunner``): turn a group of sequences
-into one forward step over their cache — a prefill chunk of each, or one decode token each
-— and sample, seeded once per run, with the logits shown to a hook first. Offline
-generation (:mod:`.generate`) and serving (:mod:`kvlab.serving.server`) sample through the
-same runner. One host-to-device copy of ids and positions per step; the cache builds the
+into one prefill-chunk forward over their cache, and sample (a token per row, or the
+tokens a row keeps of its drafts), seeded once per run, with the logits shown to a hook
+first. The engine loop (:mod:`.loop`) samples through it for offline generation and
+serving alike. One host-to-device copy of ids and positions per step; the cache builds the
 rest of the step's metadata (``KVCache.plan``)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from kvlab.cache.base import KVCache
 from kvlab.engine.sampling import SamplingConfig, sample
 from kvlab.engine.sequence import Sequence
 from kvlab.models.llama import Decoder
+from kvlab.speculative.accept import accepted
 
 LogitsHook = Callable[[torch.Tensor, list[int]], None]
 
@@ -37,6 +38,20 @@ class ModelRunner:
         if self.on_logits is not None:
             self.on_logits(logits, [s.index for s in seqs])
         return sample(logits, self.sampling, self._gen).tolist()
+
+    def accept(
+        self, logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[list[int]]
+    ) -> list[list[int]]:
+        """The tokens each row emits after verifying its ``drafts``: ``logits`` (B, T, V)
+        after its last token and each draft (the hook sees each emitted position's)."""
+        out = []
+        for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
+            tokens = accepted(logits[row, : 1 + len(draft)], draft, self.sampling, self._gen)
+            if self.on_logits is not None:
+                for position in range(len(tokens)):
+                    self.on_logits(logits[row, position][None], [seq.index])
+            out.append(tokens)
+        return out
 
     @torch.inference_mode()
     def prefill_chunk(self, cache: KVCache, seqs: Seq[Sequence], chunk: int) -> list[int | None]:
@@ -64,14 +79,6 @@ class ModelRunner:
             t if n and s.to_feed == 0 else None
             for s, n, t in zip(seqs, counts, tokens, strict=True)
         ]
-
-    @torch.inference_mode()
-    def decode(self, cache: KVCache, seqs: Seq[Sequence]) -> list[int]:
-        """One token per sequence: each feeds its last token (the one not yet stored)."""
-        logits = decode_logits(self.model, cache, [s.tokens for s in seqs])
-        for s in seqs:
-            s.computed += 1
-        return self.sample(logits, seqs)
 
 
 def decode_logits(model: Decoder, cache: KVCache, seqs: Seq[Seq[int]], layers=None) -> torch.Tensor:

@@ -30,14 +30,19 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
     """One token id per row of logits (B, V) → (B,)."""
     if cfg.temperature == 0:
         return logits.argmax(dim=-1)
+    return torch.multinomial(probabilities(logits, cfg), 1, generator=gen).squeeze(-1)
+
+
+def probabilities(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The distribution (B, V) sampling draws from (temperature > 0): temperature, then the
+    top-k and nucleus filters."""
     scores = logits / cfg.temperature
     if cfg.top_k:
         kth = scores.topk(min(cfg.top_k, scores.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if cfg.top_p < 1:
         scores = _nucleus(scores, cfg.top_p)
-    probs = scores.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return scores.softmax(dim=-1)
 
 
 def _nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:

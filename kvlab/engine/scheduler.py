@@ -13,8 +13,9 @@ why groups hold one request unless asked), and joins the running batch
 (:meth:`KVCache.join`) once every prompt in it is fed. A step that does not fit
 (:class:`NoRoom`) preempts the most recently admitted request, which is recomputed later
 (vLLM's recompute preemption). Offline generation uses the same scheduler in rounds
-(:meth:`Scheduler.admit_all`: every waiting request becomes the running batch when nothing
-runs), so preemption, retirement and the retry of a step that does not fit exist once.
+(:meth:`Scheduler.admit_all`: when nothing runs, every waiting request is one joining group
+prefilled in the running cache itself), so preemption, retirement and the retry of a step that does
+not fit exist once.
 """
 
 from __future__ import annotations
@@ -110,15 +111,16 @@ class Scheduler:
         return group
 
     def admit_all(self) -> list[Sequence]:
-        """Offline rounds: with nothing running, every waiting request becomes the running
-        batch at once, in the running cache itself (the caller allocates and prefills it)."""
-        if self.running or self.joining:
+        """Offline rounds: with nothing running, every waiting request becomes the joining
+        group at once, in the running cache itself (the caller allocates and prefills it)."""
+        if self.running or self.joining or not self.waiting:
             return []
-        self.running, self.waiting = list(self.waiting), deque()
-        for seq in self.running:
-            seq.status = Status.RUNNING
+        self.joining, self.waiting = list(self.waiting), deque()
+        self.joining_cache = self.cache
+        for seq in self.joining:
+            seq.status = Status.PREFILL
             self.events.append(Event(self.step, "admit", seq.index))
-        return self.running
+        return self.joining
 
     def retrying(self, work: Callable[[], Any]) -> Any:
         """``work()``, preempting a request each time the step does not fit (the error
@@ -144,7 +146,8 @@ class Scheduler:
     def absorb(self) -> None:
         """The joining group joins the running batch once every prompt in it is fed."""
         if self.joining and all(s.status is Status.READY for s in self.joining):
-            self.cache.join(self.joining_cache)
+            if self.joining_cache is not self.cache:  # not a round in the running cache
+                self.cache.join(self.joining_cache)
             for seq in self.joining:
                 seq.status = Status.RUNNING
                 self.events.append(Event(self.step, "join", seq.index))

@@ -6,9 +6,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvlab.serving.metrics import RequestTimes
-from kvlab.serving.trace import Request
-
 
 class Status(enum.Enum):
     WAITING = "waiting"  # arrived, not admitted (or preempted: to be recomputed)
@@ -16,6 +13,31 @@ class Status(enum.Enum):
     READY = "ready"  # fed: waits for the rest of its group to join the running batch
     RUNNING = "running"  # in the running batch: one token per step
     FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request: its index, arrival time (seconds from the trace's start), prompt token
+    ids (the shared prefix included) and how many tokens to generate."""
+
+    index: int
+    arrival_s: float
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+
+
+@dataclass
+class RequestTimes:
+    """One request's clock readings: arrival, admission (its first prefill step) and the
+    time each of its output tokens was produced."""
+
+    arrival_s: float
+    admitted_s: float | None = None
+    token_s: list[float] = field(default_factory=list)
+
+    @property
+    def finished_s(self) -> float:
+        return self.token_s[-1]
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Serving studies: seeded request traces, the serving loop (continuous batching under a KV
 budget) and the serving metrics (vLLM's definitions)."""
 
+from kvlab.engine.sequence import Request
 from kvlab.serving.metrics import RequestTimes, serving_metrics
-from kvlab.serving.trace import LengthDistribution, Request, TraceConfig, make_trace
+from kvlab.serving.trace import LengthDistribution, TraceConfig, make_trace
 
 __all__ = [
     "LengthDistribution",

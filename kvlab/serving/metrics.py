@@ -13,25 +13,11 @@ token times on any clock (the engine's, or a fake one in tests):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from kvlab.engine.sequence import RequestTimes
 from kvlab.engine.timing import percentile
 
 PERCENTILES = (50, 90, 99)
-
-
-@dataclass
-class RequestTimes:
-    """One request's clock readings: arrival, admission (its first prefill step) and the
-    time each of its output tokens was produced."""
-
-    arrival_s: float
-    admitted_s: float | None = None
-    token_s: list[float] = field(default_factory=list)
-
-    @property
-    def finished_s(self) -> float:
-        return self.token_s[-1]
 
 
 def serving_metrics(requests: Sequence[RequestTimes]) -> dict[str, float]:

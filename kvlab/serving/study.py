@@ -13,11 +13,12 @@ from typing import Any
 from kvlab.cache.base import KVCache
 from kvlab.config import ServingConfig
 from kvlab.data import wikitext2_test_text
+from kvlab.engine.clock import WallClock
 from kvlab.engine.sampling import SamplingConfig
+from kvlab.engine.sequence import Request
 from kvlab.models.llama import Decoder
-from kvlab.serving.clock import WallClock
 from kvlab.serving.server import ServeConfig, ServeResult, serve
-from kvlab.serving.trace import Request, make_trace
+from kvlab.serving.trace import make_trace
 from kvlab.workload import text_windows
 
 

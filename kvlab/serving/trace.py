@@ -14,6 +14,8 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from kvlab.engine.sequence import Request
+
 DISTRIBUTIONS = ("fixed", "uniform", "longtail")
 
 
@@ -79,17 +81,6 @@ class TraceConfig:
     def tokens_needed(self) -> int:
         """Corpus tokens a trace can use at most: the prefix and every prompt at its largest."""
         return self.shared_prefix + self.num_requests * self.prompt_len.largest
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request: its index, arrival time (seconds from the trace's start), prompt token
-    ids (the shared prefix included) and how many tokens to generate."""
-
-    index: int
-    arrival_s: float
-    prompt: tuple[int, ...]
-    max_new_tokens: int
 
 
 def make_trace(cfg: TraceConfig, corpus_ids: list[int]) -> list[Request]:

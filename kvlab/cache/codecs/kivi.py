@@ -19,7 +19,10 @@ from kvlab.kernels.int_codes import BITS, KEY_AXES
 @dataclass
 class KiviOptions:
     """``bits`` of every code, ``group_size`` G (tokens per key group, channels per value
-    group), ``residual`` newest tokens exact, ``key_axis`` channel (KIVI) or token."""
+    group), ``residual`` newest tokens exact, ``key_axis`` channel (KIVI) or token;
+    ``rollback``: exact slots the staging ring keeps beyond residual + G, so a step can be
+    taken back by that many tokens (speculative decoding's drafts) with every group it
+    encoded made exact again."""
 
     name: ClassVar[str] = "kivi"  # the codec axis entry
     staged: ClassVar[bool] = True  # its codec encodes token groups (a store must stage them)
@@ -28,6 +31,7 @@ class KiviOptions:
     group_size: int = 32
     residual: int = 128
     key_axis: str = "channel"
+    rollback: int = 0
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -36,6 +40,8 @@ class KiviOptions:
             raise ValueError(f"cache.options.group_size={self.group_size} must be >= 1")
         if self.residual < 0:
             raise ValueError(f"cache.options.residual={self.residual} must be >= 0")
+        if self.rollback < 0:
+            raise ValueError(f"cache.options.rollback={self.rollback} must be >= 0")
         if self.key_axis not in KEY_AXES:
             raise ValueError(f"cache.options.key_axis={self.key_axis!r}; allowed: {KEY_AXES}")
 

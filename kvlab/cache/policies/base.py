@@ -48,6 +48,13 @@ class Policy:
         return None
 
     @classmethod
+    def speculation_refusal(cls, options: Any, tokens: int, depth: int) -> str | None:
+        """Why speculation could not run over rows of up to ``tokens`` tokens (None: it
+        can): a verification step that is not what decoding computes, or a rollback by
+        ``depth`` tokens the policy cannot mend (see :meth:`check_truncation`)."""
+        return None
+
+    @classmethod
     def store_spec(cls, spec: CacheSpec, options: Any) -> CacheSpec:
         """The shapes the store holds (the model's, unless the policy stores fewer heads)."""
         return spec

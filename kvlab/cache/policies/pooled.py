@@ -47,17 +47,14 @@ class Pooled(Policy):
 
     @classmethod
     def prepare(cls, model, options, strategy) -> None:
-        """The calibrated gate trains its compressor once per model (cached on disk)."""
-        if options.gate == "calibrated" and not options.compressor:
-            calibration.ensure_trained(model, options, strategy)
+        calibration.prepare(model, options, strategy)  # the calibrated gate's compressor
 
     def __init__(self, spec, options):
         super().__init__(spec, options)
         o = options
         self.window = Window(spec, WindowOptions(o.sinks, o.window)) if o.window else None
         self.pools = o.poolings(spec.num_layers)
-        if o.gate == "calibrated" and spec.device.type != "meta":
-            calibration.load_into(self.pools, spec, o)
+        calibration.load_gates(self.pools, spec, o)
         self.layers: dict[int, PooledLayer] = {}
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
@@ -79,14 +76,19 @@ class Pooled(Policy):
         own = memory_lines(list(self.layers.values()))
         return {"window": report.held_bytes - sum(own.values()), **own}
 
+    REFUSAL = "an entry pools the tokens to drop with those kept"
+
+    @classmethod
+    def speculation_refusal(cls, options, tokens: int, depth: int) -> str:
+        return cls.REFUSAL
+
     def check_truncation(self, lengths, kept) -> None:
         if list(lengths) != list(kept):
             raise ValueError(
-                "cache=compressed cannot roll back its rows: an entry pools the tokens to "
-                "drop with those kept; allowed: no rollback (policy pooled)"
+                f"cache=compressed cannot roll back its rows: {self.REFUSAL}; allowed: no "
+                "rollback (policy pooled)"
             )
 
-    # ---- one step --------------------------------------------------------------------
     def plan(self, info, lengths, store, static) -> PooledStep:
         start, end = row_bounds(lengths, info)
         window_step = self.window.plan(info, lengths, store, static) if self.window else None

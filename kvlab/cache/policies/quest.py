@@ -51,6 +51,16 @@ class Quest(KeepAll):
     def describe(cls, options) -> str:
         return f"Quest: {options.token_budget} tokens a query, blocks of {options.block_size}"
 
+    @classmethod
+    def speculation_refusal(cls, options, tokens: int, depth: int) -> str | None:
+        if tokens <= options.token_budget:
+            return None  # every block is selected: decode is exact, as a verification step
+        return (
+            f"quest selects blocks for one-token decode steps only (token_budget="
+            f"{options.token_budget}, rows here reach {tokens} tokens) and a verification "
+            "step attends every block, so it would not verify quest's own decoding"
+        )
+
     def block_extras(self):
         """Per block and layer: the min and the max key channel row per KV head."""
         bound = ((self.spec.num_kv_heads, self.spec.head_dim), self.spec.dtype)

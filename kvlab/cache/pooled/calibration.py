@@ -54,6 +54,19 @@ def default_dir(model_id: str, options: CacheOptions) -> Path:
     return cache_dir() / "compressors" / f"{model_id}-{key}"
 
 
+def prepare(model: torch.nn.Module, options: CacheOptions, strategy: type[KVCache]) -> None:
+    """Before caches are built: the calibrated gate's compressor, trained once per model
+    (cached on disk) unless ``options.compressor`` names one."""
+    if options.gate == "calibrated" and not options.compressor:
+        ensure_trained(model, options, strategy)
+
+
+def load_gates(pools: dict[int, LayerPooling], spec: CacheSpec, options: CacheOptions):
+    """The learned gates of a calibrated cache (none to load on the meta device)."""
+    if options.gate == "calibrated" and spec.device.type != "meta":
+        load_into(pools, spec, options)
+
+
 def ensure_trained(model: torch.nn.Module, options: CacheOptions, strategy: type[KVCache]) -> Path:
     """The cached compressor of ``model`` for ``options`` (the ``compressed`` strategy's),
     calibrated on first use with ``strategy`` as the student."""

@@ -37,6 +37,12 @@ class Store(ABC):
 
     slots: int  # logical slots per row
 
+    @classmethod
+    def speculation_refusal(cls, options: Any, tokens: int, depth: int) -> str | None:
+        """Why rows of up to ``tokens`` could not roll back ``depth`` tokens (None: they can;
+        see :meth:`truncate`)."""
+        return None
+
     @property
     def capacity(self) -> int:
         """Tokens a row can hold."""

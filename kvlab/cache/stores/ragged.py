@@ -166,11 +166,17 @@ class RaggedStore(Store):
                 pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
                 self.repack(layer, [pick(p) for p in parts], pick(valid), pick(positions), seen)
 
+    REFUSAL = "what each head of a ragged store kept was chosen with the tokens to drop present"
+
+    @classmethod
+    def speculation_refusal(cls, options, tokens: int, depth: int) -> str:
+        return cls.REFUSAL
+
     def truncate(self, lengths, kept) -> None:
         if list(lengths) != list(kept):
             raise ValueError(
-                "cannot roll back a ragged store: what each head kept was chosen with the "
-                "tokens to drop present; allowed: no rollback (cache=evict)"
+                f"cannot roll back a ragged store: {self.REFUSAL}; allowed: no rollback "
+                "(cache=evict)"
             )
 
     def place(self, lengths, info, slots, real) -> RaggedWrite:

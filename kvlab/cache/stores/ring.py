@@ -31,6 +31,17 @@ class RingStore(ContiguousStore):
         self.slot_pos = torch.full((0, 1), -1, device=spec.device)
 
     @classmethod
+    def speculation_refusal(cls, options, tokens: int, depth: int) -> str | None:
+        """Rows roll back until their window has dropped a token (see :meth:`truncate`)."""
+        slots = options.sinks + options.window
+        if tokens > slots:
+            return (
+                f"its ring of {slots} slots (sinks + window) drops tokens a row rolled back "
+                f"would see again, and rows here reach {tokens} tokens"
+            )
+        return None
+
+    @classmethod
     def slots_for(cls, codec, options, max_tokens: int) -> int:
         return min(options.sinks + options.window, max_tokens) + 1
 

@@ -1,7 +1,8 @@
 """The contiguous store in a staged codec (KIVI, Liu et al., arXiv 2402.02750): row b's
 tokens [0, nq) are held as codes in the contiguous slots, nq = max(0, (length - residual)
-// G) * G, and the rest exactly in a ring of ``residual + G`` slots per row (position p at
-slot p % ring; +1 trash slot), so a group of G tokens is encoded once all its tokens are
+// G) * G, and the rest exactly in a ring of ``residual + G + rollback`` slots per row
+(position p at slot p % ring; +1 trash slot; ``rollback`` slots more keep what a rolled back
+step encoded), so a group of G tokens is encoded once all its tokens are
 known and the ``residual`` newest stay exact. Decode reads the codes and the ring in place
 as two segments (scales folded per row in the kernel, never a decoded history); a
 multi-token step reads [codes decoded | ring | its own tokens exact] and encodes the groups
@@ -51,9 +52,28 @@ class StagedStore(ContiguousStore):
 
     def __init__(self, spec, codec, options=None, static=False):
         super().__init__(spec, codec, options, static)
-        self.group, self.ring_size = codec.group, codec.residual + codec.group
+        self.group, self.ring_size = codec.group, self.ring_slots(codec, options)
         self.rings: list[list[torch.Tensor]] = []  # per layer: [keys, values]
         self.ring_from: list[int] = []  # per row: tokens before it were encoded unringed
+
+    @staticmethod
+    def ring_slots(codec, options) -> int:
+        """Exact slots per row: the residual, the group being filled, the rollback margin."""
+        return codec.residual + codec.group + options.rollback
+
+    @classmethod
+    def speculation_refusal(cls, options, tokens: int, depth: int) -> str | None:
+        """A step of ``depth`` + 1 tokens taken back by ``depth`` finds the exact copies of
+        every group it encoded in the ring when the ring's margin covers ``depth`` and the
+        step is no wider than the residual (then it encodes no group of its own tokens,
+        which the ring never holds); rows within the residual encode nothing."""
+        if tokens <= options.residual or depth <= min(options.rollback, options.residual - 1):
+            return None
+        return (
+            f"KIVI codes a group once residual={options.residual} newer tokens exist, and "
+            f"rolling a step back by {depth} tokens needs the exact copies of what it encoded; "
+            f"allowed: cache.options.rollback >= {depth} and cache.options.residual > {depth}"
+        )
 
     @classmethod
     def slots_for(cls, codec, options, max_tokens: int) -> int:
@@ -63,7 +83,7 @@ class StagedStore(ContiguousStore):
     @classmethod
     def planned_bytes(cls, spec, codec, options, batch_size: int, max_tokens: int) -> dict:
         codes = super().planned_bytes(spec, codec, options, batch_size, max_tokens)["kv"]
-        ring = (batch_size, spec.num_kv_heads, codec.residual + codec.group + 1, spec.head_dim)
+        ring = (batch_size, spec.num_kv_heads, cls.ring_slots(codec, options) + 1, spec.head_dim)
         return {"codes": codes, "ring": 2 * spec.num_layers * nbytes(ring, spec.dtype)}
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
@@ -144,8 +164,9 @@ class StagedStore(ContiguousStore):
                 raise ValueError(
                     f"cannot roll row {row} back from {held} to {n} tokens: tokens "
                     f"{back}..{coded} are held as codes and their exact copies are no longer "
-                    f"in the ring of {self.ring_size} slots (residual + group_size); allowed: "
-                    f"a length whose coded prefix is >= {lowest}, or a larger residual"
+                    f"in the ring of {self.ring_size} slots (residual + group_size + rollback); "
+                    f"allowed: a length whose coded prefix is >= {lowest}, or a larger "
+                    "cache.options.rollback"
                 )
 
     def held(self, where: StagedWrite, slots: int) -> torch.Tensor:

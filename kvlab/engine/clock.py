@@ -1,4 +1,4 @@
-"""Clocks a serving run reads: the device's wall clock (idle gaps between arrivals skipped,
+"""Clocks the engine loop reads: the device's wall clock (idle gaps between arrivals skipped,
 since nothing runs in them), or a fake one that advances a fixed time per forward step
 (tests compute the metrics by hand from it)."""
 

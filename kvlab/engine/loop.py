@@ -1,0 +1,284 @@
+"""The one engine loop, for offline generation and serving alike (nano-vllm's
+``LLMEngine.step``): each step lets in the requests that have arrived, admits, runs the
+joining group's prefill and the running batch's decode (or speculative verification),
+samples, retires the finished and lets the fed group join the running batch. A forward
+that does not fit the cache preempts the latest request and runs again
+(:meth:`Scheduler.retrying`). What differs between the two workloads is admission alone:
+offline generation is every request arriving at t = 0, admitted in rounds into the
+running cache and prefilled at once (:class:`Rounds`); serving is arrivals on a clock,
+admitted in groups that are fed a chunk per step in a cache of their own
+(:class:`Joining`)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvlab.cache.base import MemoryReport
+from kvlab.engine.runner import ModelRunner
+from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.sequence import Sequence, Status
+from kvlab.engine.timing import now
+from kvlab.speculative.config import SpecConfig
+from kvlab.speculative.step import speculative_decode
+
+
+@dataclass
+class GenerationStats:
+    """Timings (seconds) and KV memory of a run of the loop, filled in while it runs. The
+    first prefill forward is the TTFT of offline generation; its prefill rounds after a
+    preemption (recomputing the evicted sequences) are prefill work too, never decode
+    steps."""
+
+    prompt_tokens: int = 0
+    prefill_s: list[float] = field(default_factory=list)  # one entry per prefill forward
+    fed_tokens: list[int] = field(default_factory=list)  # tokens that forward fed
+    step_s: list[float] = field(default_factory=list)  # one entry per decode step
+    step_rows: list[int] = field(default_factory=list)  # sequences decoded in that step
+    step_tokens: list[int] = field(default_factory=list)  # tokens they emitted (speculation: more)
+    drafted: int = 0  # speculation: draft tokens verified, and those kept
+    accepted: int = 0
+    kv_peak: MemoryReport = field(default_factory=lambda: MemoryReport(0, 0, 0))
+    preemptions: int = 0  # sequences evicted by a full cache and recomputed later
+    prefix_hit_tokens: int = 0  # prompt tokens found stored at admission (prefix caching)
+    prefix_query_tokens: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.prefill_s[0] if self.prefill_s else 0.0
+
+    @property
+    def reprefill_s(self) -> list[float]:
+        return self.prefill_s[1:]
+
+    def note_memory(self, report: MemoryReport) -> None:
+        """Keep the largest report: most bytes held, then most bytes holding tokens (a
+        preallocated pool holds the same bytes throughout)."""
+        if (report.held_bytes, report.used_bytes) >= (
+            self.kv_peak.held_bytes,
+            self.kv_peak.used_bytes,
+        ):
+            self.kv_peak = report
+
+
+@dataclass
+class StepTimes:
+    """Wall seconds of the loop by job: model forwards (step metadata and sampling
+    included), KV moves (rows leaving and joining the running batch's tensors), and the
+    whole steps; the rest of a step is the scheduler's."""
+
+    forward_s: float = 0.0
+    moves_s: float = 0.0
+    steps_s: float = 0.0
+
+
+class Admission(Protocol):
+    """How requests enter the running batch: who is admitted (:meth:`admit`), how the
+    joining group is fed (:meth:`setup` before each attempt, untimed;
+    :meth:`prefill`: a token per sequence whose last token was fed,
+    None for the others), and what is recorded after each step."""
+
+    def admit(self, sched: Scheduler) -> list[Sequence]: ...
+
+    def setup(self, loop: EngineLoop) -> None: ...
+
+    def prefill(self, loop: EngineLoop) -> list[int | None] | None: ...
+
+    def after_step(self, loop: EngineLoop) -> None: ...
+
+
+class EngineLoop:
+    """Requests, a scheduler over the running cache, a runner that samples and an engine
+    that runs the forwards; ``clock`` times arrivals and tokens (``now``, ``mark``,
+    ``wait_until``). ``room``: tokens a cache row can hold (the admission sets it)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        admission: Admission,
+        sched: Scheduler,
+        runner: ModelRunner,
+        clock: Any,
+        spec: SpecConfig | None = None,
+    ):
+        self.engine, self.admission, self.sched = engine, admission, sched
+        self.runner, self.clock = runner, clock
+        self.spec = spec or SpecConfig()
+        self.arrivals: deque[Sequence] = deque()
+        self.stats, self.times = GenerationStats(), StepTimes()
+        self.room = sched.cache.capacity
+
+    def add(self, seqs: Iterable[Sequence]) -> None:
+        """Requests to serve, in order of arrival."""
+        self.arrivals.extend(seqs)
+
+    @property
+    def finished(self) -> bool:
+        return not self.arrivals and self.sched.idle
+
+    def step(self) -> dict[int, list[int]]:
+        """One step of the loop; the tokens each request emitted in it."""
+        while self.arrivals and self.arrivals[0].request.arrival_s <= self.clock.now():
+            self.sched.arrive(self.arrivals.popleft())
+        if self.sched.idle:
+            self.clock.wait_until(self.arrivals[0].request.arrival_s)
+            return {}
+        began = time.perf_counter()
+        self._admit()
+        forwards = time.perf_counter()
+        emitted = self._prefill()
+        emitted |= speculative_decode(self) if self.spec.enabled else self._decode()
+        moves = time.perf_counter()
+        self.retire_done()
+        self.sched.absorb()
+        done = time.perf_counter()
+        self.times.forward_s += moves - forwards
+        self.times.moves_s += done - moves
+        self.times.steps_s += done - began
+        self.admission.after_step(self)
+        self.sched.step += 1
+        return emitted
+
+    def forward(
+        self, work: Callable[[], Any], setup: Callable[[], None] | None = None
+    ) -> tuple[Any, float]:
+        """``work()`` under the scheduler's retry (None when preemption left it nothing to
+        run), and the seconds of its last attempt, the device synchronised; ``setup()``
+        runs before each attempt, untimed."""
+
+        def attempt() -> tuple[Any, float]:
+            if setup is not None:
+                setup()
+            began = now(self.engine.device)
+            return work(), began
+
+        out, began = self.sched.retrying(attempt)
+        return out, now(self.engine.device) - began
+
+    def retire_done(self) -> None:
+        """Free the rows of finished requests (the KV peak noted while they are held)."""
+        sched = self.sched
+        if any(s.done(sched.eos_ids) for s in sched.running + sched.joining):
+            self.stats.note_memory(sched.cache.memory())
+            sched.retire()
+        self.stats.preemptions = sched.preemptions
+
+    def _admit(self) -> None:
+        now_s = self.clock.now()
+        for seq in self.admission.admit(self.sched):
+            seq.times.admitted_s = now_s if seq.times.admitted_s is None else seq.times.admitted_s
+            self.stats.prefix_hit_tokens += seq.cached
+            self.stats.prefix_query_tokens += len(seq.tokens)
+        if not (self.sched.running or self.sched.joining):
+            raise RuntimeError(f"request {self.sched.waiting[0].index} waits with nothing running")
+
+    def _prefill(self) -> dict[int, list[int]]:
+        """The joining group's prefill forward; its requests whose tokens are all fed get
+        their next token and wait to join."""
+        if not self.sched.joining:
+            return {}
+        unfed = {s.index: s.to_feed for s in self.sched.joining}
+        tokens, seconds = self.forward(
+            lambda: self.admission.prefill(self) if self.sched.joining else None,
+            lambda: self.admission.setup(self) if self.sched.joining else None,
+        )
+        if tokens is None:
+            return {}
+        t = self.clock.mark()
+        joining = self.sched.joining
+        self.stats.note_memory(self.sched.cache.memory())  # the running batch's rows
+        self.stats.prefill_s.append(seconds)
+        self.stats.fed_tokens.append(sum(unfed[s.index] - s.to_feed for s in joining))
+        emitted = {}
+        for seq, token in zip(joining, tokens, strict=True):
+            if token is not None:
+                seq.emit(token, t)
+                seq.status = Status.READY
+                emitted[seq.index] = [token]
+        return emitted
+
+    def _decode(self) -> dict[int, list[int]]:
+        """One token for every request of the running batch."""
+        if not self.sched.running:
+            return {}
+
+        def work():
+            running = self.sched.running
+            if not running:
+                return None
+            return self.runner.sample(self.engine.decode_step([s.tokens for s in running]), running)
+
+        tokens, seconds = self.forward(work)
+        if tokens is None:
+            return {}
+        t = self.clock.mark()
+        running = self.sched.running
+        self.stats.step_s.append(seconds)
+        self.stats.step_rows.append(len(running))
+        self.stats.step_tokens.append(len(running))
+        for seq, token in zip(running, tokens, strict=True):
+            seq.computed += 1
+            seq.emit(token, t)
+        return {s.index: [token] for s, token in zip(running, tokens, strict=True)}
+
+
+class Rounds:
+    """Offline admission: with nothing running, every waiting request becomes the joining
+    group in the running cache itself, prefilled in one step (one pass, or chunks of
+    ``chunk`` tokens, a step ending where a row's context ends), then decoded together
+    until each finishes; a request preempted by a full cache waits for the next round and
+    is recomputed (vLLM's recompute preemption). ``contexts``: per request index."""
+
+    def __init__(self, chunk: int, max_new_tokens: int, contexts: list[int] | None = None):
+        self.chunk, self.max_new_tokens, self.contexts = chunk, max_new_tokens, contexts
+
+    def admit(self, sched: Scheduler) -> list[Sequence]:
+        return sched.admit_all()
+
+    def setup(self, loop: EngineLoop) -> None:
+        """Rows for the group, each with room for its prompt (whole chunks) and output."""
+        longest = max(len(s.tokens) for s in loop.sched.joining)
+        chunk = self.chunk or longest
+        loop.room = -(-longest // chunk) * chunk + self.max_new_tokens
+        loop.engine.cache.allocate(len(loop.sched.joining), loop.room)
+
+    def prefill(self, loop: EngineLoop) -> list[int]:
+        group = loop.sched.joining
+        seqs = [s.tokens for s in group]
+        contexts = self.contexts and [self.contexts[s.index] for s in group]
+        logits = loop.engine.prefill(seqs, self.chunk or max(map(len, seqs)), contexts)
+        for seq in group:
+            seq.computed = len(seq.tokens)
+        return loop.runner.sample(logits, group)
+
+    def after_step(self, loop: EngineLoop) -> None:
+        pass
+
+
+class Joining:
+    """Serving admission: a group of waiting requests (as many as the budget and the
+    scheduler's caps allow) is admitted while none is joining, fed ``chunk`` prompt tokens
+    per step in a cache of its own beside the running batch's decode step, and joins the
+    running batch once fed. After each step: (time, KV bytes in use, requests admitted)."""
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+        self.timeline: list[tuple[float, int, int]] = []
+
+    def admit(self, sched: Scheduler) -> list[Sequence]:
+        return sched.admit()
+
+    def setup(self, loop: EngineLoop) -> None:
+        pass  # the group's cache was allocated at admission
+
+    def prefill(self, loop: EngineLoop) -> list[int | None]:
+        sched = loop.sched
+        return loop.runner.prefill_chunk(sched.joining_cache, sched.joining, self.chunk)
+
+    def after_step(self, loop: EngineLoop) -> None:
+        sched = loop.sched
+        admitted = len(sched.running) + len(sched.joining)
+        self.timeline.append((loop.clock.now(), sched.kv_bytes_in_use(), admitted))
