@@ -124,9 +124,10 @@ def test_serving_on_cuda_gives_each_request_what_it_generates_alone(tiny_cuda, n
     but timing."""
     from test_cache_contract import LOSSY
 
+    from kvlab.config import ServingConfig
     from kvlab.engine.clock import FakeClock
     from kvlab.engine.sequence import Request
-    from kvlab.serving.server import ServeConfig, serve
+    from kvlab.serving.server import serve
 
     gen = torch.Generator().manual_seed(5)
     requests = [
@@ -135,7 +136,7 @@ def test_serving_on_cuda_gives_each_request_what_it_generates_alone(tiny_cuda, n
     ]
     spec, options = tiny_cuda.cache_spec(), LOSSY[name]
     result = serve(tiny_cuda, build_cache(name, spec, options), requests,
-                   ServeConfig(2**22, chunk=4), FakeClock())  # fmt: skip
+                   ServingConfig(kv_budget_bytes=2**22, chunk=4), FakeClock())  # fmt: skip
     alone = Engine(tiny_cuda, build_cache(name, spec, options))
     for seq, request in zip(result.seqs, requests, strict=True):
         cfg = GenerationConfig(request.max_new_tokens, stop_on_eos=False, prefill_chunk=4)

@@ -10,10 +10,11 @@ import torch
 
 from kvlab.cache import build_cache, registered
 from kvlab.cache.base import strategy
+from kvlab.config import ServingConfig
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.engine.clock import FakeClock
 from kvlab.engine.sequence import Request
-from kvlab.serving.server import ServeConfig, serve
+from kvlab.serving.server import serve
 from tests.test_cache_contract import LOSSY
 
 SERVING = sorted(n for n, cls in registered().items() if cls.stores_past and cls.serves)
@@ -43,7 +44,9 @@ def test_every_request_gets_what_it_generates_alone(name, options, tiny_llama):
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
     budget = 3 * row_bytes(tiny_llama, name, options, capacity)  # a few at a time
     cache = build_cache(name, tiny_llama.cache_spec(), options)
-    result = serve(tiny_llama, cache, requests, ServeConfig(budget, chunk=4), FakeClock())
+    result = serve(
+        tiny_llama, cache, requests, ServingConfig(kv_budget_bytes=budget, chunk=4), FakeClock()
+    )
     alone = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec(), options))
     for seq, request in zip(result.seqs, requests, strict=True):
         cfg = GenerationConfig(request.max_new_tokens, stop_on_eos=False, prefill_chunk=4)
@@ -60,7 +63,13 @@ def test_admission_retirement_order_and_metrics_on_a_fake_clock(tiny_llama):
     requests = [Request(i, 0.0, tuple(range(1 + i, 5 + i)), out) for i, out in enumerate((2, 3, 1))]
     budget = 2 * row_bytes(tiny_llama, "full", {}, 7)
     cache = build_cache("full", tiny_llama.cache_spec())
-    result = serve(tiny_llama, cache, requests, ServeConfig(budget, max_joining=0), FakeClock(1.0))
+    result = serve(
+        tiny_llama,
+        cache,
+        requests,
+        ServingConfig(kv_budget_bytes=budget, max_joining=0),
+        FakeClock(1.0),
+    )
     assert [(e.step, e.kind, e.index) for e in result.events] == [
         (0, "admit", 0), (0, "admit", 1), (0, "join", 0), (0, "join", 1),
         (1, "retire", 0), (2, "admit", 2), (2, "retire", 1), (2, "retire", 2),
@@ -92,7 +101,7 @@ def test_paged_preempts_the_latest_request_and_recomputes_it(tiny_llama):
     spawned = build_cache("paged", tiny_llama.cache_spec(), options)
     budget = 6 * spawned.store.block_bytes()  # 5 blocks + the trash block
     cache = build_cache("paged", tiny_llama.cache_spec(), options)
-    result = serve(tiny_llama, cache, requests, ServeConfig(budget), FakeClock())
+    result = serve(tiny_llama, cache, requests, ServingConfig(kv_budget_bytes=budget), FakeClock())
     assert cache.store.pool.num_blocks == 5
     # step 0: 0 joins (2 blocks); 1: 1 joins (2 blocks), 0 decodes; 2: 0 takes the last
     # block (position 8); 3: 1 needs one at position 8: preempted; 0 ends at step 7; 1 comes
@@ -117,7 +126,7 @@ def test_a_budget_that_cannot_hold_one_request_fails_before_any_work(tiny_llama,
     with pytest.raises(
         ValueError, match=r"kv_budget_bytes=.*cannot hold request 0 .*rows of up to 22.*budget >="
     ):
-        serve(tiny_llama, cache, requests, ServeConfig(need - 1), FakeClock())
+        serve(tiny_llama, cache, requests, ServingConfig(kv_budget_bytes=need - 1), FakeClock())
     assert not calls
 
 
@@ -138,7 +147,9 @@ def test_paged_reuses_a_stored_prefix_and_feeds_only_the_rest(tiny_llama):
         Request(r.index, 10.0 * r.index, prefix + r.prompt, r.max_new_tokens) for r in trace(vocab)
     ]
     cache = build_cache("paged", tiny_llama.cache_spec(), dict(block_size=4))
-    result = serve(tiny_llama, cache, requests, ServeConfig(2**20, chunk=8), FakeClock())
+    result = serve(
+        tiny_llama, cache, requests, ServingConfig(kv_budget_bytes=2**20, chunk=8), FakeClock()
+    )
     assert [s.cached for s in result.seqs] == [0, 12, 12, 12, 12]
     assert result.metrics()["prefix_cache_hit_rate"] == pytest.approx(
         48 / sum(len(r.prompt) for r in requests)
@@ -173,7 +184,6 @@ def test_a_contiguous_row_holds_what_the_memory_model_reserves_for_it(name, tiny
 
 
 def test_serving_refuses_a_cache_that_keeps_nothing(tiny_llama):
-    from kvlab.config import ServingConfig
     from kvlab.engine import SamplingConfig
     from kvlab.serving.study import measure_serving
 

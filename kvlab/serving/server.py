@@ -7,10 +7,11 @@ admission and arrivals over time, as vLLM's ``benchmark_serving`` sends them."""
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kvlab.cache.base import KVCache
+from kvlab.config import ServingConfig
 from kvlab.engine.generate import Engine
 from kvlab.engine.loop import EngineLoop, GenerationStats, Joining, StepTimes
 from kvlab.engine.runner import ModelRunner
@@ -19,25 +20,6 @@ from kvlab.engine.scheduler import Event, Scheduler
 from kvlab.engine.sequence import Request, Sequence
 from kvlab.models.llama import Decoder
 from kvlab.serving.metrics import serving_metrics
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """``kv_budget_bytes``: what the cache may hold; ``chunk``: prompt tokens a joining
-    request feeds per step; ``max_running``: cap on the running batch (0: the budget's);
-    ``max_joining``: requests admitted together (0: as many as the budget holds)."""
-
-    kv_budget_bytes: int
-    chunk: int = 512
-    max_running: int = 0
-    max_joining: int = 1
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-
-    def __post_init__(self) -> None:
-        if self.kv_budget_bytes < 1:
-            raise ValueError(f"kv_budget_bytes={self.kv_budget_bytes} must be >= 1")
-        if self.chunk < 1:
-            raise ValueError(f"chunk={self.chunk} must be >= 1")
 
 
 @dataclass
@@ -118,22 +100,31 @@ def serve(
     model: Decoder,
     cache: KVCache,
     requests: Seq[Request],
-    cfg: ServeConfig,
+    cfg: ServingConfig,
     clock: Any,
     eos_ids: frozenset[int] = frozenset(),
+    sampling: SamplingConfig | None = None,
 ) -> ServeResult:
     """Run ``requests`` (in arrival order) to completion on ``cache`` (a fresh instance of
-    the strategy, made to serve here) through the engine loop with serving's admission; a
-    request ends at ``max_new_tokens`` or, when ``eos_ids`` is not empty, at one of them.
-    A budget that cannot hold some request alone fails before any step."""
+    the strategy, made to serve here) through the engine loop with serving's admission,
+    under ``cfg``'s budget, chunk and caps (its trace fields are not read: ``requests``
+    is the trace); a request ends at ``max_new_tokens`` or, when ``eos_ids`` is not
+    empty, at one of them. A budget that cannot hold some request alone fails before any
+    step."""
     seqs = [Sequence(r) for r in requests]
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    cache.serve(cfg.kv_budget_bytes, capacity)
+    cache.serve(cfg.budget_bytes, capacity)
     sched = Scheduler(cache, eos_ids, cfg.max_running, cfg.max_joining)
     for seq in seqs:
         sched.check_fits(seq)
     joining = Joining(cfg.chunk)
-    loop = EngineLoop(Engine(model, cache), joining, sched, ModelRunner(model, cfg.sampling), clock)
+    loop = EngineLoop(
+        Engine(model, cache),
+        joining,
+        sched,
+        ModelRunner(model, sampling or SamplingConfig()),
+        clock,
+    )
     loop.add(seqs)
     while not loop.finished:
         loop.step()

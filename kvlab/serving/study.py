@@ -17,7 +17,7 @@ from kvlab.engine.clock import WallClock
 from kvlab.engine.sampling import SamplingConfig
 from kvlab.engine.sequence import Request
 from kvlab.models.llama import Decoder
-from kvlab.serving.server import ServeConfig, ServeResult, serve
+from kvlab.serving.server import ServeResult, serve
 from kvlab.serving.trace import make_trace
 from kvlab.workload import text_windows
 
@@ -57,14 +57,11 @@ def measure_serving(
             "batch; allowed: a strategy whose rows join and leave (full, paged, int8, ...)"
         )
     requests = build_trace(tokenizer, cfg, sampling.seed)
-    serve_cfg = ServeConfig(
-        cfg.budget_bytes, cfg.chunk, cfg.max_running, cfg.max_joining, sampling=sampling
-    )
     device = model.embed_tokens.weight.device
     if warmup:  # the first forwards load kernels; a request's worth, never measured
         short = [Request(0, 0.0, requests[0].prompt, 2)]
-        serve(model, new_cache(), short, serve_cfg, WallClock(device), eos_ids)
-    result = serve(model, cache, requests, serve_cfg, WallClock(device), eos_ids)
+        serve(model, new_cache(), short, cfg, WallClock(device), eos_ids, sampling)
+    result = serve(model, cache, requests, cfg, WallClock(device), eos_ids, sampling)
     metrics = result.metrics()
     metrics["predicted_max_concurrency"] = predicted_concurrency(cache, requests)
     metrics["kv_budget_bytes"] = cfg.budget_bytes
