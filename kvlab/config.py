@@ -296,6 +296,10 @@ def check_context(cfg: RunConfig) -> None:
 
         options = cache_options(cfg.cache.name, cfg.cache.options)
         check_rollback(strategy, options, demands[0][1], cfg.spec)
+        if cfg.spec.drafts_with_a_model:  # the draft's own cache rolls back too
+            spec = cfg.spec
+            draft = cache_options(spec.cache, spec.cache_options)
+            check_rollback(registered()[spec.cache], draft, demands[0][1], spec, "spec.cache")
     for field, tokens in demands:
         if tokens > limit and (span is None or span > limit):
             raise ValueError(

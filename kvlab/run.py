@@ -3,6 +3,7 @@ and return the metrics; :func:`run_point` wraps it so a failure is recorded, not
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from kvlab.models.cpu_kernels import prepack_linears
 from kvlab.models.llama import Decoder
 from kvlab.paths import CONF_DIR
 from kvlab.quant import quantize_
+from kvlab.speculative.drafts import ModelDraft, early_exit
 from kvlab.threads import apply_threads
 from kvlab.tracking import config_dict, environment, read_record, write_record
 from kvlab.workload import build_prompts
@@ -100,8 +102,9 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
 
     if cfg.workload.serving is not None:
         return _measure_serving(cfg, model, tokenizer, new_cache, out_dir)
-    compiled = cfg.engine.compile
-    engine = Engine(model, new_cache(static=compiled), _eos_ids(tokenizer, model), compile=compiled)
+    compiled, draft = cfg.engine.compile, build_draft(cfg, model)
+    eos = _eos_ids(tokenizer, model)
+    engine = Engine(model, new_cache(static=compiled), eos, compile=compiled, draft=draft)
     prompts = build_prompts(
         tokenizer, cfg.workload.prompt_len, cfg.workload.batch_size, cfg.workload.prompt_file
     )
@@ -110,9 +113,34 @@ def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
     with PeakMemory(device) as peak:
         run = engine.generate(prompts, generation_config(cfg))
     metrics = generation_metrics(run.stats) | peak.metrics | _model_facts(model)
+    if draft is not None:  # what the draft adds (an early exit shares the model's weights)
+        shared = cfg.spec.method == "layerskip"
+        metrics["spec/draft_weight_bytes"] = 0 if shared else weight_bytes(draft.engine.model)
     metrics["new_tokens"] = sum(len(t) for t in run.tokens)
     metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
     return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)
+
+
+def build_draft(cfg: RunConfig, model: Decoder) -> ModelDraft | None:
+    """The run's draft model over its own cache (``spec.method`` self, layerskip or model);
+    None for prompt lookup and plain decoding, which need none."""
+    spec = cfg.spec
+    if not spec.drafts_with_a_model:
+        return None
+    if spec.method == "layerskip":
+        draft = early_exit(model, spec.layers)
+    else:
+        source = spec.model or cfg.model.source
+        quant = QuantConfig(spec.quant, spec.quant_options)
+        device = model.embed_tokens.weight.device
+        draft, _ = load_run_model(dataclasses.replace(cfg.model, source=source), quant, device)
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(
+            f"spec.model={spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens "
+            f"and model={cfg.model.source!r} one of {model.config.vocab_size}; allowed: a "
+            "draft with the model's tokenizer"
+        )
+    return ModelDraft(draft, cache_factory(spec.cache, draft, spec.cache_options)())
 
 
 def _measure_serving(cfg, model, tokenizer, new_cache, out_dir) -> dict[str, Any]:

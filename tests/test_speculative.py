@@ -140,7 +140,10 @@ def test_a_cache_that_cannot_roll_back_is_refused_before_running(
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        (dict(method="medusa"), r"spec.method='medusa' is invalid; allowed: \('none', 'ngram'\)"),
+        (dict(method="medusa"), r"spec.method='medusa' is invalid; allowed: \('none', 'ngram'"),
+        (dict(method="layerskip"), "spec.layers=0 with spec.method='layerskip' is invalid"),
+        (dict(method="ngram", layers=4), "allowed: layers >= 1 .* with layerskip, 0 otherwise"),
+        (dict(method="model"), "spec.model='' with spec.method='model' is invalid"),
         (dict(num_speculative_tokens=0), "spec.num_speculative_tokens=0 must be >= 1"),
         (dict(min_ngram=3, max_ngram=2), "spec.min_ngram=3, spec.max_ngram=2 are invalid"),
     ],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from kvlab.engine.sequence import Request
 from kvlab.engine.sequence import Sequence as Seq
 from kvlab.models.llama import Decoder
 from kvlab.speculative.config import SpecConfig
+from kvlab.speculative.ngram import PromptLookup
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,16 @@ class Generation:
             )
         if cfg.spec.enabled:
             check_rollback(type(engine.cache), engine.cache.options, longest, cfg.spec)
+        draft = engine.draft
+        if cfg.spec.method == "ngram" and draft is None:
+            draft = PromptLookup(cfg.spec.max_ngram, cfg.spec.min_ngram)
+        if cfg.spec.enabled and draft is None:
+            raise ValueError(
+                f"spec.method={cfg.spec.method!r} drafts with a model: build the engine with "
+                "one (Engine(..., draft=ModelDraft(model, cache)), kvlab.speculative.drafts)"
+            )
+        if cfg.spec.enabled:
+            draft.check(longest, cfg.spec)
         requests = [Request(i, 0.0, tuple(p), cfg.max_new_tokens) for i, p in enumerate(prompts)]
         self.seqs = [Seq(r) for r in requests]
         eos = engine.eos_ids if cfg.stop_on_eos else frozenset()
@@ -84,6 +96,7 @@ class Generation:
             ModelRunner(engine.model, cfg.sampling, on_logits),
             WallClock(engine.device),
             cfg.spec,
+            draft,
         )
         self.loop.stats.prompt_tokens = sum(len(p) for p in prompts)
         self.loop.add(self.seqs)
@@ -104,15 +117,18 @@ class Generation:
                 yield {i: out[position] for i, out in emitted.items() if position < len(out)}
 
 
-def check_rollback(strategy: type[KVCache], options, longest: int, spec: SpecConfig) -> None:
-    """Refuse, before anything runs, speculation over a strategy whose rows of up to
-    ``longest`` tokens cannot roll back the drafts a step rejects."""
+def check_rollback(
+    strategy: type[KVCache], options, longest: int, spec: SpecConfig, field: str = "cache"
+) -> None:
+    """Refuse, before anything runs, speculation over a strategy (the run's ``cache``, or
+    the draft's ``spec.cache``) whose rows of up to ``longest`` tokens cannot roll back the
+    drafts a step rejects."""
     k = spec.num_speculative_tokens
     reason = strategy.speculation_refusal(options, longest, k)
     if reason:
         raise ValueError(
             f"spec.method={spec.method!r} rolls cache rows back by up to {k} rejected drafts "
-            f"(spec.num_speculative_tokens) and cache={strategy.name} cannot: {reason}; "
+            f"(spec.num_speculative_tokens) and {field}={strategy.name} cannot: {reason}; "
             "allowed: spec.method=none, or a strategy that rolls back (full, paged, quest, "
             "gqa_shared; int8/int4/int2 with cache.options.rollback >= k; sliding while a row "
             "fits its window)"
@@ -137,7 +153,8 @@ class Engine:
     """Runs a :class:`Decoder` with one cache strategy instance. ``compile=True`` runs
     every decode step under ``torch.compile`` (inductor on the CPU, CUDA graphs through
     ``mode="reduce-overhead"`` on a GPU) and needs a cache built ``static=True`` (fixed
-    shapes from step to step: one graph)."""
+    shapes from step to step: one graph). ``draft``: what proposes tokens for speculative
+    decoding when it is a model (:class:`~kvlab.speculative.drafts.ModelDraft`)."""
 
     def __init__(
         self,
@@ -145,6 +162,7 @@ class Engine:
         cache: KVCache,
         eos_ids: Sequence[int] = (),
         compile: bool = False,
+        draft: Any = None,
     ):
         if compile and not cache.static:
             raise ValueError(
@@ -154,7 +172,7 @@ class Engine:
         self.model, self.cache = model, cache
         self.device = model.embed_tokens.weight.device
         self.eos_ids = frozenset(eos_ids or model.config.eos_token_ids)
-        self.compiled = compile
+        self.compiled, self.draft = compile, draft
         self._decode_layers = compiled_layers(model) if compile else None
 
     def stream(

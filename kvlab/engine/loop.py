@@ -93,7 +93,8 @@ class Admission(Protocol):
 class EngineLoop:
     """Requests, a scheduler over the running cache, a runner that samples and an engine
     that runs the forwards; ``clock`` times arrivals and tokens (``now``, ``mark``,
-    ``wait_until``). ``room``: tokens a cache row can hold (the admission sets it)."""
+    ``wait_until``); with speculation (``spec``), ``draft`` proposes the tokens each
+    decode step verifies. ``room``: tokens a cache row can hold (the admission sets it)."""
 
     def __init__(
         self,
@@ -103,10 +104,11 @@ class EngineLoop:
         runner: ModelRunner,
         clock: Any,
         spec: SpecConfig | None = None,
+        draft: Any = None,
     ):
         self.engine, self.admission, self.sched = engine, admission, sched
         self.runner, self.clock = runner, clock
-        self.spec = spec or SpecConfig()
+        self.spec, self.draft = spec or SpecConfig(), draft
         self.arrivals: deque[Sequence] = deque()
         self.stats, self.times = GenerationStats(), StepTimes()
         self.room = sched.cache.capacity

@@ -21,3 +21,21 @@ def propose(tokens: list[int], limit: int, max_ngram: int, min_ngram: int) -> li
             after = int(starts[-1]) + n
             return tokens[after : after + limit]
     return []
+
+
+class PromptLookup:
+    """The ``ngram`` draft: no model, nothing to roll back."""
+
+    def __init__(self, max_ngram: int, min_ngram: int):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, seqs, limits: list[int], room: int) -> list[list[int]]:
+        """Up to ``limits[b]`` tokens for each running sequence."""
+        pairs = zip(seqs, limits, strict=True)
+        return [propose(s.tokens, n, self.max_ngram, self.min_ngram) for s, n in pairs]
+
+    def check(self, tokens: int, spec) -> None:
+        """Nothing to refuse: no cache of its own."""
+
+    def accepted(self, seqs, kept: list[int]) -> None:
+        """The target kept ``kept[b]`` tokens of row b (nothing to do here)."""
