@@ -86,6 +86,11 @@ def test_speculation_drafts_accepts_and_reports_per_token_latency(tiny_llama):
     metrics = generation_metrics(stats)
     assert metrics["spec/acceptance_rate"] == stats.accepted / stats.drafted
     assert metrics["spec/tokens_per_step"] == pytest.approx(23 / len(stats.step_s))
+    assert metrics["spec/mean_accepted"] == stats.accepted / len(stats.step_s)
+    assert len(stats.draft_s) == len(stats.verify_s) == len(stats.step_s)
+    assert metrics["spec/draft_ms"] + metrics["spec/verify_ms"] == pytest.approx(
+        1e3 * sum(stats.step_s) / len(stats.step_s)
+    )
     per_token = [s / n for s, n in zip(stats.step_s, stats.step_tokens, strict=True)]
     assert metrics["itl_ms"] == pytest.approx([s * 1e3 for s in per_token])
 

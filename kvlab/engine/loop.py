@@ -41,6 +41,8 @@ class GenerationStats:
     step_tokens: list[int] = field(default_factory=list)  # tokens they emitted (speculation: more)
     drafted: int = 0  # speculation: draft tokens verified, and those kept
     accepted: int = 0
+    draft_s: list[float] = field(default_factory=list)  # speculation: drafting, per step
+    verify_s: list[float] = field(default_factory=list)  # and the verification forward
     kv_peak: MemoryReport = field(default_factory=lambda: MemoryReport(0, 0, 0))
     preemptions: int = 0  # sequences evicted by a full cache and recomputed later
     prefix_hit_tokens: int = 0  # prompt tokens found stored at admission (prefix caching)

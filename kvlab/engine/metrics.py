@@ -49,14 +49,19 @@ def generation_metrics(stats: GenerationStats) -> dict[str, float | int]:
 
 
 def speculation_metrics(stats: GenerationStats) -> dict[str, float | int]:
-    """Draft tokens verified and kept, and tokens a row emits per decode step (1 without
-    speculation)."""
+    """Draft tokens verified and kept, drafts kept per row and step, tokens a row emits
+    per decode step (1 without speculation), and the mean ms a step spends drafting and
+    verifying."""
     rows = sum(stats.step_rows)
+    mean_ms = lambda seconds: 1e3 * statistics.fmean(seconds) if seconds else 0.0  # noqa: E731
     return {
         "spec/drafted": stats.drafted,
         "spec/accepted": stats.accepted,
         "spec/acceptance_rate": stats.accepted / stats.drafted if stats.drafted else 0.0,
+        "spec/mean_accepted": stats.accepted / rows if rows and stats.drafted else 0.0,
         "spec/tokens_per_step": sum(stats.step_tokens) / rows if rows else 0.0,
+        "spec/draft_ms": mean_ms(stats.draft_s),
+        "spec/verify_ms": mean_ms(stats.verify_s),
     }
 
 

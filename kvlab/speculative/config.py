@@ -67,14 +67,14 @@ class SpecConfig:
         from kvlab.cache.base import cache_options
         from kvlab.quant import quant_options
 
-        for field, check, name, options in (
+        for key, check, name, options in (
             ("spec.quant", quant_options, self.quant, self.quant_options),
             ("spec.cache", cache_options, self.cache, self.cache_options),
         ):
             try:
                 check(name, options)
             except ValueError as exc:
-                raise ValueError(f"{field}={name!r} (the draft's): {exc}") from None
+                raise ValueError(f"{key}={name!r} (the draft's): {exc}") from None
 
     @property
     def enabled(self) -> bool:

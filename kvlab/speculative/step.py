@@ -30,6 +30,8 @@ def speculative_decode(loop: Any) -> dict[int, list[int]]:
     loop.draft.accepted(running, kept)
     t = loop.clock.mark()
     stats.step_s.append(drafting_s + seconds)
+    stats.draft_s.append(drafting_s)
+    stats.verify_s.append(seconds)
     stats.step_rows.append(len(running))
     stats.drafted += sum(map(len, drafts))
     stats.accepted += sum(len(e) - 1 for e in emitted)
