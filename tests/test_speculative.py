@@ -11,6 +11,7 @@ import torch
 from kvlab.cache import build_cache
 from kvlab.engine import Engine, GenerationConfig, SamplingConfig
 from kvlab.engine.metrics import generation_metrics
+from kvlab.engine.sampling import probabilities
 from kvlab.speculative import SpecConfig
 from kvlab.speculative.accept import accepted, residual
 from kvlab.speculative.ngram import propose
@@ -104,6 +105,26 @@ def test_the_rejection_rule_emits_the_models_distribution():
         emitted = emitted + (1 - p[draft]) * residual(p, draft)
         torch.testing.assert_close(emitted, p, atol=1e-7, rtol=0)
         assert residual(p, draft)[draft] == 0
+
+
+def test_the_first_token_under_speculation_has_the_models_distribution(tiny_llama):
+    """On the tiny model's own next-token distribution (temperature and top-k applied):
+    P(emit t) = P(draft kept) 1[t = d] + P(rejected) residual(t), exactly p, for a draft
+    the model likes, one it does not, and one top-k filtered out."""
+    ids = torch.tensor([repetitive_prompts(tiny_llama.config.vocab_size)[0]])
+    cache = build_cache("full", tiny_llama.cache_spec())
+    cache.allocate(1, ids.shape[1])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.inference_mode():
+        logits = tiny_llama(ids, positions, cache)[0, -1:]  # (1, V)
+    for cfg in (SamplingConfig(temperature=0.7), SamplingConfig(temperature=1.0, top_k=20)):
+        p = probabilities(logits, cfg)[0].double()
+        p = p / p.sum()  # a distribution in double precision
+        order = p.argsort(descending=True).tolist()
+        for draft in (order[0], order[5], order[-1]):
+            emitted = p[draft] * torch.nn.functional.one_hot(torch.tensor(draft), len(p))
+            emitted = emitted + (1 - p[draft]) * residual(p, draft)
+            torch.testing.assert_close(emitted, p, atol=1e-12, rtol=0)
 
 
 def test_sampled_speculation_follows_the_rule_and_greedy_limit(tiny_llama):
