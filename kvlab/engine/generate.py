@@ -73,18 +73,7 @@ class Generation:
                 "sliding window the model was trained with, which kvlab's decoder does not "
                 f"apply; allowed: a total <= {window}"
             )
-        if cfg.spec.enabled:
-            check_rollback(type(engine.cache), engine.cache.options, longest, cfg.spec)
-        draft = engine.draft
-        if cfg.spec.method == "ngram" and draft is None:
-            draft = PromptLookup(cfg.spec.max_ngram, cfg.spec.min_ngram)
-        if cfg.spec.enabled and draft is None:
-            raise ValueError(
-                f"spec.method={cfg.spec.method!r} drafts with a model: build the engine with "
-                "one (Engine(..., draft=ModelDraft(model, cache)), kvlab.speculative.drafts)"
-            )
-        if cfg.spec.enabled:
-            draft.check(longest, cfg.spec)
+        draft = speculation_draft(engine, cfg.spec, longest) if cfg.spec.enabled else None
         requests = [Request(i, 0.0, tuple(p), cfg.max_new_tokens) for i, p in enumerate(prompts)]
         self.seqs = [Seq(r) for r in requests]
         eos = engine.eos_ids if cfg.stop_on_eos else frozenset()
@@ -133,6 +122,22 @@ def check_rollback(
             "gqa_shared; int8/int4/int2 with cache.options.rollback >= k; sliding while a row "
             "fits its window)"
         )
+
+
+def speculation_draft(engine: Engine, spec: SpecConfig, longest: int) -> Any:
+    """What drafts for ``spec`` (the engine's model draft, or prompt lookup), once the
+    engine's cache and the draft's are known to roll back rows of ``longest`` tokens."""
+    check_rollback(type(engine.cache), engine.cache.options, longest, spec)
+    draft = engine.draft
+    if spec.method == "ngram" and draft is None:
+        draft = PromptLookup(spec.max_ngram, spec.min_ngram)
+    if draft is None:
+        raise ValueError(
+            f"spec.method={spec.method!r} drafts with a model: build the engine with one "
+            "(Engine(..., draft=ModelDraft(model, cache)), kvlab.speculative.drafts)"
+        )
+    draft.check(longest, spec)
+    return draft
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], contexts: Sequence[int] | None) -> None:
