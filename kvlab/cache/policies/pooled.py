@@ -76,17 +76,15 @@ class Pooled(Policy):
         own = memory_lines(list(self.layers.values()))
         return {"window": report.held_bytes - sum(own.values()), **own}
 
-    REFUSAL = "an entry pools the tokens to drop with those kept"
-
     @classmethod
     def speculation_refusal(cls, options, tokens: int, depth: int) -> str:
-        return cls.REFUSAL
+        return "an entry pools the tokens to drop with those kept"
 
     def check_truncation(self, lengths, kept) -> None:
         if list(lengths) != list(kept):
+            why = self.speculation_refusal(self.options, max(lengths), 0)
             raise ValueError(
-                f"cache=compressed cannot roll back its rows: {self.REFUSAL}; allowed: no "
-                "rollback (policy pooled)"
+                f"cache=compressed cannot roll back its rows: {why}; allowed: no rollback"
             )
 
     def plan(self, info, lengths, store, static) -> PooledStep:

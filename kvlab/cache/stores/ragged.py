@@ -166,18 +166,14 @@ class RaggedStore(Store):
                 pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
                 self.repack(layer, [pick(p) for p in parts], pick(valid), pick(positions), seen)
 
-    REFUSAL = "what each head of a ragged store kept was chosen with the tokens to drop present"
-
     @classmethod
     def speculation_refusal(cls, options, tokens: int, depth: int) -> str:
-        return cls.REFUSAL
+        return "what each head of a ragged store kept was chosen with the tokens to drop present"
 
     def truncate(self, lengths, kept) -> None:
         if list(lengths) != list(kept):
-            raise ValueError(
-                f"cannot roll back a ragged store: {self.REFUSAL}; allowed: no rollback "
-                "(cache=evict)"
-            )
+            why = self.speculation_refusal(self.options, max(lengths), 0)
+            raise ValueError(f"cannot roll back a ragged store: {why}; allowed: no rollback")
 
     def place(self, lengths, info, slots, real) -> RaggedWrite:
         offsets = torch.arange(info.steps, device=slots.device)
