@@ -45,8 +45,8 @@ def workloads(tokenizer, passage_tokens: int) -> dict[str, list[int]]:
     passage = tokenizer.decode(passage_ids)
     ask = f"Repeat the following text exactly, word for word.\n\n{passage}"
     chat = [{"role": "user", "content": ask}]
-    grounded = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-    grounded = grounded["input_ids"] if isinstance(grounded, dict) else list(grounded)
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    grounded = tokenizer.encode(text, add_special_tokens=False)
     return {"input-grounded": grounded, "open-ended": passage_ids}
 
 

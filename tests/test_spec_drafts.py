@@ -64,6 +64,14 @@ def test_a_draft_over_a_lossy_cache_and_a_target_over_paged_blocks(tiny_llama, p
     assert run(tiny_llama, prompts, lossy, cache=("paged", dict(block_size=4))).tokens == plain
 
 
+def test_a_draft_serves_one_generation_after_another(tiny_llama, prompts):
+    """Request indices repeat from one generation to the next: the draft starts afresh."""
+    draft = draft_of(tiny_llama)
+    for batch, new in (([prompts[1]], 4), (prompts, 12), ([prompts[0]], 9)):
+        plain = run(tiny_llama, batch, new=new).tokens
+        assert run(tiny_llama, batch, draft, new=new).tokens == plain
+
+
 def test_rows_that_finish_early_leave_the_draft_too(tiny_llama, prompts):
     first = run(tiny_llama, prompts).tokens[0]
     eos = [first[4]]  # the first prompt stops after five tokens

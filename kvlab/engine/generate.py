@@ -136,7 +136,7 @@ def speculation_draft(engine: Engine, spec: SpecConfig, longest: int) -> Any:
             f"spec.method={spec.method!r} drafts with a model: build the engine with one "
             "(Engine(..., draft=ModelDraft(model, cache)), kvlab.speculative.drafts)"
         )
-    draft.check(longest, spec)
+    draft.start(longest, spec)
     return draft
 
 

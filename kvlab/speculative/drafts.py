@@ -39,10 +39,12 @@ class ModelDraft:
     def cache(self) -> KVCache:
         return self.engine.cache
 
-    def check(self, tokens: int, spec: SpecConfig) -> None:
-        """Refuse, before anything runs, a draft cache that cannot roll back rejected
-        drafts, or a draft whose vocabulary is not the target's (checked by the caller)."""
+    def start(self, tokens: int, spec: SpecConfig) -> None:
+        """A new generation of rows up to ``tokens`` long: refuse, before anything runs, a
+        draft cache that cannot roll back rejected drafts; forget an earlier generation's
+        rows (its request indices are this one's too)."""
         check_rollback(type(self.cache), self.cache.options, tokens, spec, "spec.cache")
+        self.rows = []
 
     def propose(self, seqs: list[Sequence], limits: list[int], room: int) -> list[list[int]]:
         """Up to ``limits[b]`` greedy tokens for each running sequence (rows of ``room``

@@ -34,8 +34,8 @@ class PromptLookup:
         pairs = zip(seqs, limits, strict=True)
         return [propose(s.tokens, n, self.max_ngram, self.min_ngram) for s, n in pairs]
 
-    def check(self, tokens: int, spec) -> None:
-        """Nothing to refuse: no cache of its own."""
+    def start(self, tokens: int, spec) -> None:
+        """A new generation: nothing to refuse or forget (no cache of its own)."""
 
     def accepted(self, seqs, kept: list[int]) -> None:
         """The target kept ``kept[b]`` tokens of row b (nothing to do here)."""
