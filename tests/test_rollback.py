@@ -143,3 +143,26 @@ def test_a_rollback_that_cannot_be_exact_is_refused_with_the_reason(tiny_llama):
     full = started(tiny_llama, "full", {}, [list(seqs[0])])
     with pytest.raises(ValueError, match=r"truncate\(lengths=\[12\]\) is invalid"):
         full.cache.truncate([12])
+
+
+@pytest.mark.parametrize("start", range(17, 25))  # every alignment of a group of 4
+def test_kivi_with_a_rollback_margin_takes_a_whole_rejected_step_back(start, tiny_llama):
+    """What ``speculation_refusal`` promises: with ``rollback`` = 3 (ring of residual +
+    group + 3 slots) a 4-token verification step — closing a group from the ring, or not —
+    taken back by 3 tokens equals the run that fed its first token alone."""
+    options = dict(group_size=4, residual=6, rollback=3)
+    strategy = build_cache("int4", tiny_llama.cache_spec(), options)
+    assert type(strategy).speculation_refusal(strategy.options, 64, 3) is None
+    prompt, step, after = random_tokens(start), random_tokens(4), random_tokens(3)
+    rolled_seqs, plain_seqs = [list(prompt)], [list(prompt)]
+    rolled = started(tiny_llama, "int4", options, rolled_seqs)
+    rolled.verify([rolled_seqs[0] + step[:1]], [step[1:]])
+    rolled.cache.truncate([start + 1])
+    plain = started(tiny_llama, "int4", options, plain_seqs)
+    plain.decode_step([plain_seqs[0] + step[:1]])
+    rolled_seqs[0].append(step[0])
+    plain_seqs[0].append(step[0])
+    got, want = feed(rolled, rolled_seqs, [after]), feed(plain, plain_seqs, [after])
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert rolled.cache.memory().used_bytes == plain.cache.memory().used_bytes
