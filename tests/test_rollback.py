@@ -27,6 +27,7 @@ LOSSY = {
     "full": dict(kv_bits=4, kv_group_size=8), "paged": dict(block_size=4, kv_bits=8,
     kv_group_size=16), "quest": dict(block_size=2, token_budget=6),
     "int4": dict(group_size=4, residual=4), "int2": dict(group_size=4, residual=4),
+    "sliding": dict(sinks=2, window=6, rollback=3),  # wrapped: rows of 11-22 tokens, 11 slots
 }  # fmt: skip
 BACK = {"int4": 1, "int2": 1}
 REFUSED = {"evict", "compressed"}  # chosen (evict) or pooled (compressed) with dropped tokens
@@ -118,6 +119,19 @@ def test_kivi_rollback_re_exposes_encoded_groups_while_the_ring_holds_them(tiny_
     got, want = feed(rolled, rolled_seqs, [after]), feed(plain, plain_seqs, [after])
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_a_window_margin_changes_no_logit(tiny_llama):
+    """The margin's slots hold tokens out of the window, never attended: a wrapped ring
+    with a margin decodes what one without it does (the decode reads the window's slots
+    in the ring's cycle as a segment of their own)."""
+    seqs = prompts()
+    tokens = [random_tokens(9) for _ in seqs]
+    plain = started(tiny_llama, "sliding", dict(sinks=2, window=6), [list(s) for s in seqs])
+    margin = started(tiny_llama, "sliding", dict(sinks=2, window=6, rollback=3), seqs)
+    want = feed(plain, [list(s) for s in seqs], tokens)
+    for got, expected in zip(feed(margin, seqs, tokens), want, strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
 def test_paged_rollback_returns_blocks_to_the_pool(tiny_llama):

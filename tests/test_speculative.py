@@ -31,6 +31,7 @@ LOSSY = {
     "paged": dict(block_size=4, kv_bits=4, kv_group_size=8),
     "full": dict(kv_bits=8, kv_format="e4m3", kv_group_size=8),
     "gqa_shared": dict(factor=2),
+    "sliding": dict(sinks=2, window=6, rollback=3),  # the ring wraps: a margin of k slots
 }
 
 
@@ -149,7 +150,8 @@ def test_sampled_speculation_follows_the_rule_and_greedy_limit(tiny_llama):
         ("evict", dict(scorer="snapkv", ratio=0.5), "cache=evict cannot: what each head"),
         ("compressed", {}, "cache=compressed cannot: an entry pools"),
         ("nocache", {}, "cache=nocache cannot: cache=nocache keeps no exact history"),
-        ("sliding", dict(sinks=2, window=6), "ring of 8 slots .* rows here reach 31 tokens"),
+        ("sliding", dict(sinks=2, window=6), "rolled back by 3 .* rows here reach 31 tokens"),
+        ("sliding", dict(sinks=2, window=6, rollback=2), "allowed: cache.options.rollback >= 3"),
         ("int8", dict(group_size=4, residual=8), "allowed: cache.options.rollback >= 3 and"),
         ("int8", dict(group_size=4, residual=3, rollback=3), "cache.options.residual > 3"),
         ("quest", dict(block_size=2, token_budget=6), "quest selects blocks for one-token"),

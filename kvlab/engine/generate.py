@@ -119,8 +119,7 @@ def check_rollback(
             f"spec.method={spec.method!r} rolls cache rows back by up to {k} rejected drafts "
             f"(spec.num_speculative_tokens) and {field}={strategy.name} cannot: {reason}; "
             "allowed: spec.method=none, or a strategy that rolls back (full, paged, quest, "
-            "gqa_shared; int8/int4/int2 with cache.options.rollback >= k; sliding while a row "
-            "fits its window)"
+            "gqa_shared; int8/int4/int2 and sliding with cache.options.rollback >= k)"
         )
 
 

@@ -30,16 +30,25 @@ POSITIONS = ("original", "cache")
 
 @dataclass
 class WindowOptions:
+    """``rollback``: ring slots kept beyond the window, never attended, so a step can be
+    taken back by that many tokens (speculative decoding) after the ring wrapped."""
+
     sinks: int = 4
     window: int = 1024
     positions: str = "original"  # "cache": StreamingLLM's positions within the cache
+    rollback: int = 0
 
     def __post_init__(self) -> None:
         if self.positions not in POSITIONS:
             raise ValueError(
                 f"cache.options.positions={self.positions!r} is invalid; allowed: {POSITIONS}"
             )
-        at_least(self, sinks=0, window=1)
+        at_least(self, sinks=0, window=1, rollback=0)
+        if self.rollback and self.positions == "cache":
+            raise ValueError(
+                f"cache.options.rollback={self.rollback} with positions='cache' is invalid; "
+                "allowed: rollback=0 there (positions within the cache are not rolled back)"
+            )
 
 
 @dataclass
@@ -76,7 +85,8 @@ class Window(Policy):
         positions = start[:, None] + index  # (B, T)
         real = index[None] < (end - start)[:, None]
         window, sinks = self.options.window, self.options.sinks
-        kept = real & ((positions < sinks) | (positions >= end[:, None] - window))
+        held = window + self.options.rollback  # the ring keeps a margin beyond the window
+        kept = real & ((positions < sinks) | (positions >= end[:, None] - held))
         where = store.place(lengths, info, positions, kept)
         filled = end.clamp(max=store.trash)
         origin = torch.zeros_like(start)
@@ -111,6 +121,8 @@ class Window(Policy):
             args = (step.to_cache, step.origin, step.filled, self.options.sinks)
             return sink_segments(store, step.where, layer, q, *args)
         queries = grouped(q, self.spec.num_kv_heads)
+        if self.options.rollback:  # the margin's slots hold tokens out of the window
+            return store.window_segments(step.where, layer, queries, step.end)
         return [store.segment(step.where, layer, queries, step.origin, step.filled)]
 
     def context(self, step: WindowStep, store, layer: int, k, v):

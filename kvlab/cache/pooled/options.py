@@ -4,7 +4,7 @@ calibration that fits its learned gate."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvlab.cache.pooled.pooling import GATES, LayerPooling
 
@@ -45,6 +45,7 @@ class PooledOptions:
     hca_ratio: int = 128
     window: int = 128
     sinks: int = 4  # first tokens kept exactly (StreamingLLM's sinks; V4 learns sink logits)
+    rollback: ClassVar[int] = 0  # no ring margin: pooled entries cannot be rolled back
     top_k: int = 512  # CSA entries each query keeps (V4-Flash's index_topk); 0: all
     overlap: bool = True  # CSA entries pool 2 * csa_ratio tokens
     proportional: bool = False  # an entry's logit + log(ratio): it stands for ratio tokens

@@ -13,6 +13,7 @@ import torch
 
 from kvlab.cache.base import RowState, nbytes
 from kvlab.cache.stores.contiguous import ContiguousStore, ContiguousWrite
+from kvlab.kernels import Segment
 
 
 @dataclass
@@ -32,18 +33,20 @@ class RingStore(ContiguousStore):
 
     @classmethod
     def speculation_refusal(cls, options, tokens: int, depth: int) -> str | None:
-        """Rows roll back until their window has dropped a token (see :meth:`truncate`)."""
-        slots = options.sinks + options.window
-        if tokens > slots:
-            return (
-                f"its ring of {slots} slots (sinks + window) drops tokens a row rolled back "
-                f"would see again, and rows here reach {tokens} tokens"
-            )
-        return None
+        """Rows roll back by up to the margin, or any amount until the ring has wrapped
+        (see :meth:`truncate`)."""
+        slots = options.sinks + options.window + options.rollback
+        if tokens <= slots or depth <= options.rollback:
+            return None
+        return (
+            f"its ring of {slots} slots (sinks + window + rollback) drops tokens a row rolled "
+            f"back by {depth} would see again, and rows here reach {tokens} tokens; allowed: "
+            f"cache.options.rollback >= {depth}"
+        )
 
     @classmethod
     def slots_for(cls, codec, options, max_tokens: int) -> int:
-        return min(options.sinks + options.window, max_tokens) + 1
+        return min(options.sinks + options.window + options.rollback, max_tokens) + 1
 
     @classmethod
     def planned_bytes(cls, spec, codec, options, batch_size: int, max_tokens: int) -> dict:
@@ -60,9 +63,31 @@ class RingStore(ContiguousStore):
         return [*super().row_state(), (vars(self), "slot_pos", 0)]
 
     def slot_of(self, positions: torch.Tensor) -> torch.Tensor:
-        """Slot of each position: sinks in place, the rest cycling over the window."""
+        """Slot of each position: sinks in place, the rest cycling over the window and the
+        rollback margin."""
+        sinks, cycle = self.options.sinks, self.options.window + self.options.rollback
+        return torch.where(positions < sinks, positions, sinks + (positions - sinks) % cycle)
+
+    def window_segments(self, where, layer: int, queries, end: torch.Tensor) -> list:
+        """Decode with a margin: what a query at ``end`` - 1 sees, in place: the sinks, and
+        the window's positions in the ring's cycle (the margin's older ones stay unread)."""
         sinks, window = self.options.sinks, self.options.window
-        return torch.where(positions < sinks, positions, sinks + (positions - sinks) % window)
+        cycle = window + self.options.rollback
+        ring_lo = ((end - window).clamp(min=sinks) - sinks).clamp(max=end)  # logical t = p - sinks
+        ring_hi = (end - sinks).clamp(min=0)
+        ring = self._slots_segment(where, layer, queries, sinks, sinks + cycle, ring_lo, ring_hi)
+        ring.ring = cycle
+        if not sinks:
+            return [ring]
+        first = self._slots_segment(where, layer, queries, 0, sinks, 0 * end, end.clamp(max=sinks))
+        return [first, ring]
+
+    def _slots_segment(self, where, layer, queries, start: int, stop: int, lo, hi) -> Segment:
+        """Slots [start, stop) of one layer as a segment of their own (views, no copy)."""
+        cut = lambda parts: [p[:, :, start:stop] for p in parts]  # noqa: E731
+        keys = self.key_codec.stored(cut(self.keys[layer]))
+        values = self.value_codec.stored(cut(self.values[layer]))
+        return Segment(queries, keys, values, where.rows, lo, hi)
 
     def place(self, lengths, info, slots, real) -> RingWrite:
         """``slots`` are the new tokens' positions; ``real`` those the ring keeps."""
@@ -74,15 +99,17 @@ class RingStore(ContiguousStore):
         self.slot_pos[:, self.trash] = -1  # the trash slot holds nothing
 
     def truncate(self, lengths, kept) -> None:
-        """Slots holding positions past a kept length become empty; a row whose window
-        has already let tokens go cannot get them back: refused, with the reason."""
+        """Slots holding positions past a kept length become empty; a row whose ring has
+        let go tokens its shorter self would see cannot get them back (beyond the rollback
+        margin): refused, with the reason."""
+        margin = self.options.rollback
         for row, (held, n) in enumerate(zip(lengths, kept, strict=True)):
-            if n < held and held > self.trash:
+            if held - n > margin and held > self.trash:
                 raise ValueError(
                     f"cannot roll row {row} back from {held} to {n} tokens: its ring of "
-                    f"{self.trash} slots (sinks + window) has dropped tokens the shorter "
-                    f"row would see again; allowed: rolling back rows of at most "
-                    f"{self.trash} tokens"
+                    f"{self.trash} slots (sinks + window + rollback) has dropped tokens the "
+                    f"shorter row would see again; allowed: rolling back rows of at most "
+                    f"{self.trash} tokens, or by at most cache.options.rollback={margin}"
                 )
         kept_now = torch.tensor(kept, device=self.slot_pos.device)[:, None]
         self.slot_pos.masked_fill_(self.slot_pos >= kept_now, -1)
