@@ -58,10 +58,19 @@ SERVING_COLUMNS = (
 )
 
 
+SPEC_COLUMNS = ("spec.method", "spec/acceptance_rate", "spec/tokens_per_step")
+
+
 def table_columns(rows: Iterable[dict[str, Any]]) -> tuple[str, ...]:
-    """The serving columns for a sweep of serving runs, else the generation columns."""
-    serving = any(r.get("workload.kind") == "serving" for r in rows)
-    return SERVING_COLUMNS if serving else TABLE_COLUMNS
+    """The serving columns for a sweep of serving runs, else the generation columns (with
+    the draft's where a point speculates)."""
+    rows = list(rows)
+    if any(r.get("workload.kind") == "serving" for r in rows):
+        return SERVING_COLUMNS
+    if not any(r.get("spec.method", "none") != "none" for r in rows):
+        return TABLE_COLUMNS
+    at = TABLE_COLUMNS.index("status")
+    return TABLE_COLUMNS[:at] + SPEC_COLUMNS + TABLE_COLUMNS[at:]
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:
@@ -188,7 +197,7 @@ def format_table(rows: Iterable[dict[str, Any]], columns: Iterable[str] = TABLE_
 def _short_name(column: str) -> str:
     """``cache.name`` → ``cache``, ``model.source`` → ``model``, ``workload.x`` → ``x``."""
     group, _, leaf = column.rpartition(".")
-    return group if leaf in ("name", "source") else leaf.replace("wikitext2/", "wt2_")
+    return group if leaf in ("name", "source", "method") else leaf.replace("wikitext2/", "wt2_")
 
 
 def _cell(value: Any) -> str:

@@ -126,6 +126,20 @@ def test_sweep_rows_come_in_job_order_with_failures_kept(tmp_path):
     assert "failed" in table[3] and table[3].split()[-1] == "-"  # missing metrics show as '-'
 
 
+def test_a_sweep_with_speculation_shows_the_draft_and_its_acceptance(tmp_path):
+    from kvlab.tracking import format_table, table_columns, write_record
+
+    for job, method in enumerate(("none", "ngram")):
+        metrics = {"spec/acceptance_rate": 0.5, "spec/tokens_per_step": 2.5} if job else {}
+        record = {"config": {"spec": {"method": method}}, "status": "ok", "metrics": metrics}
+        write_record(tmp_path / f"{job}_spec={method}", record)
+    rows = load_results(tmp_path)
+    table = format_table(rows, table_columns(rows)).splitlines()
+    assert "spec  spec/acceptance_rate  spec/tokens_per_step  status" in table[0]
+    assert "ngram                  0.50                  2.50" in table[2]
+    assert "spec" not in format_table(rows[:1], table_columns(rows[:1]))
+
+
 EXPERIMENTS = sorted(
     p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("*.yaml")
 )
