@@ -255,10 +255,11 @@ class RunConfig:
             "so each size would compile anew)",
         )
         _require(
-            not (self.spec.enabled and self.workload.kind == "serving"),
+            not (self.spec.drafts_with_a_model and self.workload.kind == "serving"),
             "spec.method",
             self.spec.method,
-            "none with workload=serving (speculation runs in offline generation so far)",
+            "none or ngram with workload=serving (a draft model's cache follows offline "
+            "rounds only so far)",
         )
         from kvlab.eval import eval_options
 
@@ -291,7 +292,7 @@ def check_context(cfg: RunConfig) -> None:
     for name, options in cfg.eval.items():
         demand = getattr(eval_options(name, options), "context_demand", None)
         demands += [demand()] if demand else []
-    if cfg.spec.enabled and demands and cfg.workload.serving is None:
+    if cfg.spec.enabled and demands:
         from kvlab.engine.generate import check_rollback
 
         options = cache_options(cfg.cache.name, cfg.cache.options)

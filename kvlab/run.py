@@ -152,7 +152,7 @@ def _measure_serving(cfg, model, tokenizer, new_cache, out_dir) -> dict[str, Any
     eos = frozenset(_eos_ids(tokenizer, model)) if w.stop_on_eos else frozenset()
     with PeakMemory(device) as peak:
         metrics = measure_serving(
-            model, tokenizer, new_cache, w.serving, sampling, eos, w.warmup, out_dir
+            model, tokenizer, new_cache, w.serving, sampling, eos, w.warmup, out_dir, cfg.spec
         )
     metrics |= peak.metrics | _model_facts(model)
     return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)

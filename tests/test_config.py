@@ -20,6 +20,7 @@ from kvlab.config import (
     to_run_config,
 )
 from kvlab.paths import CONF_DIR
+from kvlab.speculative import SpecConfig
 
 GROUPS = sorted(
     (group.name, option.stem)
@@ -68,6 +69,13 @@ def test_every_config_file_composes(group, option):
             ),
             r"engine.compile=True .*false with workload=serving",
         ),
+        (
+            lambda: RunConfig(
+                workload=WorkloadConfig("serving", ServingConfig(kv_budget_gib=1)),
+                spec=SpecConfig("layerskip", layers=4),
+            ),
+            r"spec.method='layerskip' .*none or ngram with workload=serving",
+        ),
     ],
 )
 def test_bad_values_name_field_value_and_allowed(build, message):
@@ -91,6 +99,17 @@ def test_every_launcher_config_composes(launcher):
             config_name="config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True
         )
     assert "launcher" in cfg.hydra.launcher._target_.lower()
+
+
+def test_serving_with_prompt_lookup_over_a_cache_that_cannot_roll_back_fails_early():
+    serving = ServingConfig(kv_budget_gib=1)
+    cfg = RunConfig(
+        cache=CacheConfig(name="evict"),
+        workload=WorkloadConfig("serving", serving),
+        spec=SpecConfig("ngram"),
+    )
+    with pytest.raises(ValueError, match="spec.method='ngram' .* cache=evict cannot"):
+        check_context(cfg)
 
 
 def test_a_serving_trace_longer_than_the_context_fails_before_loading():

@@ -195,3 +195,30 @@ def test_serving_refuses_a_cache_that_keeps_nothing(tiny_llama):
             tiny_llama, None, factory, ServingConfig(kv_budget_gib=1), SamplingConfig(),
             frozenset(), False, None,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [("full", {}), ("paged", dict(block_size=4)), ("int8", LOSSY["int8"])]
+)
+def test_speculation_in_serving_gives_each_request_what_it_generates_alone(
+    name, options, tiny_llama
+):
+    """Prompt lookup in the running batch (rows verified together, joining and leaving
+    between steps): greedy outputs equal each request's alone; drafts were verified."""
+    from kvlab.speculative import SpecConfig
+    from tests.test_speculative import repetitive_prompts
+
+    prompts = repetitive_prompts(tiny_llama.config.vocab_size)
+    requests = [Request(i, 0.3 * i, tuple(p), 16 + 2 * i) for i, p in enumerate(prompts)]
+    options = dict(options, rollback=3) if name == "int8" else options
+    cache = build_cache(name, tiny_llama.cache_spec(), options)
+    cfg = ServingConfig(kv_budget_bytes=2**22, chunk=8, max_joining=0)
+    spec = SpecConfig("ngram", 3)
+    result = serve(tiny_llama, cache, requests, cfg, FakeClock(), spec=spec)
+    alone = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec(), options))
+    for seq, request in zip(result.seqs, requests, strict=True):
+        gen = GenerationConfig(request.max_new_tokens, stop_on_eos=False)
+        assert seq.output == alone.generate([list(request.prompt)], gen).tokens[0], seq.index
+    metrics = result.metrics()
+    assert metrics["spec/drafted"] > 0 and metrics["spec/tokens_per_step"] > 1
+    assert max(n for _, _, n in result.timeline) >= 2  # requests did run together

@@ -95,6 +95,14 @@ def test_metrics_equal_hand_computed_values_on_a_fake_clock():
     assert m["mean_concurrency"] == pytest.approx((1 * 2 + 2 * 2 + 1 * 1) / 5)
 
 
+def test_tokens_delivered_together_count_one_gap_in_itl_and_each_in_tpot():
+    """A speculative step emits several tokens at one time: ITL is per delivery (vLLM's
+    streamed chunk), TPOT per token."""
+    m = serving_metrics([RequestTimes(0.0, 0.0, [1.0, 3.0, 3.0, 3.0, 4.0])])
+    assert m["mean_itl_ms"] == pytest.approx(1000 * (2 + 1) / 2)
+    assert m["mean_tpot_ms"] == pytest.approx(1000 * 3 / 4)
+
+
 def test_one_token_outputs_have_no_tpot_and_unfinished_requests_are_refused():
     m = serving_metrics([RequestTimes(0.0, None, [0.5])])
     assert math.isnan(m["mean_tpot_ms"]) and m["mean_ttft_ms"] == 500

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kvlab.engine.generate import GenerationStats
+from kvlab.engine.loop import GenerationStats
 from kvlab.engine.timing import percentile
 from kvlab.quant.base import held_tensors
 

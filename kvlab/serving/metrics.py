@@ -3,7 +3,8 @@ token times on any clock (the engine's, or a fake one in tests):
 
 - TTFT: first token time minus arrival (queueing included);
 - TPOT: per request, (last token time - first token time) / (output tokens - 1);
-- ITL: every gap between consecutive tokens of a request, pooled over requests;
+- ITL: every gap between consecutive deliveries of a request's tokens (a speculative
+  step delivers several at once), pooled over requests;
 - E2EL: last token time minus arrival;
 - request and output-token throughput over the run's duration (first arrival to last token);
 - concurrency: requests running (admitted, not finished) over time, its maximum and its
@@ -13,6 +14,7 @@ token times on any clock (the engine's, or a fake one in tests):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 
 from kvlab.engine.sequence import RequestTimes
 from kvlab.engine.timing import percentile
@@ -31,7 +33,7 @@ def serving_metrics(requests: Sequence[RequestTimes]) -> dict[str, float]:
     tpot = [
         (r.finished_s - r.token_s[0]) / (len(r.token_s) - 1) for r in requests if len(r.token_s) > 1
     ]
-    itl = [b - a for r in requests for a, b in zip(r.token_s, r.token_s[1:], strict=False)]
+    itl = [b - a for r in requests for a, b in pairwise(deliveries(r.token_s))]
     output_tokens = sum(len(r.token_s) for r in requests)
     metrics = {
         "completed": len(requests),
@@ -44,6 +46,12 @@ def serving_metrics(requests: Sequence[RequestTimes]) -> dict[str, float]:
         metrics.update(_summary(name, values))
     metrics.update(concurrency(requests))
     return metrics
+
+
+def deliveries(token_s: Sequence[float]) -> list[float]:
+    """The times a request's tokens arrived, tokens of one step (speculation's accepted
+    drafts) as one delivery, as a streamed chunk is in vLLM's benchmark."""
+    return [t for i, t in enumerate(token_s) if i == 0 or t != token_s[i - 1]]
 
 
 def _summary(name: str, seconds: Sequence[float]) -> dict[str, float]:

@@ -12,14 +12,16 @@ from typing import Any
 
 from kvlab.cache.base import KVCache
 from kvlab.config import ServingConfig
-from kvlab.engine.generate import Engine
+from kvlab.engine.generate import Engine, speculation_draft
 from kvlab.engine.loop import EngineLoop, GenerationStats, Joining, StepTimes
+from kvlab.engine.metrics import speculation_metrics
 from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingConfig
 from kvlab.engine.scheduler import Event, Scheduler
 from kvlab.engine.sequence import Request, Sequence
 from kvlab.models.llama import Decoder
 from kvlab.serving.metrics import serving_metrics
+from kvlab.speculative.config import SpecConfig
 
 
 @dataclass
@@ -93,7 +95,7 @@ class ServeResult:
         )
         out["kv_bytes_peak"] = max(b for _, b, _ in self.timeline)
         out["steps"] = self.steps
-        return out | self.profile.shares()
+        return out | self.profile.shares() | speculation_metrics(self.profile.stats)
 
 
 def serve(
@@ -104,27 +106,25 @@ def serve(
     clock: Any,
     eos_ids: frozenset[int] = frozenset(),
     sampling: SamplingConfig | None = None,
+    spec: SpecConfig | None = None,
 ) -> ServeResult:
     """Run ``requests`` (in arrival order) to completion on ``cache`` (a fresh instance of
     the strategy, made to serve here) through the engine loop with serving's admission,
     under ``cfg``'s budget, chunk and caps (its trace fields are not read: ``requests``
     is the trace); a request ends at ``max_new_tokens`` or, when ``eos_ids`` is not
-    empty, at one of them. A budget that cannot hold some request alone fails before any
-    step."""
+    empty, at one of them. ``spec``: speculative decoding of the running batch (prompt
+    lookup: each row drafts, the batch verifies its rows together). A budget that cannot
+    hold some request alone fails before any step."""
     seqs = [Sequence(r) for r in requests]
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
     cache.serve(cfg.budget_bytes, capacity)
     sched = Scheduler(cache, eos_ids, cfg.max_running, cfg.max_joining)
     for seq in seqs:
         sched.check_fits(seq)
-    joining = Joining(cfg.chunk)
-    loop = EngineLoop(
-        Engine(model, cache),
-        joining,
-        sched,
-        ModelRunner(model, sampling or SamplingConfig()),
-        clock,
-    )
+    engine, joining, spec = Engine(model, cache), Joining(cfg.chunk), spec or SpecConfig()
+    draft = speculation_draft(engine, spec, capacity) if spec.enabled else None
+    runner = ModelRunner(model, sampling or SamplingConfig())
+    loop = EngineLoop(engine, joining, sched, runner, clock, spec, draft)
     loop.add(seqs)
     while not loop.finished:
         loop.step()

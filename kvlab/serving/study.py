@@ -19,6 +19,7 @@ from kvlab.engine.sequence import Request
 from kvlab.models.llama import Decoder
 from kvlab.serving.server import ServeResult, serve
 from kvlab.serving.trace import make_trace
+from kvlab.speculative.config import SpecConfig
 from kvlab.workload import text_windows
 
 
@@ -44,6 +45,7 @@ def measure_serving(
     eos_ids: frozenset[int],
     warmup: bool,
     out_dir: Path | None,
+    spec: SpecConfig | None = None,
 ) -> dict[str, Any]:
     cache = new_cache()  # the measured run's
     if not cache.stores_past:
@@ -60,8 +62,8 @@ def measure_serving(
     device = model.embed_tokens.weight.device
     if warmup:  # the first forwards load kernels; a request's worth, never measured
         short = [Request(0, 0.0, requests[0].prompt, 2)]
-        serve(model, new_cache(), short, cfg, WallClock(device), eos_ids, sampling)
-    result = serve(model, cache, requests, cfg, WallClock(device), eos_ids, sampling)
+        serve(model, new_cache(), short, cfg, WallClock(device), eos_ids, sampling, spec)
+    result = serve(model, cache, requests, cfg, WallClock(device), eos_ids, sampling, spec)
     metrics = result.metrics()
     metrics["predicted_max_concurrency"] = predicted_concurrency(cache, requests)
     metrics["kv_budget_bytes"] = cfg.budget_bytes
