@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -22,6 +23,8 @@ from kvlab.eval.base import register_eval
 
 @dataclass
 class PerplexityOptions:
+    field: ClassVar[str] = "eval.ppl"  # where a bad value is reported
+
     dataset: str = "wikitext2"  # or a local text file, or a hub dataset name[:config]
     seqlen: int = 2048
     max_windows: int = 0  # 0: every full window
@@ -32,20 +35,20 @@ class PerplexityOptions:
         looks_local = path.suffix or self.dataset.startswith(("/", ".", "~"))
         if looks_local and not path.is_file():
             raise ValueError(
-                f"eval.ppl.dataset={self.dataset!r} is not a file; allowed: wikitext2, an "
+                f"{self.field}.dataset={self.dataset!r} is not a file; allowed: wikitext2, an "
                 "existing local text file, or a hub dataset name[:config]"
             )
         for field_name in ("seqlen", "max_windows", "chunk"):
             value = getattr(self, field_name)
             if value < (1 if field_name == "seqlen" else 0):
                 raise ValueError(
-                    f"eval.ppl.{field_name}={value} is invalid; allowed: "
+                    f"{self.field}.{field_name}={value} is invalid; allowed: "
                     f"{'>= 1' if field_name == 'seqlen' else '>= 0'}"
                 )
 
     def context_demand(self) -> tuple[str, int]:
         """The field and the positions a window feeds the model."""
-        return f"eval.ppl.seqlen={self.seqlen}", self.seqlen
+        return f"{self.field}.seqlen={self.seqlen}", self.seqlen
 
     @property
     def label(self) -> str:
