@@ -1,6 +1,7 @@
 """The error each lossy KV setting costs against ``full`` on the default model: mean
-next-token NLL increase and top-1 agreement over 512 WikiText-2 tokens fed in chunks of 128
-(so every chunk after the first predicts from what the cache kept) — the protocol whose
+next-token NLL increase, mean KL(full || setting) of the next-token distributions (the
+``kld`` eval's) and top-1 agreement over 512 WikiText-2 tokens fed in chunks of 128 (so
+every chunk after the first predicts from what the cache kept) — the protocol whose
 bounds ``tests/test_quantized_cache.py`` checks. Not a test: it prints the table.
 
     python scripts/kv_error_table.py
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 
 import kvlab
+from kvlab.cache import build_cache
+from kvlab.eval.kld import window_divergence
 from kvlab.eval.perplexity import chunked_nll
 from kvlab.quiet import quiet_third_party
 from kvlab.workload import build_prompts
@@ -21,8 +24,10 @@ SETTINGS = [
     ("paged", {"kv_bits": 4}), ("sliding", {"window": 1024, "kv_bits": 4}),
     ("sliding", {"window": 128, "sinks": 4}), ("gqa_shared", {"factor": 3}),
     ("gqa_shared", {"factor": 3, "merge": "first"}),
+    ("full", {"kv_bits": 8, "kv_format": "e4m3"}), ("full", {"kv_bits": 8, "kv_format": "e5m2"}),
 ]  # fmt: skip
 RESIDUAL = 32  # int*: so that most of the 512 tokens are really quantized
+CHUNK = 128  # chunked_nll's
 
 
 def main() -> None:
@@ -30,14 +35,18 @@ def main() -> None:
     model, tokenizer = kvlab.load_model("smollm2-135m")
     ids = torch.tensor(build_prompts(tokenizer, 512, 1))
     reference_nll, reference_top1 = chunked_nll(model, ids, "full", {})
-    print("| setting | ΔNLL vs full | top-1 agreement |\n|---|---:|---:|")
+    print("| setting | ΔNLL vs full | KL(full ‖ setting) nats | top-1 agreement |")
+    print("|---|---:|---:|---:|")
+    spec = model.cache_spec()
     for name, options in SETTINGS:
         if name.startswith("int"):
             options = {"residual": RESIDUAL, **options}
         nll, top1 = chunked_nll(model, ids, name, options)
+        caches = (build_cache("full", spec), build_cache(name, spec, options))
+        kl = window_divergence(model, ids[0], caches, CHUNK)[:, 0].mean().item()
         agreement = (top1 == reference_top1).float().mean().item()
         label = name + "".join(f" {k}={v}" for k, v in options.items())
-        print(f"| {label} | {nll - reference_nll:+.3f} | {agreement:.3f} |", flush=True)
+        print(f"| {label} | {nll - reference_nll:+.3f} | {kl:.4f} | {agreement:.3f} |", flush=True)
 
 
 if __name__ == "__main__":
