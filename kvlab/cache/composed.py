@@ -18,6 +18,7 @@ from typing import ClassVar
 
 from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, RowState, register
 from kvlab.cache.codecs import CodecOptions
+from kvlab.cache.codecs.rotation import hadamard
 from kvlab.cache.policies.base import Policy
 from kvlab.cache.stores.base import Store
 from kvlab.cache.stores.contiguous import ContiguousStore
@@ -50,6 +51,9 @@ class ComposedCache(KVCache):
         self.model_spec = spec
         self.policy = self.Policy(self.spec, self.options)
         self.store = self._new_store()
+        self.rotation = None  # (D, D) orthonormal, with cache.options.rotate
+        if self.options.rotate != "none":
+            self.rotation = hadamard(self.spec.head_dim, self.spec.dtype, self.spec.device)
 
     def _new_store(self) -> Store:
         codec = self.options.codec(self.spec.head_dim)
@@ -149,7 +153,11 @@ class ComposedCache(KVCache):
         return self.policy.plan(info, self.lengths, self.store, self.static)
 
     def attend(self, step, layer, q, k, v, k_raw):
-        return self.policy.attend(step, self.store, layer, q, k, v, k_raw)
+        if self.rotation is None:
+            return self.policy.attend(step, self.store, layer, q, k, v, k_raw)
+        r = self.rotation  # q·k and the output unchanged: (qR)·(kR) = q·k, (Σ p vR)Rᵀ = Σ p v
+        out = self.policy.attend(step, self.store, layer, q @ r, k @ r, v @ r, k_raw)
+        return out @ r.T
 
     def end(self, step) -> None:
         self.policy.end(step, self.store)
@@ -190,6 +198,11 @@ def preset(
             if "__post_init__" in vars(base):
                 vars(base)["__post_init__"](self)
         policy.check(self)
+        if self.rotate != "none" and policy.refuses_rotation:
+            raise ValueError(
+                f"cache.options.rotate={self.rotate!r} with cache={name}: "
+                f"{policy.refuses_rotation}; allowed: rotate=none"
+            )
 
     merged = dataclasses.make_dataclass(
         "Options", [], bases=bases, namespace={"__post_init__": post_init}

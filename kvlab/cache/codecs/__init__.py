@@ -15,6 +15,7 @@ from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.codecs.fp8 import FORMATS as FP8_FORMATS
 from kvlab.cache.codecs.fp8 import Fp8Codec
 from kvlab.cache.codecs.kivi import Kivi, KiviOptions
+from kvlab.cache.codecs.rotation import check_rotation
 from kvlab.cache.codecs.token import TokenCodec
 from kvlab.kernels.int_codes import BITS
 
@@ -48,8 +49,10 @@ class CodecOptions:
     kv_bits: int = 0
     kv_group_size: int = 32
     kv_format: str = "int"
+    rotate: str = "none"  # "hadamard": K/V rotated per head before encoding (rotation.py)
 
     def __post_init__(self) -> None:
+        check_rotation(self.rotate)
         if self.kv_bits not in (0, *BITS):
             raise ValueError(f"cache.options.kv_bits={self.kv_bits} is invalid; allowed: 0, {BITS}")
         if self.kv_group_size < 1:

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from kvlab.cache.codecs.base import Codec
 from kvlab.cache.codecs.channel import ChannelCodec
+from kvlab.cache.codecs.rotation import check_rotation
 from kvlab.cache.codecs.token import TokenCodec
 from kvlab.kernels.int_codes import BITS, KEY_AXES
 
@@ -32,8 +33,10 @@ class KiviOptions:
     residual: int = 128
     key_axis: str = "channel"
     rollback: int = 0
+    rotate: str = "none"  # "hadamard": K/V rotated per head before encoding (rotation.py)
 
     def __post_init__(self) -> None:
+        check_rotation(self.rotate)
         if self.bits not in BITS:
             raise ValueError(f"cache.options.bits={self.bits} is invalid; allowed: {BITS}")
         if self.group_size < 1:

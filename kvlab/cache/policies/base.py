@@ -42,6 +42,11 @@ class Policy:
         """The policy in words for report labels ("" when it keeps everything)."""
         return ""
 
+    # why rotate='hadamard' would change what the policy computes (None: it attends through
+    # q·k and Σ p v alone, which rotation keeps), and why it cannot roll rows back
+    refuses_rotation: ClassVar[str | None] = None
+    refuses_rollback: ClassVar[str | None] = None
+
     @classmethod
     def position_span(cls, options: Any) -> int | None:
         """The most positions RoPE ever sees (None: grows with the sequence)."""
@@ -52,7 +57,7 @@ class Policy:
         """Why speculation could not run over rows of up to ``tokens`` tokens (None: it
         can): a verification step that is not what decoding computes, or a rollback by
         ``depth`` tokens the policy cannot mend (see :meth:`check_truncation`)."""
-        return None
+        return cls.refuses_rollback
 
     @classmethod
     def store_spec(cls, spec: CacheSpec, options: Any) -> CacheSpec:

@@ -76,15 +76,14 @@ class Pooled(Policy):
         own = memory_lines(list(self.layers.values()))
         return {"window": report.held_bytes - sum(own.values()), **own}
 
-    @classmethod
-    def speculation_refusal(cls, options, tokens: int, depth: int) -> str:
-        return "an entry pools the tokens to drop with those kept"
+    refuses_rotation = "its entries are pooled from the keys before RoPE, never rotated"
+    refuses_rollback = "an entry pools the tokens to drop with those kept"
 
     def check_truncation(self, lengths, kept) -> None:
         if list(lengths) != list(kept):
-            why = self.speculation_refusal(self.options, max(lengths), 0)
             raise ValueError(
-                f"cache=compressed cannot roll back its rows: {why}; allowed: no rollback"
+                f"cache=compressed cannot roll back its rows: {self.refuses_rollback}; "
+                "allowed: no rollback"
             )
 
     def plan(self, info, lengths, store, static) -> PooledStep:

@@ -30,13 +30,10 @@ POSITIONS = ("original", "cache")
 
 @dataclass
 class WindowOptions:
-    """``rollback``: ring slots kept beyond the window, never attended, so a step can be
-    taken back by that many tokens (speculative decoding) after the ring wrapped."""
-
     sinks: int = 4
     window: int = 1024
     positions: str = "original"  # "cache": StreamingLLM's positions within the cache
-    rollback: int = 0
+    rollback: int = 0  # ring slots beyond the window, never attended: speculation's rollback
 
     def __post_init__(self) -> None:
         if self.positions not in POSITIONS:
@@ -44,11 +41,6 @@ class WindowOptions:
                 f"cache.options.positions={self.positions!r} is invalid; allowed: {POSITIONS}"
             )
         at_least(self, sinks=0, window=1, rollback=0)
-        if self.rollback and self.positions == "cache":
-            raise ValueError(
-                f"cache.options.rollback={self.rollback} with positions='cache' is invalid; "
-                "allowed: rollback=0 there (positions within the cache are not rolled back)"
-            )
 
 
 @dataclass
@@ -78,6 +70,15 @@ class Window(Policy):
         """With positions within the cache, no token sits past ``sinks + window``."""
         return options.sinks + options.window if options.positions == "cache" else None
 
+    @classmethod
+    def check(cls, options) -> None:
+        """positions='cache' turns stored keys by RoPE again: no margin, no rotation."""
+        if options.positions == "cache" and (options.rollback or options.rotate != "none"):
+            raise ValueError(
+                f"cache.options.positions='cache' with rollback={options.rollback}, rotate="
+                f"{options.rotate!r} is invalid; allowed: rollback=0 and rotate=none with it"
+            )
+
     def plan(self, info, lengths, store, static) -> WindowStep:
         start, end = row_bounds(lengths, info)
         steps, device = info.steps, start.device
@@ -88,8 +89,7 @@ class Window(Policy):
         held = window + self.options.rollback  # the ring keeps a margin beyond the window
         kept = real & ((positions < sinks) | (positions >= end[:, None] - held))
         where = store.place(lengths, info, positions, kept)
-        filled = end.clamp(max=store.trash)
-        origin = torch.zeros_like(start)
+        filled, origin = end.clamp(max=store.trash), torch.zeros_like(start)
         step = WindowStep(info, start, end, where, positions, kept, filled, origin)
         if self.options.positions == "cache":
             step.to_cache = cache_rotation(info, sinks, window)
@@ -99,7 +99,6 @@ class Window(Policy):
             step.mask = visible(positions, keys, window, sinks)
         return step
 
-    # ---- one layer -------------------------------------------------------------------
     def attend(self, step, store, layer, q, k, v, k_raw):
         if step.decode:
             segments = self.decode_segments(step, store, layer, q, k, v)
