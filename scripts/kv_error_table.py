@@ -25,6 +25,10 @@ SETTINGS = [
     ("sliding", {"window": 128, "sinks": 4}), ("gqa_shared", {"factor": 3}),
     ("gqa_shared", {"factor": 3, "merge": "first"}),
     ("full", {"kv_bits": 8, "kv_format": "e4m3"}), ("full", {"kv_bits": 8, "kv_format": "e5m2"}),
+    ("full", {"kv_bits": 4}), ("full", {"kv_bits": 4, "rotate": "hadamard"}),
+    ("full", {"kv_bits": 2}), ("full", {"kv_bits": 2, "rotate": "hadamard"}),
+    ("int4", {"key_axis": "token", "rotate": "hadamard"}), ("int2", {"rotate": "hadamard"}),
+    ("int2", {"key_axis": "token", "rotate": "hadamard"}),
 ]  # fmt: skip
 RESIDUAL = 32  # int*: so that most of the 512 tokens are really quantized
 CHUNK = 128  # chunked_nll's
