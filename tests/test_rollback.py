@@ -28,9 +28,10 @@ LOSSY = {
     kv_group_size=16), "quest": dict(block_size=2, token_budget=6),
     "int4": dict(group_size=4, residual=4), "int2": dict(group_size=4, residual=4),
     "sliding": dict(sinks=2, window=6, rollback=3),  # wrapped: rows of 11-22 tokens, 11 slots
+    "evict": dict(scorer="snapkv", ratio=0.5, window=2, kernel=3),  # back past no compression
 }  # fmt: skip
 BACK = {"int4": 1, "int2": 1}
-REFUSED = {"evict", "compressed"}  # chosen (evict) or pooled (compressed) with dropped tokens
+REFUSED = {"evict", "compressed"}  # evict: into what it chose among; compressed: pooled
 
 
 def test_every_composed_strategy_has_a_rollback_case():

@@ -32,6 +32,7 @@ LOSSY = {
     "full": dict(kv_bits=8, kv_format="e4m3", kv_group_size=8),
     "gqa_shared": dict(factor=2),
     "sliding": dict(sinks=2, window=6, rollback=3),  # the ring wraps: a margin of k slots
+    "evict": dict(scorer="snapkv", ratio=0.5, window=2, kernel=3),  # compressed at prefill
 }
 
 
@@ -147,7 +148,7 @@ def test_sampled_speculation_follows_the_rule_and_greedy_limit(tiny_llama):
 @pytest.mark.parametrize(
     ("name", "options", "message"),
     [
-        ("evict", dict(scorer="snapkv", ratio=0.5), "cache=evict cannot: what each head"),
+        ("evict", dict(when="decode", ratio=0.5), "cache=evict cannot: decode-time compression"),
         ("compressed", {}, "cache=compressed cannot: an entry pools"),
         ("nocache", {}, "cache=nocache cannot: cache=nocache keeps no exact history"),
         ("sliding", dict(sinks=2, window=6), "rolled back by 3 .* rows here reach 31 tokens"),

@@ -3,14 +3,12 @@ NVIDIA, 2024-2025), over the ragged store: a scorer (:mod:`kvlab.cache.evict.sco
 scores every (row, KV head, token) of a layer, the budget (:mod:`kvlab.cache.evict.policy`)
 keeps the top ones (:mod:`kvlab.cache.evict.select`), the store repacks them per head, so a
 head that keeps fewer tokens holds fewer bytes and decode reads only them.
-
-``when="prefill"`` compresses each row once, in the step where its context ends (the whole
-prompt, or the context before the question), right after the layer's attention over the
-full context, as kvpress's forward hook does. ``when="decode"`` cuts every head to ``(1 -
-ratio) x capacity`` tokens every ``interval`` decode steps (kvpress's DecodingPress),
-scoring with the last ``window`` queries. In token codes (``kv_bits``) the kept tokens are
-stored as codes (evict, then quantize); the step's own tokens are attended exactly.
-"""
+``when="prefill"`` compresses each row once, where its context ends (the whole prompt, or
+the context before the question), after the layer's attention over it (kvpress's forward
+hook); ``when="decode"`` cuts every head to ``(1 - ratio) x capacity`` tokens every
+``interval`` decode steps (kvpress's DecodingPress), scoring with the last ``window``
+queries. Token codes (``kv_bits``) store the kept tokens as codes; a step's own tokens are
+attended exactly. Rollback: :mod:`kvlab.cache.evict.rollback`."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from typing import Any
 import torch
 
 from kvlab.cache.base import Step, row_bounds, sdpa
-from kvlab.cache.evict import select
+from kvlab.cache.evict import rollback, select
 from kvlab.cache.evict.decoding import DecodingCompression
 from kvlab.cache.policies.base import Policy, check_room
 from kvlab.cache.rows import decode_output, grouped
@@ -40,7 +38,7 @@ class EvictStep(Step):
 
 
 class Evict(Policy):
-    """``decoding``: the decode-time compression's state (``when="decode"``), else None."""
+    """``decoding``: decode-time compression's state, else None; ``sealed``: see rollback."""
 
     name = "evict"
     stores = ("ragged",)
@@ -52,24 +50,29 @@ class Evict(Policy):
 
     @classmethod
     def planned_bytes(cls, spec, codec, options, batch_size, max_tokens) -> dict[str, int]:
-        """The kept fraction of ``max_tokens`` tokens (``when="decode"``: its target); a
-        generation holds the kept fraction of its prompt plus room for its new tokens."""
+        """The kept fraction of ``max_tokens`` (a generation: of its prompt, + new tokens)."""
         kept = max_tokens - int(max_tokens * options.ratio)
         return RaggedStore.kept_bytes(spec, codec, batch_size, kept)
 
-    def store_kwargs(self) -> dict[str, Any]:
-        """Decode-time compression repacks every ``interval`` steps: that much room."""
+    def store_kwargs(self) -> dict[str, Any]:  # decode-time repacks: room for an interval
         return {"room": self.options.interval if self.options.when == "decode" else None}
 
+    @classmethod
+    def speculation_refusal(cls, options, tokens: int, depth: int) -> str | None:
+        return rollback.DECODE_TIME if options.when == "decode" else None
+
+    def check_truncation(self, lengths, kept) -> None:
+        self.sealed.check(lengths, kept, self.decoding is not None)
+
     def allocate(self, batch_size: int, max_tokens: int) -> None:
+        self.sealed = rollback.Sealed(batch_size)
         self.target = max_tokens - int(max_tokens * self.options.ratio)
-        decode_time = self.options.when == "decode"
-        self.decoding = (
-            DecodingCompression(self.spec, self.options, self.target) if decode_time else None
-        )
+        self.decoding = None
+        if self.options.when == "decode":
+            self.decoding = DecodingCompression(self.spec, self.options, self.target)
 
     def row_state(self):
-        return self.decoding.row_state() if self.decoding else []
+        return [*self.sealed.row_state(), *(self.decoding.row_state() if self.decoding else [])]
 
     def tensors(self) -> list[torch.Tensor]:
         return self.decoding.tensors() if self.decoding else []
@@ -88,6 +91,7 @@ class Evict(Policy):
     def end(self, step: EvictStep, store) -> None:
         if self.decoding:
             self.decoding.count(step.info.steps, step.compress)
+        self.sealed.note(step)
 
     def attend(self, step, store, layer, q, k, v, k_raw):
         if step.decode and store.layers[layer] is not None:
@@ -119,9 +123,8 @@ class Evict(Policy):
         return out
 
     def compress_step(self, step: EvictStep, store, layer: int, q, k, v) -> None:
-        """What :meth:`attend` leaves in ``layer`` for a multi-token step, without its
-        attention output: one recorded context step replays under many policies (its
-        queries and keys do not depend on what the cache keeps)."""
+        """What :meth:`attend` leaves in ``layer`` for a multi-token step, without its output:
+        a recorded context step replays under many policies (its q, k do not depend on it)."""
         self._store_step(step, store, layer, q, k, v, store.with_step(step.where, layer, k, v))
 
     def _store_step(self, step: EvictStep, store, layer: int, q, k, v, context) -> None:

@@ -166,14 +166,18 @@ class RaggedStore(Store):
                 pick = lambda t: None if t is None else t.index_select(0, index)  # noqa: E731
                 self.repack(layer, [pick(p) for p in parts], pick(valid), pick(positions), seen)
 
-    @classmethod
-    def speculation_refusal(cls, options, tokens: int, depth: int) -> str:
-        return "what each head of a ragged store kept was chosen with the tokens to drop present"
-
     def truncate(self, lengths, kept) -> None:
-        if list(lengths) != list(kept):
-            why = self.speculation_refusal(self.options, max(lengths), 0)
-            raise ValueError(f"cannot roll back a ragged store: {why}; allowed: no rollback")
+        """Each head of row b drops its newest ``lengths[b] - kept[b]`` tokens (the policy
+        refuses a rollback into tokens it chose among: see ``Evict.check_truncation``)."""
+        heads = self.spec.num_kv_heads
+        drop = torch.tensor(
+            [n - k for n, k in zip(lengths, kept, strict=True)], device=self.spec.device
+        )
+        for store in self.layers:
+            if store is not None:
+                store.held = store.held - drop.repeat_interleave(
+                    heads
+                )  # out of place: it may be an inference tensor
 
     def place(self, lengths, info, slots, real) -> RaggedWrite:
         offsets = torch.arange(info.steps, device=slots.device)
