@@ -104,11 +104,11 @@ def test_every_launcher_config_composes(launcher):
 def test_serving_with_prompt_lookup_over_a_cache_that_cannot_roll_back_fails_early():
     serving = ServingConfig(kv_budget_gib=1)
     cfg = RunConfig(
-        cache=CacheConfig(name="evict"),
+        cache=CacheConfig(name="compressed"),
         workload=WorkloadConfig("serving", serving),
         spec=SpecConfig("ngram"),
     )
-    with pytest.raises(ValueError, match="spec.method='ngram' .* cache=evict cannot"):
+    with pytest.raises(ValueError, match="spec.method='ngram' .* cache=compressed cannot"):
         check_context(cfg)
 
 
