@@ -10,14 +10,8 @@ import torch
 from kvlab.cache import build_cache
 from kvlab.eval import eval_options, run_evals
 from kvlab.eval.kld import window_divergence
-from tests.test_perplexity import TEXT, CharTokenizer
-
-
-@pytest.fixture
-def text_file(tmp_path):
-    path = tmp_path / "corpus.txt"
-    path.write_text(TEXT)
-    return str(path)
+from tests.test_perplexity import CharTokenizer
+from tests.test_perplexity import text_file as text_file  # the corpus fixture, shared
 
 
 def kld(model, name, options, path, **eval_opts):
