@@ -218,15 +218,24 @@ class EngineLoop:
         tokens, seconds = self.forward(work)
         if tokens is None:
             return {}
-        t = self.clock.mark()
-        running = self.sched.running
+        return self.commit_decode([[token] for token in tokens], seconds)
+
+    def commit_decode(self, tokens: list[list[int]], seconds: float) -> dict[int, list[int]]:
+        """After a decode step of ``seconds``: each running request emits its ``tokens``
+        (one, or what a speculative step kept) up to its end; the tokens each emitted."""
+        t, running = self.clock.mark(), self.sched.running
+        out = {}
+        for seq, row in zip(running, tokens, strict=True):
+            out[seq.index] = []
+            for token in row:
+                if not seq.done(self.sched.eos_ids):
+                    seq.emit(token, t)
+                    out[seq.index].append(token)
+            seq.computed = len(seq.tokens) - 1  # its newest token is fed by the next step
         self.stats.step_s.append(seconds)
         self.stats.step_rows.append(len(running))
-        self.stats.step_tokens.append(len(running))
-        for seq, token in zip(running, tokens, strict=True):
-            seq.computed += 1
-            seq.emit(token, t)
-        return {s.index: [token] for s, token in zip(running, tokens, strict=True)}
+        self.stats.step_tokens.append(sum(map(len, out.values())))
+        return out
 
 
 class Rounds:

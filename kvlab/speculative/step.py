@@ -28,23 +28,11 @@ def speculative_decode(loop: Any) -> dict[int, list[int]]:
     kept = [len(s.tokens) + len(e) - 1 for s, e in zip(running, emitted, strict=True)]
     loop.engine.cache.truncate(kept)
     loop.draft.accepted(running, kept)
-    t = loop.clock.mark()
-    stats.step_s.append(drafting_s + seconds)
     stats.draft_s.append(drafting_s)
     stats.verify_s.append(seconds)
-    stats.step_rows.append(len(running))
     stats.drafted += sum(map(len, drafts))
     stats.accepted += sum(len(e) - 1 for e in emitted)
-    out = {}
-    for seq, tokens in zip(running, emitted, strict=True):
-        out[seq.index] = []
-        for token in tokens:
-            if not seq.done(loop.sched.eos_ids):
-                seq.emit(token, t)
-                out[seq.index].append(token)
-        seq.computed = len(seq.tokens) - 1  # its newest token is fed by the next step
-    stats.step_tokens.append(sum(map(len, out.values())))
-    return out
+    return loop.commit_decode(emitted, drafting_s + seconds)
 
 
 def draft_tokens(loop: Any) -> list[list[int]]:
