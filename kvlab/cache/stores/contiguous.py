@@ -95,9 +95,12 @@ class ContiguousStore(Store):
             for part, value, span in zip(parts, encoded, codec.spans(dim), strict=True):
                 write_rows(part, slots if span == 1 else slots[:, ::span] // span, value)
 
-    def segment(self, where: ContiguousWrite, layer, queries, lo, hi, ring=0) -> Segment:
-        keys = self.key_codec.stored(self.keys[layer])
-        values = self.value_codec.stored(self.values[layer])
+    def segment(
+        self, where: ContiguousWrite, layer, queries, lo, hi, ring=0, slots=slice(None)
+    ) -> Segment:
+        """``slots``: the range of slots the segment addresses (a view: no copy)."""
+        keys = self.key_codec.stored([p[:, :, slots] for p in self.keys[layer]])
+        values = self.value_codec.stored([p[:, :, slots] for p in self.values[layer]])
         return Segment(queries, keys, values, where.rows, lo, hi, ring)
 
     def read(self, layer, slots):

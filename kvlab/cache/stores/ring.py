@@ -13,7 +13,6 @@ import torch
 
 from kvlab.cache.base import RowState, nbytes
 from kvlab.cache.stores.contiguous import ContiguousStore, ContiguousWrite
-from kvlab.kernels import Segment
 
 
 @dataclass
@@ -73,21 +72,14 @@ class RingStore(ContiguousStore):
         the window's positions in the ring's cycle (the margin's older ones stay unread)."""
         sinks, window = self.options.sinks, self.options.window
         cycle = window + self.options.rollback
-        ring_lo = ((end - window).clamp(min=sinks) - sinks).clamp(max=end)  # logical t = p - sinks
+        ring_lo = (end - window).clamp(min=sinks) - sinks  # logical t = p - sinks
         ring_hi = (end - sinks).clamp(min=0)
-        ring = self._slots_segment(where, layer, queries, sinks, sinks + cycle, ring_lo, ring_hi)
-        ring.ring = cycle
+        args = (where, layer, queries, ring_lo, ring_hi, cycle, slice(sinks, sinks + cycle))
+        ring = self.segment(*args)
         if not sinks:
             return [ring]
-        first = self._slots_segment(where, layer, queries, 0, sinks, 0 * end, end.clamp(max=sinks))
+        first = self.segment(where, layer, queries, 0 * end, end.clamp(max=sinks), 0, slice(sinks))
         return [first, ring]
-
-    def _slots_segment(self, where, layer, queries, start: int, stop: int, lo, hi) -> Segment:
-        """Slots [start, stop) of one layer as a segment of their own (views, no copy)."""
-        cut = lambda parts: [p[:, :, start:stop] for p in parts]  # noqa: E731
-        keys = self.key_codec.stored(cut(self.keys[layer]))
-        values = self.value_codec.stored(cut(self.values[layer]))
-        return Segment(queries, keys, values, where.rows, lo, hi)
 
     def place(self, lengths, info, slots, real) -> RingWrite:
         """``slots`` are the new tokens' positions; ``real`` those the ring keeps."""
