@@ -16,7 +16,7 @@ import torch
 from kvlab.cache import build_cache
 from kvlab.cache.base import cache_options
 from kvlab.eval.base import register_eval
-from kvlab.eval.perplexity import PerplexityOptions, windows
+from kvlab.eval.perplexity import PerplexityOptions, chunk_logits, windows
 
 
 @dataclass
@@ -45,19 +45,13 @@ class KldOptions(PerplexityOptions):
 def window_divergence(model, window: torch.Tensor, caches: tuple, chunk: int) -> torch.Tensor:
     """Per scored position of ``window`` (T,): (KL(reference ‖ strategy) in nats, 1 where
     both predict the same token) as (T - chunk - 1, 2), the two ``caches`` fed alike."""
-    device = model.embed_tokens.weight.device
-    ids = window.to(device)[None]  # (1, T)
-    for cache in caches:
-        cache.allocate(1, ids.shape[1])
+    reference, strategy = (chunk_logits(model, window, cache, chunk) for cache in caches)
     out = []
-    for start in range(0, ids.shape[1] - 1, chunk):
-        piece = ids[:, start : start + chunk]
-        positions = start + torch.arange(piece.shape[1], device=device)[None]
-        reference, strategy = (model(piece, positions, c)[0].log_softmax(-1) for c in caches)
-        kl = (reference.exp() * (reference - strategy)).sum(-1)  # (C,)
-        same = reference.argmax(-1) == strategy.argmax(-1)
-        out.append(torch.stack([kl, same.float()], dim=1))
-    return torch.cat(out)[chunk : ids.shape[1] - 1]
+    for (_, ref), (_, got) in zip(reference, strategy, strict=True):
+        ref, got = ref.log_softmax(-1), got.log_softmax(-1)
+        kl = (ref.exp() * (ref - got)).sum(-1)  # (C,)
+        out.append(torch.stack([kl, (ref.argmax(-1) == got.argmax(-1)).float()], dim=1))
+    return torch.cat(out)[chunk : window.shape[0] - 1]
 
 
 @register_eval("kld", KldOptions)

@@ -10,6 +10,7 @@ cache has no effect (the output says so).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -69,18 +70,24 @@ def windows(tokenizer, options: PerplexityOptions) -> torch.Tensor:
     return ids[: count * options.seqlen].view(count, options.seqlen)
 
 
-@torch.inference_mode()
-def window_nll(model, window: torch.Tensor, cache, chunk: int) -> float:
-    """Summed NLL of tokens 1..T-1 of ``window`` (T,), fed through ``cache`` in chunks."""
+def chunk_logits(model, ids: torch.Tensor, cache, chunk: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Feed ``ids`` (T,) through ``cache`` (allocated here, one row) in chunks of ``chunk``
+    tokens: (start, the chunk's next-token logits (C, V)) per chunk."""
     device = model.embed_tokens.weight.device
-    ids = window.to(device)[None]  # (1, T)
+    ids = ids.to(device)[None]  # (1, T)
     cache.allocate(1, ids.shape[1])
-    total = 0.0
     for start in range(0, ids.shape[1], chunk):
         piece = ids[:, start : start + chunk]
         positions = start + torch.arange(piece.shape[1], device=device)[None]
-        logits = model(piece, positions, cache)[0]  # (C, V)
-        targets = ids[0, start + 1 : start + 1 + piece.shape[1]]  # next tokens in the window
+        yield start, model(piece, positions, cache)[0]
+
+
+@torch.inference_mode()
+def window_nll(model, window: torch.Tensor, cache, chunk: int) -> float:
+    """Summed NLL of tokens 1..T-1 of ``window`` (T,), fed through ``cache`` in chunks."""
+    total = 0.0
+    for start, logits in chunk_logits(model, window, cache, chunk):
+        targets = window[start + 1 : start + 1 + logits.shape[0]].to(logits.device)
         logprobs = logits[: targets.numel()].log_softmax(-1)
         total -= logprobs.gather(-1, targets[:, None]).sum().item()
     cache.free(list(range(len(cache.lengths))))
@@ -94,12 +101,8 @@ def chunked_nll(model, ids: torch.Tensor, name: str, options: dict, chunk: int =
     mean next-token NLL past the first chunk and the top-1 prediction at each of those
     positions (compare both with ``full``'s)."""
     cache = build_cache(name, model.cache_spec(), options)
-    cache.allocate(1, ids.shape[1])
-    logits = []
-    for start in range(0, ids.shape[1], chunk):
-        piece = ids[:, start : start + chunk]
-        logits.append(model(piece, (start + torch.arange(piece.shape[1]))[None], cache))
-    scored = torch.cat(logits, 1)[0, chunk:-1]  # (T - chunk - 1, V)
+    logits = [step for _, step in chunk_logits(model, ids[0], cache, chunk)]
+    scored = torch.cat(logits)[chunk:-1]  # (T - chunk - 1, V)
     targets = ids[0, chunk + 1 :]
     nll = -scored.log_softmax(-1)[torch.arange(len(targets)), targets].mean().item()
     return nll, scored.argmax(-1)
