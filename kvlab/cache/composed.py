@@ -93,10 +93,9 @@ class ComposedCache(KVCache):
     @classmethod
     def speculation_refusal(cls, options, tokens: int, depth: int) -> str | None:
         """The policy's reason, else the store's (in the codec's form)."""
-        store = STAGED[cls.Store] if options.staged else cls.Store
-        return cls.Policy.speculation_refusal(options, tokens, depth) or store.speculation_refusal(
-            options, tokens, depth
-        )
+        store = store_for(cls.Store, options)  # options know whether their codec is staged
+        why = cls.Policy.speculation_refusal(options, tokens, depth)
+        return why or store.speculation_refusal(options, tokens, depth)
 
     # ---- rows ------------------------------------------------------------------------------
     def allocate(self, batch_size: int, max_tokens: int) -> None:
