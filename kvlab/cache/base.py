@@ -168,6 +168,7 @@ class KVCache(ABC):
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         """Prepare for ``batch_size`` new sequences of at most ``max_tokens`` tokens each."""
         self.lengths = [0] * batch_size
+        self.row_tokens = max_tokens
 
     def free(self, rows: Sequence[int]) -> None:
         """Drop finished rows; the remaining rows keep their order and are renumbered. Every
@@ -212,6 +213,34 @@ class KVCache(ABC):
         or ``vars(self)``), or a host list of one entry per row (axis None). :meth:`free`
         and :meth:`join` select and concatenate exactly these; by default the row lengths."""
         return [(vars(self), "lengths", None)]
+
+    @property
+    def forks(self) -> bool:
+        """Whether :meth:`fork` can copy rows: every row's state is in :meth:`row_state`
+        and no row shares memory with another."""
+        return False
+
+    def fork(self, rows: Sequence[int]) -> KVCache:
+        """A new cache whose row i is a copy of this cache's row ``rows[i]`` (rows may
+        repeat): it continues as if that row's tokens had been fed to it; this cache is
+        unchanged. lm-eval's multiple-choice endings that share a context each continue a
+        copy of the context's one prefill. Host entries of :meth:`row_state` are values
+        (ints), shared as they are."""
+        if not self.forks:
+            raise ValueError(
+                f"cache={self.name} cannot copy its rows (they share memory, or are packed "
+                "runs rather than row slices); allowed: full, sliding, gqa_shared, "
+                "compressed, int8/int4/int2"
+            )
+        new = self.spawn()
+        new.allocate(0, self.row_tokens)
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.spec.device)
+        pairs = zip(self.row_state(), new.row_state(), strict=True)
+        for (holder, key, axis), (theirs, their_key, _) in pairs:
+            value = holder[key]
+            picked = [value[b] for b in rows] if axis is None else value.index_select(axis, index)
+            theirs[their_key] = picked
+        return new
 
     # ---- serving: a running batch that requests join and leave --------------------------
     def serve(self, budget_bytes: int, max_tokens: int) -> None:

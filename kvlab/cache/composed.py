@@ -110,6 +110,10 @@ class ComposedCache(KVCache):
     def row_state(self) -> list[RowState]:
         return [*super().row_state(), *self.store.row_state(), *self.policy.row_state()]
 
+    @property
+    def forks(self) -> bool:
+        return self.store.copies_rows
+
     def truncate(self, lengths: Sequence[int]) -> None:
         """The store drops (or refuses to drop) what lies past each new length; the policy
         then mends what it derived from the dropped tokens."""

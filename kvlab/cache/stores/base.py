@@ -26,11 +26,15 @@ class Store(ABC):
 
     ``pooled``: rows draw on one shared pool (the serving budget is the pool, requests are
     admitted by the blocks they need); otherwise a row reserves its whole capacity.
+    ``copies_rows``: a row is a slice of the store's row state, so selecting rows (with
+    repeats) copies them (:meth:`KVCache.fork`); not so where rows share pool blocks or are
+    packed runs.
     ``static``: every step has the same shapes and does the same work (a compiled decode
     step), so a store never skips work on a host-side condition."""
 
     kind: ClassVar[str]
     pooled: ClassVar[bool] = False
+    copies_rows: ClassVar[bool] = True
 
     def __init__(self, spec: CacheSpec, codec: Codec, options: Any, static: bool = False):
         self.spec, self.codec, self.options, self.static = spec, codec, options, static

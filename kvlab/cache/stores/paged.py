@@ -47,6 +47,7 @@ class PagedStore(Store):
 
     kind = "paged"
     pooled = True
+    copies_rows = False  # rows share the pool's blocks
 
     def __init__(self, spec, codec, options: PagedOptions, block_extras=(), static=False):
         super().__init__(spec, codec, options, static)

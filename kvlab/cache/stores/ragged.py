@@ -127,6 +127,7 @@ class RaggedStore(Store):
     slots each head keeps free after a repack (None: the rest of the row's capacity)."""
 
     kind = "ragged"
+    copies_rows = False  # a head's run is not a row slice
 
     def __init__(self, spec, codec, options=None, room: int | None = None, static=False):
         super().__init__(spec, codec, options, static)
