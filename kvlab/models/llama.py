@@ -143,7 +143,9 @@ class Decoder(nn.Module):
         ``context_end[b]``: row b's context ends in this step (see :class:`StepInfo`).
 
         Returns logits (B, T, V), or (B, V) at ``logit_index[b]`` of each row when given,
-        so prefill does not pay for the vocabulary projection of every prompt token.
+        so prefill does not pay for the vocabulary projection of every prompt token; a
+        boolean ``logit_index`` (B, T) marks the positions to project: (N, V), row by row
+        (scoring projects real tokens only, not padding).
         The cache plans the step's metadata once (``plan``), the step goes down to every
         layer as an argument, and the cache commits it (``end``); ``layers`` run it —
         :meth:`logits`, or a compiled version of it (the engine's compiled decode step).
@@ -168,6 +170,8 @@ class Decoder(nn.Module):
         x = self.embed_tokens(ids)  # (B, T, hidden)
         for layer in self.layers:
             x = layer(x, rope, cache, step)
-        if logit_index is not None:
+        if logit_index is not None and logit_index.dtype == torch.bool:
+            x = x[logit_index]  # (N, hidden): the marked positions, row by row
+        elif logit_index is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, hidden)
         return self.lm_head(self.norm(x)).float()
