@@ -5,8 +5,9 @@ cache strategy and weight quantizer built from lm-eval's model args, scored thro
 Importing this module registers the model (lm-eval 0.4 has no plugin entry points, so
 ``kvlab lm-eval ...`` runs lm-eval's own CLI with it registered). Model args: ``model``,
 ``cache`` and ``quant`` (names of files under ``conf/cache`` and ``conf/quant``), ``dtype``,
-``device``, ``batch_size``, ``chunk`` (context prefill chunk; 0 = one pass),
-``max_length``, and dotted ``cache.options.X`` / ``quant.options.X`` overrides.
+``device``, ``batch_size`` (rows per step, or ``auto``), ``max_batch_size``, ``chunk``
+(context prefill chunk; 0 = one pass), ``max_length``, and dotted ``cache.options.X`` /
+``quant.options.X`` overrides.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ class KvlabRunLM(KvlabLM):
     def __init__(
         self, model: str = "smollm2-135m", cache: str = "full", quant: str = "none",
         dtype: str = "auto", device: str = "auto", batch_size: int | str = 8, chunk: int = 0,
-        max_length: int | None = None, **overrides: Any,
+        max_length: int | None = None, max_batch_size: int = 32, **overrides: Any,
     ) -> None:  # fmt: skip
         TemplateLM.__init__(self)
         quant = quant or "none"  # lm-eval's argument parser turns "none" into None
         choices = {"model.source": model, "model.dtype": dtype, "model.device": _device(device)}
         loaded, tokenizer, new_cache = build_run_model(cache, quant, choices | overrides)
-        self._setup(loaded, tokenizer, new_cache, batch_size, chunk, max_length)
+        self._setup(loaded, tokenizer, new_cache, batch_size, chunk, max_length, max_batch_size)
 
 
 def _device(name: str) -> str:

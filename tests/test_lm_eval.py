@@ -15,8 +15,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 import kvlab.lm_eval_model  # noqa: E402, F401  (registers lm-eval's model kvlab)
 from kvlab.cache import build_cache  # noqa: E402
 from kvlab.eval.harness import TASKS_DIR, task_metrics  # noqa: E402
-from kvlab.eval.lm_eval_adapter import KvlabLM  # noqa: E402
-from kvlab.eval.scoring import continuation_logprobs  # noqa: E402
+from kvlab.eval.lm_eval_adapter import KvlabLM, batch_limits  # noqa: E402
+from kvlab.eval.scoring import continuation_logprobs, length_batches, scored_batches  # noqa: E402
 from kvlab.models.loading import resolve_checkpoint  # noqa: E402
 
 
@@ -73,6 +73,63 @@ def test_scoring_through_an_exact_cache_equals_one_causal_pass(tiny_llama, strat
     )
     for (a, greedy_a), (b, greedy_b) in zip(one_pass, cached, strict=True):
         assert a == pytest.approx(b, abs=1e-4) and greedy_a == greedy_b
+
+
+SHARING = [("full", {}), ("int4", dict(residual=0, group_size=4)), ("paged", dict(block_size=3))]
+
+
+@pytest.mark.parametrize(("strategy", "options"), SHARING)
+@pytest.mark.parametrize(("batch_size", "max_tokens"), [(1, 0), (2, 0), (8, 12)])
+def test_pairs_that_share_a_context_score_as_each_pair_alone(
+    tiny_llama, strategy, options, batch_size, max_tokens
+):
+    """One prefill per distinct context, its continuations on copies of its rows (paged:
+    re-prefilled per pair): the same scores as each pair scored by itself."""
+    contexts, continuations = _pairs(tiny_llama.config.vocab_size)
+    contexts = [contexts[0], contexts[2], contexts[0], contexts[2], contexts[4]]
+    spec = tiny_llama.cache_spec()
+    new_cache = lambda: build_cache(strategy, spec, options)  # noqa: E731
+    alone = [
+        continuation_logprobs(tiny_llama, new_cache(), [c], [x])[0]
+        for c, x in zip(contexts, continuations, strict=True)
+    ]
+    got: dict[int, tuple[float, bool]] = {}
+    for batch, scores in scored_batches(
+        tiny_llama, new_cache, contexts, continuations, batch_size, max_tokens=max_tokens
+    ):
+        assert len(batch) <= batch_size
+        got |= dict(zip(batch, scores, strict=True))
+    assert sorted(got) == list(range(len(contexts)))
+    for i, (logprob, greedy) in enumerate(alone):
+        assert got[i][0] == pytest.approx(logprob, abs=1e-4) and got[i][1] == greedy
+
+
+def test_length_batches_cut_at_rows_and_padded_tokens():
+    lengths = [9, 8, 5, 5, 4, 1]
+    assert list(length_batches(lengths, int, 4)) == [[9, 8, 5, 5], [4, 1]]
+    assert list(length_batches(lengths, int, 4, max_tokens=16)) == [[9], [8, 5], [5, 4, 1]]
+    assert list(length_batches([20, 3], int, 4, max_tokens=16)) == [[20], [3]]
+
+
+def test_batch_size_auto_and_bad_values():
+    assert batch_limits(8) == (8, 0) and batch_limits("3") == (3, 0)
+    assert batch_limits("auto")[0] == 32 and batch_limits("auto:4", 16)[0] == 16
+    assert batch_limits("auto")[1] > 0
+    with pytest.raises(ValueError, match="batch_size='x' is invalid; allowed: a positive"):
+        batch_limits("x")
+    with pytest.raises(ValueError, match="batch_size=0"):
+        batch_limits(0)
+
+
+def test_marked_positions_are_the_full_logits_at_those_positions(tiny_llama):
+    ids = torch.tensor(_pairs(tiny_llama.config.vocab_size)[0][2][:6]).expand(2, 6)
+    positions = torch.arange(6).expand(2, 6)
+    marked = torch.tensor([[0, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    with torch.inference_mode():
+        whole = tiny_llama(ids, positions, build_cache("nocache", tiny_llama.cache_spec()))
+        picked = tiny_llama(ids, positions, build_cache("nocache", tiny_llama.cache_spec()),
+                            logit_index=marked)  # fmt: skip
+    assert torch.allclose(picked, whole[marked], atol=1e-6)
 
 
 def test_scoring_with_a_lossy_cache_puts_it_in_the_loop(tiny_llama):
