@@ -182,7 +182,7 @@ def run_point(cfg: RunConfig, out_dir: Path) -> dict[str, Any]:
     previous = read_record(out_dir)
     if cfg.resume and previous and previous.get("status") == "ok" and previous["config"] == config:
         return previous | {"skipped": True}
-    record: dict[str, Any] = {"config": config, "environment": environment()}
+    record: dict[str, Any] = {"config": config}
     start = time.time()
     try:
         record |= {"status": "ok", "metrics": measure(cfg, out_dir)}
@@ -192,6 +192,8 @@ def run_point(cfg: RunConfig, out_dir: Path) -> dict[str, Any]:
             "error": f"{type(exc).__name__}: {exc}",
             "traceback": traceback.format_exc(),
         }
-    record["duration_s"] = time.time() - start
+    end = time.time()
+    record |= {"duration_s": end - start, "started_at": start, "ended_at": end}
+    record["environment"] = environment()  # after the run: the threads and kernels it used
     write_record(out_dir, record)
     return record

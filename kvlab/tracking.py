@@ -63,14 +63,15 @@ SPEC_COLUMNS = ("spec.method", "spec/acceptance_rate", "spec/tokens_per_step")
 
 def table_columns(rows: Iterable[dict[str, Any]]) -> tuple[str, ...]:
     """The serving columns for a sweep of serving runs, else the generation columns (with
-    the draft's where a point speculates)."""
+    the draft's where a point speculates); ``concurrent`` where points ran side by side."""
     rows = list(rows)
+    side_by_side = ("concurrent",) if any(r.get("concurrent") for r in rows) else ()
     if any(r.get("workload.kind") == "serving" for r in rows):
-        return SERVING_COLUMNS
+        return SERVING_COLUMNS + side_by_side
     if not any(r.get("spec.method", "none") != "none" for r in rows):
-        return TABLE_COLUMNS
+        return TABLE_COLUMNS + side_by_side
     at = TABLE_COLUMNS.index("status")
-    return TABLE_COLUMNS[:at] + SPEC_COLUMNS + TABLE_COLUMNS[at:]
+    return TABLE_COLUMNS[:at] + SPEC_COLUMNS + TABLE_COLUMNS[at:] + side_by_side
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:
@@ -167,15 +168,36 @@ def flatten(record: dict[str, Any]) -> dict[str, Any]:
     walk("", record.get("config", {}))
     row["status"] = record.get("status")
     row["error"] = record.get("error")
+    row["host"] = record.get("environment", {}).get("hostname")
+    row["started_at"], row["ended_at"] = record.get("started_at"), record.get("ended_at")
     row.update(record.get("metrics", {}))
     return row
+
+
+def mark_side_by_side(rows: list[dict[str, Any]]) -> None:
+    """``concurrent``: how many other points of the sweep ran on the same host while this
+    one did (a joblib sweep, a SLURM array on one node): their timings were taken side by
+    side, sharing cores and memory bandwidth, not alone (0: alone)."""
+    for row in rows:
+        if row.get("started_at") is None:
+            continue
+        row["concurrent"] = sum(
+            other is not row
+            and other.get("host") == row.get("host")
+            and other.get("started_at") is not None
+            and other["started_at"] < row["ended_at"]
+            and row["started_at"] < other["ended_at"]
+            for other in rows
+        )
 
 
 def load_results(sweep_dir: str | Path) -> list[dict[str, Any]]:
     """Every result under ``sweep_dir`` as flat rows, in job order (Hydra's ``N_...``
     sub-directories sorted by N, not as strings)."""
     paths = sorted(Path(sweep_dir).rglob(RESULT_FILE), key=_job_order)
-    return [flatten(json.loads(p.read_text())) | {"path": str(p.parent)} for p in paths]
+    rows = [flatten(json.loads(p.read_text())) | {"path": str(p.parent)} for p in paths]
+    mark_side_by_side(rows)
+    return rows
 
 
 def _job_order(path: Path) -> tuple:

@@ -45,6 +45,7 @@ def test_single_run_writes_a_complete_record(tmp_path):
     assert record["config"]["engine"] == {"compile": False}  # the decode runtime is recorded
     env = record["environment"]
     assert {"torch", "transformers", "threads", "cpu", "python"} <= set(env)
+    assert env["threads_source"] != "torch default"  # recorded after the run applied it
     assert "[kvlab] model=smollm2-135m cache=full" in done.stdout
 
 

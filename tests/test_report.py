@@ -67,3 +67,19 @@ def test_report_command_prints_where_it_wrote(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert f"report: {tmp_path / 'report.md'}" in done.stdout
+
+
+def test_points_timed_side_by_side_on_one_host_are_marked(tmp_path):
+    """Two points whose runs overlapped on one host are marked ``concurrent``; a point on
+    another host, or after them, is not (and the column appears only when some are)."""
+    from kvlab.tracking import format_table, load_results, table_columns
+
+    spans = {"0_a": ("n1", 0, 10), "1_b": ("n1", 5, 12), "2_c": ("n1", 12, 20), "3_d": ("n2", 0, 9)}
+    for name, (host, start, end) in spans.items():
+        record = {"config": {"cache": {"name": name}}, "status": "ok", "metrics": {}}
+        record |= {"environment": {"hostname": host}, "started_at": start, "ended_at": end}
+        write_record(tmp_path / name, record)
+    rows = load_results(tmp_path)
+    assert [r["concurrent"] for r in rows] == [1, 1, 0, 0]
+    assert "concurrent" in format_table(rows, table_columns(rows))
+    assert "concurrent" not in table_columns(rows[2:])
