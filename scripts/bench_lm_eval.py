@@ -12,7 +12,6 @@ run this script with ``PYTHONPATH`` pointing at that checkout.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
@@ -21,6 +20,7 @@ from lm_eval.tasks import TaskManager, get_task_dict
 import kvlab.lm_eval_model  # noqa: F401  (registers lm-eval's model kvlab)
 from kvlab.eval.harness import TASKS_DIR
 from kvlab.models.loading import resolve_checkpoint
+from kvlab.tracking import environment
 
 TASK = "hellaswag_local"
 
@@ -61,7 +61,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=16)
     args = parser.parse_args()
     _, instances = requests(args.items)
-    print(f"CPU: {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+    env = environment()
+    print(f"CPU: {env['cpu']} ({env['cpu_capability']}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {TASK}: {args.items} items, "
           f"{len(instances)} requests")  # fmt: skip
     print("| backend | batch_size | loglik/s | seconds | acc | acc_norm | max diff vs hf |")

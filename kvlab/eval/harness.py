@@ -23,7 +23,7 @@ class HarnessOptions:
     tasks: list[str] = field(default_factory=lambda: ["hellaswag_local"])
     limit: int = 0
     num_fewshot: int = 0
-    batch_size: int = 8
+    batch_size: int = 32
     chunk: int = 0
     seed: int = 0
     include_path: list[str] = field(default_factory=list)
