@@ -53,6 +53,7 @@ CODECS = {
     "int8": dict(kv_bits=8, kv_group_size=16),
     "int4": dict(kv_bits=4, kv_group_size=8),
     "fp8": dict(kv_bits=8, kv_format="e4m3", kv_group_size=16),
+    "nvfp4": dict(kv_bits=4, kv_format="nvfp4", kv_group_size=16),
 }
 GRID = [
     pytest.param(name, {**LOSSY[name], **codec}, id=f"{name}-{codec_name}")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache, registered
-from kvlab.cache.codecs import Fp8Codec
+from kvlab.cache.codecs import Fp4Codec, Fp8Codec
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import Segment, Stored, decode_attention, kernel_available, reference_attention
 from kvlab.kernels.attention import _kernel_applies
@@ -43,6 +43,9 @@ def stored_case(name: str, seq: int = 300):
         k_parts = [p.to(scale_dtype) if p.is_floating_point() else p for p in k_codec.encode(k)]
         v_parts = [p.to(scale_dtype) if p.is_floating_point() else p for p in v_codec.encode(v)]
         return k_codec.stored(k_parts), v_codec.stored(v_parts)
+    if name == "fp4":  # mxfp4 keys, nvfp4 values
+        k_codec, v_codec = Fp4Codec("mxfp4", D), Fp4Codec("nvfp4", D, tensor_scale=0.5)
+        return k_codec.stored(k_codec.encode(k)), v_codec.stored(v_codec.encode(v))
     bits = int(name[-1])
     k_words, k_scale, k_zero = ChannelCodes(bits, 30).encode(k)  # 30-token groups
     v_words, v_scale, v_zero = TokenCodes(bits, 32).encode(v)
@@ -50,7 +53,7 @@ def stored_case(name: str, seq: int = 300):
     return keys, Stored(v_words, "token_codes", bits, 32, v_scale, v_zero)
 
 
-CASES = ["fp32", "bf16", *(f"codes{b}" for b in BITS), "fp8", "fp8-bf16"]
+CASES = ["fp32", "bf16", *(f"codes{b}" for b in BITS), "fp8", "fp8-bf16", "fp4"]
 
 
 @needs_kernel
@@ -74,7 +77,7 @@ def test_kernel_equals_reference_for_query_groups_wider_than_a_vector(group):
 
 
 @needs_kernel
-@pytest.mark.parametrize("case", ["fp32", "codes4"])
+@pytest.mark.parametrize("case", ["fp32", "codes4", "fp4"])
 def test_per_head_segments_attend_as_the_original(case):
     """Every (row, KV head) as a row of its own (compressed's per-head top-k tables) reads
     the same tokens: same output, whether or not the kernel runs."""

@@ -20,7 +20,8 @@ import torch
 from kvlab.kernels.build import library
 from kvlab.kernels.int_codes import ChannelCodes, TokenCodes
 
-FORMATS = {"fp": 0, "token_codes": 2, "channel_codes": 3, "fp8": 4}  # fp: fp32/bf16 by dtype
+FORMATS = {"fp": 0, "token_codes": 2, "channel_codes": 3, "fp8": 4, "fp4": 5}  # fp: by dtype
+TABLES = {"fp8": 256, "fp4": 16 + 256}  # formats read through a value table held in ``zero``
 CHUNK = 256  # tokens per partial result
 MAX_HEAD_DIM = 256
 
@@ -32,6 +33,9 @@ class Stored:
     codes: rows = slots and S = D / group (``token_codes``), or rows = slots / group and
     S = D (``channel_codes``). ``fp8``: uint8 bytes of an 8-bit float format (E = D), a
     scale per token and ``group`` channels, and as ``zero`` the format's 256 values (fp32).
+    ``fp4``: e2m1 codes two a byte, the even channel in the low nibble (E = D / 2), a scale
+    byte per token and ``group`` channels (uint8), and as ``zero`` the 16 e2m1 values then
+    the scale byte's 256 values (fp32).
     Only the last axis needs to be contiguous."""
 
     data: torch.Tensor
@@ -47,7 +51,7 @@ class Stored:
         def split(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.view(-1, 1, *t.shape[2:])
 
-        table = self.format == "fp8"  # fp8's zero is the format's 256 values, not per row
+        table = self.format in TABLES  # zero is the format's value table, not per row
         return Stored(
             split(self.data), self.format, self.bits, self.group, split(self.scale),
             self.zero if table else split(self.zero),
@@ -65,6 +69,11 @@ class Stored:
             values = self.zero[take(self.data).long()]  # (B, H, L, D) through the table
             scale = take(self.scale).float().repeat_interleave(self.group, dim=-1)
             return values * scale
+        if self.format == "fp4":
+            packed = take(self.data).long()
+            codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # (B, H, L, D)
+            scale = self.zero[16 + take(self.scale).long()]
+            return self.zero[codes] * scale.repeat_interleave(self.group, dim=-1)
         words, scale, zero = take(self.data), take(self.scale), take(self.zero)
         codec = (TokenCodes if self.format == "token_codes" else ChannelCodes)(
             self.bits, self.group
@@ -221,15 +230,16 @@ def _store_applies(st: Stored) -> bool:
         return False
     if st.format == "fp":
         return st.data.dtype in (torch.float32, torch.bfloat16)
-    if st.format == "fp8":
+    if st.format in TABLES:
+        scale_types = (torch.uint8,) if st.format == "fp4" else (torch.float32, torch.bfloat16)
         return (
             st.data.dtype == torch.uint8
             and st.scale is not None
-            and st.scale.dtype in (torch.float32, torch.bfloat16)
+            and st.scale.dtype in scale_types
             and st.scale.stride(-1) == 1
             and st.zero is not None
             and st.zero.dtype == torch.float32
-            and st.zero.shape == (256,)
+            and st.zero.shape == (TABLES[st.format],)
             and st.zero.is_contiguous()
         )
     return (

@@ -14,7 +14,9 @@
  * words. Token codes have a scale and zero per `group` channels of each token; channel
  * codes (KIVI keys) one per channel for each `group` consecutive slots of a block. FP8
  * rows are one byte a channel, decoded through the format's 256-entry table (built by
- * torch, so the decoding is torch's), times a scale per token and group of channels.
+ * torch, so the decoding is torch's), times a scale per token and group of channels. FP4
+ * rows are e2m1 codes two a byte with a scale byte per token and group, both read through
+ * one table (16 code values, then the scale byte's 256 values).
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,7 +29,9 @@
 #include <immintrin.h>
 #endif
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_TOKEN_CODES = 2, FMT_CHANNEL_CODES = 3, FMT_FP8 = 4 };
+enum {
+  FMT_F32 = 0, FMT_BF16 = 1, FMT_TOKEN_CODES = 2, FMT_CHANNEL_CODES = 3, FMT_FP8 = 4, FMT_FP4 = 5
+};
 
 typedef struct {
   int32_t format, bits, group, scale_bf16;
@@ -90,6 +94,26 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
       for (int g = 0; g < groups; g++) {
         const float a = scalar_at(s->scale, s->scale_bf16, z_at + g);
         for (int d = g * s->group; d < (g + 1) * s->group; d++) out[d] = table[c[d]] * a;
+      }
+    }
+    return;
+  }
+  if (s->format == FMT_FP4) { /* e2m1 codes two a byte (even channel low), a scale byte per
+                                token and group; `zero`: the 16 code values, then the scale
+                                byte's 256 values */
+    const float *values = (const float *)s->zero, *scales = values + 16;
+    const int groups = D / s->group, half = s->group / 2;
+    for (int i = 0; i < count; i++) {
+      const uint8_t *c = (const uint8_t *)s->data + at + i * s->s_slot;
+      const uint8_t *sb = (const uint8_t *)s->scale + block * s->z_block + h * s->z_head +
+                          (slot + i) * s->z_row;
+      float *out = tile + i * D;
+      for (int g = 0; g < groups; g++) {
+        const float a = scales[sb[g]];
+        for (int j = g * half; j < (g + 1) * half; j++) {
+          out[2 * j] = values[c[j] & 15] * a;
+          out[2 * j + 1] = values[c[j] >> 4] * a;
+        }
       }
     }
     return;
