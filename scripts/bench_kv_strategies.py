@@ -43,6 +43,10 @@ STRATEGIES = [
     ("paged", {"kv_bits": 4}),
     ("quest", {"token_budget": 1024}),
     ("compressed", {}),
+    ("full", {"kv_bits": 8, "kv_format": "e4m3", "kv_group_size": 32}),
+    ("full", {"kv_bits": 4}),
+    ("full", {"kv_bits": 4, "kv_format": "mxfp4", "kv_group_size": 32}),
+    ("full", {"kv_bits": 4, "kv_format": "nvfp4", "kv_group_size": 16}),
 ]
 
 
@@ -58,8 +62,17 @@ def label(name: str, options: dict) -> str:
     return name + "".join(f" {k}={v}" for k, v in options.items())
 
 
+def selected(name: str, options: dict, only: list[str]) -> bool:
+    """The reference (``full`` exact) always; the rest when ``--only`` is empty or one of
+    its entries is the strategy's name or part of its label (``kv_format``: the fp rows)."""
+    if (name == "full" and not options) or not only:
+        return True
+    return any(entry == name or (entry != "full" and entry in label(name, options))
+               for entry in only)  # fmt: skip
+
+
 def kvlab_rows(model, prompt, args) -> list[dict]:
-    chosen = [(n, o) for n, o in STRATEGIES if n == "full" or not args.only or n in args.only]
+    chosen = [(n, o) for n, o in STRATEGIES if selected(n, o, args.only)]
     cfg = GenerationConfig(args.new_tokens, stop_on_eos=False, prefill_chunk=args.chunk)
     engines = {}
     for name, options in chosen:  # warm-up, and compilation when asked
@@ -211,7 +224,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-batch", action="store_true")
     ap.add_argument("--only", type=lambda s: s.split(","), default=[],
-                    help="strategies to run besides full (the reference)")  # fmt: skip
+                    help="strategies to run besides full (the reference): names, or parts of "
+                         "a label (kv_format: the fp8/fp4 rows)")  # fmt: skip
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--random-weights", metavar="CONFIG_JSON", default=None,

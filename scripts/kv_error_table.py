@@ -4,10 +4,13 @@ next-token NLL increase, mean KL(full || setting) of the next-token distribution
 every chunk after the first predicts from what the cache kept) — the protocol whose
 bounds ``tests/test_quantized_cache.py`` checks. Not a test: it prints the table.
 
-    python scripts/kv_error_table.py
+    python scripts/kv_error_table.py                     # every setting
+    python scripts/kv_error_table.py "full kv_bits=4"    # the settings whose label has it
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -29,6 +32,10 @@ SETTINGS = [
     ("full", {"kv_bits": 2}), ("full", {"kv_bits": 2, "rotate": "hadamard"}),
     ("int4", {"key_axis": "token", "rotate": "hadamard"}), ("int2", {"rotate": "hadamard"}),
     ("int2", {"key_axis": "token", "rotate": "hadamard"}),
+    ("full", {"kv_bits": 4, "kv_format": "mxfp4", "kv_group_size": 32}),
+    ("full", {"kv_bits": 4, "kv_format": "nvfp4", "kv_group_size": 16}),
+    ("full", {"kv_bits": 4, "kv_format": "mxfp4", "kv_group_size": 32, "rotate": "hadamard"}),
+    ("full", {"kv_bits": 4, "kv_format": "nvfp4", "kv_group_size": 16, "rotate": "hadamard"}),
 ]  # fmt: skip
 RESIDUAL = 32  # int*: so that most of the 512 tokens are really quantized
 CHUNK = 128  # chunked_nll's
@@ -45,11 +52,13 @@ def main() -> None:
     for name, options in SETTINGS:
         if name.startswith("int"):
             options = {"residual": RESIDUAL, **options}
+        label = name + "".join(f" {k}={v}" for k, v in options.items())
+        if sys.argv[1:] and not any(part in label for part in sys.argv[1:]):
+            continue
         nll, top1 = chunked_nll(model, ids, name, options)
         caches = (build_cache("full", spec), build_cache(name, spec, options))
         kl = window_divergence(model, ids[0], caches, CHUNK)[:, 0].mean().item()
         agreement = (top1 == reference_top1).float().mean().item()
-        label = name + "".join(f" {k}={v}" for k, v in options.items())
         print(f"| {label} | {nll - reference_nll:+.3f} | {kl:.4f} | {agreement:.3f} |", flush=True)
 
 
