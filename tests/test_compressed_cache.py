@@ -221,7 +221,7 @@ def test_every_option_calibration_depends_on_keys_the_cached_compressor(tiny_lla
     spec = tiny_llama.cache_spec()
     other = dict(schedule=["hca"], csa_ratio=3, hca_ratio=8, window=5, sinks=0, top_k=3)
     other |= dict(overlap=False, proportional=True, in_window=False, calibration=dict(steps=7))
-    other |= dict(kv_group_size=8)  # the codec: sequential calibration's student runs in it
+    other |= dict(kv_group_size=8, kv_tensor_scale=0.5)  # the codec: the student runs in it
     unfitted = dict(gate="keynorm", observe=3, compressor="/elsewhere")
     options_type = type(build_cache("compressed", spec, LOSSY).options)
     assert {f.name for f in fields(options_type)} == set(other) | set(unfitted) | {
