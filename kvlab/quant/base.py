@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvlab.kernels.linear import DecodeLinear
 from kvlab.registry import Entry, OptionsRegistry
 
 
@@ -59,9 +60,11 @@ def quantize_(model: nn.Module, name: str, options: dict[str, Any] | Any = None)
 
 
 def linear_layers(model: nn.Module, options: QuantOptions) -> Iterator[tuple[str, nn.Linear]]:
-    """(qualified name, layer) of every plain ``nn.Linear`` not skipped by ``options``."""
+    """(qualified name, layer) of every plain ``nn.Linear`` not skipped by ``options`` —
+    ``DecodeLinear`` included: a model loaded where the CPU chose kvlab's decode kernel
+    holds its linears so, with their own weights (they were silently left unquantized)."""
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and not options.skipped(name):
+        if type(module) in (nn.Linear, DecodeLinear) and not options.skipped(name):
             yield name, module
 
 
