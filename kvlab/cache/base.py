@@ -175,9 +175,7 @@ class KVCache(ABC):
         piece of :meth:`row_state` is cut to the rows that stay (the freed rows' memory goes)."""
         keep, index = self.rows_kept(rows)
         for holder, key, axis in self.row_state():
-            value = holder[key]
-            kept = [value[b] for b in keep] if axis is None else value.index_select(axis, index)
-            holder[key] = kept
+            holder[key] = pick_rows(holder[key], axis, keep, index)
 
     def truncate(self, lengths: Sequence[int]) -> None:
         """Roll row b back to its first ``lengths[b]`` tokens, as if only those had been
@@ -237,9 +235,7 @@ class KVCache(ABC):
         index = torch.tensor(list(rows), dtype=torch.long, device=self.spec.device)
         pairs = zip(self.row_state(), new.row_state(), strict=True)
         for (holder, key, axis), (theirs, their_key, _) in pairs:
-            value = holder[key]
-            picked = [value[b] for b in rows] if axis is None else value.index_select(axis, index)
-            theirs[their_key] = picked
+            theirs[their_key] = pick_rows(holder[key], axis, rows, index)
         return new
 
     # ---- serving: a running batch that requests join and leave --------------------------
@@ -349,6 +345,13 @@ def rows_of(layers: list | dict, axis: int = 0) -> list[RowState]:
     """:meth:`KVCache.row_state` entries for every tensor of a list or dict of them."""
     keys = layers.keys() if isinstance(layers, dict) else range(len(layers))
     return [(layers, key, axis) for key in keys]
+
+
+def pick_rows(value, axis: int | None, rows: Sequence[int], index: torch.Tensor):
+    """Rows ``rows`` of one :meth:`KVCache.row_state` entry, in that order (repeats
+    allowed): a host list's entries, or a tensor's slices along ``axis`` (``index``: the
+    same rows on its device)."""
+    return [value[b] for b in rows] if axis is None else value.index_select(axis, index)
 
 
 def no_rows(tensor: torch.Tensor, axis: int) -> torch.Tensor:
