@@ -79,9 +79,7 @@ def _continue_window(model, cache, window, members, continuations, limits, chunk
     """Prefill the ``window``'s contexts once (batches of ``limits``, joined into one
     cache), then score ``members`` ((context row, pair index), longest continuation
     first) in batches of copies of those rows."""
-    step = chunk or len(window[0])
-    width = len(continuations[members[0][1]])
-    capacity = -(-len(window[0]) // step) * step + max(width - 1, 1)  # whole chunks + rest
+    capacity = _capacity(len(window[0]), len(continuations[members[0][1]]), chunk)
     cache.allocate(0, capacity)
     firsts = []
     for shared in length_batches(window, len, *limits):
@@ -103,10 +101,16 @@ def _continue_window(model, cache, window, members, continuations, limits, chunk
 def _prefill(model, cache, contexts, width: int, chunk: int) -> torch.Tensor:
     """Allocate rows for the contexts and continuations of up to ``width`` tokens, prefill
     the contexts (in chunks of ``chunk``; 0: one step); logits (B, V) at each last token."""
-    chunk = chunk or max(map(len, contexts))
-    padded_context = -(-max(map(len, contexts)) // chunk) * chunk  # rows write whole chunks
-    cache.allocate(len(contexts), padded_context + max(width - 1, 1))
-    return Engine(model, cache).prefill(contexts, chunk)
+    longest = max(map(len, contexts))
+    cache.allocate(len(contexts), _capacity(longest, width, chunk))
+    return Engine(model, cache).prefill(contexts, chunk or longest)
+
+
+def _capacity(longest_context: int, width: int, chunk: int) -> int:
+    """Tokens a row needs: its context in whole chunks of ``chunk`` (0: one step; rows
+    write whole chunks) and a continuation of up to ``width`` tokens but its last."""
+    step = chunk or longest_context
+    return -(-longest_context // step) * step + max(width - 1, 1)
 
 
 def length_batches(
