@@ -159,7 +159,8 @@ def _one_pass(model, cache, contexts, continuations) -> list[Piece]:
     columns = torch.arange(ids.shape[1], device=engine.device)
     positions = columns.expand_as(ids)
     first = torch.tensor([len(c) - 1 for c in contexts], device=engine.device)[:, None]
-    marked = (columns >= first) & (columns < torch.tensor([len(s) for s in seqs])[:, None])
+    ends = torch.tensor([len(s) for s in seqs], device=engine.device)[:, None]
+    marked = (columns >= first) & (columns < ends)
     cache.allocate(len(seqs), ids.shape[1])
     logits = model(ids, positions, cache, [len(s) for s in seqs], marked)  # (N, V)
     return [(logits, *_targets(continuations, engine.device))]
