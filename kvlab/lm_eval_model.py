@@ -19,7 +19,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from kvlab.eval.lm_eval_adapter import KvlabLM
+from kvlab.eval.lm_eval_adapter import AUTO_ROWS, KvlabLM
 from kvlab.run import build_run_model
 
 
@@ -30,7 +30,7 @@ class KvlabRunLM(KvlabLM):
     def __init__(
         self, model: str = "smollm2-135m", cache: str = "full", quant: str = "none",
         dtype: str = "auto", device: str = "auto", batch_size: int | str = 8, chunk: int = 0,
-        max_length: int | None = None, max_batch_size: int = 32, **overrides: Any,
+        max_length: int | None = None, max_batch_size: int = AUTO_ROWS, **overrides: Any,
     ) -> None:  # fmt: skip
         TemplateLM.__init__(self)
         quant = quant or "none"  # lm-eval's argument parser turns "none" into None

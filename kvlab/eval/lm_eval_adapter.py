@@ -22,6 +22,7 @@ from kvlab.eval.scoring import scored_batches
 from kvlab.models.llama import Decoder
 
 Pair = tuple[tuple[str, str], list[int], list[int]]
+AUTO_ROWS = 32  # batch_size=auto: rows per forward step (max_batch_size's default)
 AUTO_TOKENS = 4096  # batch_size=auto: padded tokens per forward step (the logits' memory)
 
 
@@ -32,7 +33,7 @@ class KvlabLM(TemplateLM):
     def from_loaded(
         cls, model: Decoder, tokenizer: Any, new_cache: Callable[[], KVCache],
         batch_size: int | str = 8, chunk: int = 0, max_length: int | None = None,
-        max_batch_size: int = 32,
+        max_batch_size: int = AUTO_ROWS,
     ) -> KvlabLM:  # fmt: skip
         """Wrap a model a kvlab run has already loaded (``eval=lm_eval``)."""
         lm = cls.__new__(cls)
@@ -41,7 +42,7 @@ class KvlabLM(TemplateLM):
         return lm
 
     def _setup(
-        self, model, tokenizer, new_cache, batch_size, chunk, max_length, max_batch_size=32
+        self, model, tokenizer, new_cache, batch_size, chunk, max_length, max_batch_size=AUTO_ROWS
     ) -> None:
         if tokenizer is None:
             raise ValueError("the lm-eval adapter needs a model with a tokenizer")
@@ -158,7 +159,7 @@ def generate_text(lm: KvlabLM, context: str, gen_kwargs: dict[str, Any]) -> str:
     return text
 
 
-def batch_limits(batch_size: int | str, max_batch_size: int = 32) -> tuple[int, int]:
+def batch_limits(batch_size: int | str, max_batch_size: int = AUTO_ROWS) -> tuple[int, int]:
     """(rows, padded tokens; 0: no limit) per forward step. ``auto`` (``auto:N``, as lm-eval
     spells it): up to ``max_batch_size`` rows and ``AUTO_TOKENS`` padded tokens, which
     bounds the logits a step holds (the ``hf`` backend probes the largest batch that fits
@@ -169,7 +170,6 @@ def batch_limits(batch_size: int | str, max_batch_size: int = 32) -> tuple[int, 
         return int(max_batch_size), AUTO_TOKENS
     if not text.isdigit() or int(text) < 1:
         raise ValueError(
-            f"batch_size={batch_size!r} is invalid; allowed: a positive integer, 'auto' or "
-            "'auto:N'"
+            f"batch_size={batch_size!r} is invalid; allowed: a positive integer, 'auto' or 'auto:N'"
         )
     return int(text), 0
