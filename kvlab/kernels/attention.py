@@ -26,6 +26,12 @@ CHUNK = 256  # tokens per partial result
 MAX_HEAD_DIM = 256
 
 
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes (..., E) holding two 4-bit codes each, the even channel in the low nibble, as
+    the codes (..., 2E)."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+
+
 @dataclass
 class Stored:
     """K or V rows as held: ``data`` (N, H_kv, slots, E) — E = D floats for ``fp``, or
@@ -70,8 +76,7 @@ class Stored:
             scale = take(self.scale).float().repeat_interleave(self.group, dim=-1)
             return values * scale
         if self.format == "fp4":
-            packed = take(self.data).long()
-            codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # (B, H, L, D)
+            codes = unpack_nibbles(take(self.data).long())  # (B, H, L, D)
             scale = self.zero[16 + take(self.scale).long()]
             return self.zero[codes] * scale.repeat_interleave(self.group, dim=-1)
         words, scale, zero = take(self.data), take(self.scale), take(self.zero)

@@ -87,7 +87,7 @@ class CodecOptions:
             )
 
     def codec(self, head_dim: int) -> Codec:
-        """The codec of the stored rows: exact, integer token codes or fp8."""
+        """The codec of the stored rows: exact, integer token codes, fp8 or fp4."""
         if not self.kv_bits:
             return Exact()
         if self.kv_format in FP4_FORMATS:

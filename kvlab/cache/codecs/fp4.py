@@ -11,6 +11,7 @@ import torch
 
 from kvlab.cache.codecs.base import Codec
 from kvlab.kernels import Stored
+from kvlab.kernels.attention import unpack_nibbles
 
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0-7; 8-15 negative
 E2M1_MAX = 6.0
@@ -77,7 +78,7 @@ class Fp4Codec(Codec):
 
     def decode(self, parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         packed, scale_code = parts
-        codes = torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)  # (..., D)
+        codes = unpack_nibbles(packed)  # (..., D)
         values = e2m1_values().to(packed.device)[codes.long()].unflatten(-1, (-1, self.group))
         scale = self.scales.to(packed.device)[scale_code.long()][..., None]
         return (values * scale).flatten(-2).to(dtype)
