@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kvlab import load_model
 from kvlab.cache import build_cache
 from kvlab.quant import held_tensors, quant_options, quantize_, registered_quantizers
-from kvlab.quant.gptq import gptq_int4_parts, unpack_int32
+from kvlab.quant.int4_checkpoint import gptq_int4_parts, unpack_int32
 from kvlab.quant.packing import pack, unpack
 from kvlab.quant.rtn import Int4Linear, dequantize_int4, quantize_int4
 
@@ -33,7 +33,7 @@ LINEARS_OF_TINY_LLAMA = 2 * 4  # qkv, o, gate_up, down per layer; lm_head skippe
 
 
 def test_every_quantizer_is_covered():
-    covered = set(QUANTIZER_OF_CASE.values()) | {"gptq"}  # gptq: its own tests below
+    covered = set(QUANTIZER_OF_CASE.values()) | {"gptq", "awq"}  # own tests (and test_awq)
     assert covered == set(registered_quantizers())
 
 
@@ -128,7 +128,9 @@ def test_gptq_reader_matches_the_gptq_formula(act_order):
         ("bnb", {"mode": "int4"}, "mode"),
         ("gptq", {"group_size": 100}, "group_size"),
         ("gptq", {"bits": 3}, "bits"),
-        ("awq", {}, "quant.name"),
+        ("awq", {"group_size": 48}, "group_size"),
+        ("awq", {"seqlen": 8}, "seqlen"),
+        ("qat", {}, "quant.name"),
     ],
 )
 def test_bad_options_name_the_field(name, options, field):
@@ -182,15 +184,16 @@ def test_gptq_quantizes_through_gptqmodel_and_loads_into_kvlab(tmp_path, monkeyp
 def test_gptq_cache_key_covers_the_calibration_text(tmp_path, monkeypatch):
     """Two calibration files of the same name but other text never share a GPTQ checkpoint,
     and the recipe records which text was read."""
-    from kvlab.quant.gptq import GptqOptions, checkpoint_key
+    from kvlab.quant.calibrated import checkpoint_key
+    from kvlab.quant.gptq import GptqOptions
 
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path / "cache"))
     text = tmp_path / "calibration.txt"
     text.write_text("one line\nanother line\n")
     options = GptqOptions(calibration=str(text))
-    first, recipe = checkpoint_key(tmp_path, options)
+    first, recipe = checkpoint_key(tmp_path, "gptq", options)
     text.write_text("one line\nanother, different line\n")
-    second, _ = checkpoint_key(tmp_path, options)
+    second, _ = checkpoint_key(tmp_path, "gptq", options)
     assert first != second
     assert len(recipe["calibration_text"]) == 16
 

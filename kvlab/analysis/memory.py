@@ -156,7 +156,7 @@ def quantized_linear_bytes(
         return n * dtype_bytes
     if quant == "rtn" and options.bits == 8:
         return n + out_f * 2  # int8 codes + a bf16 scale per output channel
-    if quant in ("rtn", "gptq"):
+    if quant in ("rtn", "gptq", "awq"):
         return n // 2 + (in_f // options.group_size) * out_f * 4  # codes + bf16 scale, offset
     if quant == "bnb" and options.mode == "int8":
         return n + out_f * 4  # int8 + fp32 row scales (SCB)

@@ -135,17 +135,18 @@ def load_model(
         checkpoint = Path(snapshot_download(checkpoint, allow_patterns=["*.json", "*.safetensors"]))
     hf_config = json.loads((checkpoint / "config.json").read_text())
     cfg = DecoderConfig.from_hf(hf_config)
-    gptq = (hf_config.get("quantization_config") or {}).get("quant_method") == "gptq"
+    int4 = (hf_config.get("quantization_config") or {}).get("quant_method") in ("gptq", "awq")
     with torch.device("meta"):
         model = Decoder(cfg)
-    state = _read_weights(checkpoint, cfg, dtype, quantized=gptq)
-    model.load_state_dict(state, assign=True, strict=not gptq)
+    state = _read_weights(checkpoint, cfg, dtype, quantized=int4)
+    model.load_state_dict(state, assign=True, strict=not int4)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    if gptq:  # a GPTQ checkpoint (GPTQModel, AutoGPTQ): its int4 layers, loaded directly
-        from kvlab.quant.gptq import GptqOptions, swap_in_gptq_layers
+    if int4:  # a GPTQ or AWQ checkpoint (GPTQModel, AutoGPTQ, AutoAWQ): its int4 layers
+        from kvlab.quant.base import QuantOptions
+        from kvlab.quant.int4_checkpoint import swap_in_int4_layers
 
-        swap_in_gptq_layers(model, checkpoint, GptqOptions(skip=[]), torch.device(device))
+        swap_in_int4_layers(model, checkpoint, QuantOptions(skip=[]), torch.device(device))
     model.inv_freq = inverse_frequencies(cfg)  # built on meta above: it holds no data yet
     model = model.to(device).eval().requires_grad_(False)
     model.checkpoint_dir = checkpoint  # quantizers that calibrate (GPTQ) start from it
@@ -183,7 +184,7 @@ def _read_weights(
     checkpoint: Path, cfg: DecoderConfig, dtype: torch.dtype, quantized: bool = False
 ) -> dict:
     """HF tensors renamed and fused into kvlab's layout (qkv_proj, gate_up_proj); of a
-    GPTQ checkpoint (``quantized``) only the tensors that are not quantized layers."""
+    GPTQ or AWQ checkpoint (``quantized``) only the tensors that are not quantized layers."""
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{checkpoint}: no *.safetensors files (kvlab never reads pickle)")
@@ -191,7 +192,7 @@ def _read_weights(
     for file in files:
         with safe_open(file, framework="pt") as f:
             hf.update({k: f.get_tensor(k) for k in f.keys()})
-    if quantized:  # qweight, qzeros, scales, g_idx: the GPTQ loader's part
+    if quantized:  # qweight, qzeros, scales, g_idx: the int4 loader's part
         hf = {k: v for k, v in hf.items() if not _is_fused_part(k) and _is_plain(k)}
     hf = {k.removeprefix("model."): v.to(dtype) for k, v in hf.items()}
     if cfg.tie_word_embeddings or "lm_head.weight" not in hf:

@@ -1,6 +1,6 @@
 """Weight quantizers: one file each, registered by name (see ``base.py``)."""
 
-from kvlab.quant import bnb, gptq, rtn  # noqa: F401  (registers the quantizers)
+from kvlab.quant import awq, bnb, gptq, rtn  # noqa: F401  (registers the quantizers)
 from kvlab.quant.base import (
     QuantOptions,
     held_tensors,

@@ -126,7 +126,7 @@ class Int4Linear(nn.Module):
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
         dtype = self.compute_dtype or x.dtype
-        flat = x.reshape(-1, self.in_features).to(dtype)  # (M, K)
+        flat = x.reshape(-1, self.in_features).to(dtype).contiguous()  # (M, K): the kernel's
         if self.cpu_kernel:
             sz = self.scale_offset.to(dtype)
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, sz)
