@@ -24,6 +24,7 @@ def kld(model, name, options, path, **eval_opts):
 def test_an_exact_strategy_moves_no_distribution(name, options, tiny_llama, text_file):
     metrics = kld(tiny_llama, name, options, text_file)
     assert metrics["corpus/kld"] <= 1e-9 and metrics["corpus/top1_agreement"] == 1.0
+    assert abs(metrics["corpus/delta_nll"]) <= 1e-9
     assert metrics["corpus/kld_positions"] == 3 * (64 - 16 - 1)
 
 
@@ -40,7 +41,7 @@ def test_the_divergence_is_torchs_kl_div_of_the_chunked_logits(tiny_llama):
     lossy = dict(kv_bits=2, kv_group_size=16)
     spec = tiny_llama.cache_spec()
     caches = (build_cache("full", spec), build_cache("full", spec, lossy))
-    got = window_divergence(tiny_llama, window, caches, 8)  # (31, 2)
+    got = window_divergence(tiny_llama, window, caches, 8)  # (31, 3)
     logits = []
     for cache in (build_cache("full", spec), build_cache("full", spec, lossy)):
         cache.allocate(1, 40)
@@ -54,6 +55,9 @@ def test_the_divergence_is_torchs_kl_div_of_the_chunked_logits(tiny_llama):
     want = torch.nn.functional.kl_div(strategy, reference, log_target=True, reduction="none")
     torch.testing.assert_close(got[:, 0], want.sum(-1), atol=1e-6, rtol=1e-5)
     assert got[:, 1].tolist() == (reference.argmax(-1) == strategy.argmax(-1)).float().tolist()
+    targets = window[9:40, None]  # position t predicts token t + 1
+    nll_gap = reference.gather(-1, targets) - strategy.gather(-1, targets)
+    torch.testing.assert_close(got[:, 2], nll_gap[:, 0], atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

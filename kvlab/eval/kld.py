@@ -1,5 +1,6 @@
 """``kld``: how far a cache strategy moves the model's next-token distributions — the mean
-KL(reference ‖ strategy) and the top-1 agreement, the fidelity measure llama.cpp's users
+KL(reference ‖ strategy), the top-1 agreement and the mean NLL increase on the text's own
+next tokens (ΔNLL), the fidelity measure llama.cpp's users
 judge quantized caches by (``llama-perplexity --kl-divergence``). Windows of WikiText-2
 (the ``ppl`` eval's) are fed through a fresh cache of the run's strategy and one of the
 exact ``reference`` strategy in the same process, chunk by chunk, so every position past
@@ -44,13 +45,18 @@ class KldOptions(PerplexityOptions):
 @torch.inference_mode()
 def window_divergence(model, window: torch.Tensor, caches: tuple, chunk: int) -> torch.Tensor:
     """Per scored position of ``window`` (T,): (KL(reference ‖ strategy) in nats, 1 where
-    both predict the same token) as (T - chunk - 1, 2), the two ``caches`` fed alike."""
+    both predict the same token, the strategy's NLL of the next token minus the
+    reference's) as (T - chunk - 1, 3), the two ``caches`` fed alike."""
     reference, strategy = (chunk_logits(model, window, cache, chunk) for cache in caches)
     out = []
-    for (_, ref), (_, got) in zip(reference, strategy, strict=True):
+    for (start, ref), (_, got) in zip(reference, strategy, strict=True):
         ref, got = ref.log_softmax(-1), got.log_softmax(-1)
         kl = (ref.exp() * (ref - got)).sum(-1)  # (C,)
-        out.append(torch.stack([kl, (ref.argmax(-1) == got.argmax(-1)).float()], dim=1))
+        targets = window[start + 1 : start + 1 + ref.shape[0]].to(ref.device)
+        targets = torch.cat([targets, targets.new_zeros(ref.shape[0] - targets.numel())])
+        nll_gap = (ref - got).gather(-1, targets[:, None])[:, 0]  # the last row: no target
+        same = (ref.argmax(-1) == got.argmax(-1)).float()
+        out.append(torch.stack([kl, same, nll_gap], dim=1))
     return torch.cat(out)[chunk : window.shape[0] - 1]
 
 
@@ -60,13 +66,14 @@ def kl_divergence(model, tokenizer, new_cache, options: KldOptions, out_dir=None
     for window in windows(tokenizer, options):
         caches = (build_cache(options.reference, spec), new_cache())
         scored.append(window_divergence(model, window, caches, options.chunk))
-    scored = torch.cat(scored)  # (N * (T - chunk - 1), 2)
-    kl, agree = scored[:, 0].double(), scored[:, 1].double()
+    scored = torch.cat(scored)  # (N * (T - chunk - 1), 3)
+    kl, agree, nll_gap = scored.double().unbind(1)
     prefix = f"{options.label}/"
     return {
         prefix + "kld": kl.mean().item(),
         prefix + "kld_p99": kl.quantile(0.99).item(),
         prefix + "top1_agreement": agree.mean().item(),
+        prefix + "delta_nll": nll_gap.mean().item(),
         prefix + "kld_positions": scored.shape[0],
         prefix + "kld_reference": options.reference,
     }
