@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import subprocess
+from collections import defaultdict
 from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
@@ -59,19 +60,48 @@ SERVING_COLUMNS = (
 
 
 SPEC_COLUMNS = ("spec.method", "spec/acceptance_rate", "spec/tokens_per_step")
+FIDELITY_METRICS = ("/kld", "/top1_agreement", "/delta_nll")
 
 
 def table_columns(rows: Iterable[dict[str, Any]]) -> tuple[str, ...]:
     """The serving columns for a sweep of serving runs, else the generation columns (with
-    the draft's where a point speculates); ``concurrent`` where points ran side by side."""
+    the draft's where a point speculates); the cache and quant options that differ between
+    points (so each row says which point it is); the fidelity metrics some point has
+    (``eval=kld``'s); ``concurrent`` where points ran side by side."""
     rows = list(rows)
     side_by_side = ("concurrent",) if any(r.get("concurrent") for r in rows) else ()
     if any(r.get("workload.kind") == "serving" for r in rows):
         return SERVING_COLUMNS + side_by_side
-    if not any(r.get("spec.method", "none") != "none" for r in rows):
-        return TABLE_COLUMNS + side_by_side
-    at = TABLE_COLUMNS.index("status")
-    return TABLE_COLUMNS[:at] + SPEC_COLUMNS + TABLE_COLUMNS[at:] + side_by_side
+    columns = TABLE_COLUMNS
+    if any(r.get("spec.method", "none") != "none" for r in rows):
+        at = TABLE_COLUMNS.index("status")
+        columns = TABLE_COLUMNS[:at] + SPEC_COLUMNS + TABLE_COLUMNS[at:]
+    at = columns.index("quant.name") + 1
+    columns = columns[:at] + varying_options(rows) + columns[at:]
+    return columns + fidelity_columns(rows) + side_by_side
+
+
+def varying_options(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """``cache.options.*`` / ``quant.options.*`` keys whose values differ between rows of
+    the same strategy / quantizer (what else tells two such points apart)."""
+    varying = []
+    for group in ("cache", "quant"):
+        prefix, by_name = f"{group}.options.", defaultdict(list)
+        for row in rows:
+            by_name[row.get(f"{group}.name")].append(row)
+        keys = sorted({k for r in rows for k in r if k.startswith(prefix)})
+        varying += [k for k in keys if any(_differ(same, k) for same in by_name.values())]
+    return tuple(varying)
+
+
+def _differ(rows: list[dict[str, Any]], key: str) -> bool:
+    return len({json.dumps(r.get(key), default=str, sort_keys=True) for r in rows}) > 1
+
+
+def fidelity_columns(rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The KL-divergence eval's headline metrics, where some row has them."""
+    keys = sorted({k for r in rows for k in r if k.endswith(FIDELITY_METRICS)})
+    return tuple(keys)
 
 
 def config_dict(cfg: Any) -> dict[str, Any]:
@@ -226,8 +256,14 @@ def _cell(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:.2f}"
+        return format_float(value)
     return str(value)
+
+
+def format_float(value: float) -> str:
+    """Two decimals, or three significant digits where that would show nothing (a KL
+    divergence of 0.0035 nats, a ΔNLL of -0.0012)."""
+    return f"{value:.2f}" if value == 0 or abs(value) >= 0.1 else f"{value:.3g}"
 
 
 def summary_line(record: dict[str, Any]) -> str:

@@ -83,3 +83,26 @@ def test_points_timed_side_by_side_on_one_host_are_marked(tmp_path):
     assert [r["concurrent"] for r in rows] == [1, 1, 0, 0]
     assert "concurrent" in format_table(rows, table_columns(rows))
     assert "concurrent" not in table_columns(rows[2:])
+
+
+def test_the_table_tells_points_of_one_strategy_apart_and_shows_fidelity(tmp_path):
+    """A sweep over a strategy's options shows the options that differ within it (not
+    every option another strategy has), and eval=kld's metrics with small values visible."""
+    from kvlab.tracking import format_table, load_results, table_columns
+
+    points = {
+        "0_full": ("full", {"kv_bits": 0, "kv_format": "int"}, 0.0),
+        "1_fp8": ("full", {"kv_bits": 8, "kv_format": "e4m3"}, 0.0035),
+        "2_comp": ("compressed", {"window": 128, "kv_bits": 0, "kv_format": "int"}, 0.05),
+    }
+    for name, (cache, options, kld) in points.items():
+        metrics = {"wikitext2/kld": kld, "wikitext2/delta_nll": -kld / 3}
+        record = {"config": {"cache": {"name": cache, "options": options}}, "status": "ok"}
+        write_record(tmp_path / name, record | {"metrics": metrics})
+    rows = load_results(tmp_path)
+    columns = table_columns(rows)
+    assert "cache.options.kv_bits" in columns and "cache.options.kv_format" in columns
+    assert "cache.options.window" not in columns  # one compressed point: nothing to tell apart
+    assert columns[-2:] == ("wikitext2/delta_nll", "wikitext2/kld")
+    table = format_table(rows, columns).splitlines()
+    assert "e4m3" in table[2] and "0.0035" in table[2] and "-0.00117" in table[2]

@@ -11,7 +11,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
-from kvlab.tracking import format_table, load_results, table_columns
+from kvlab.tracking import format_float, format_table, load_results, table_columns
 
 PLOTS = (
     # (file, title, x column, y column, x label, y label)
@@ -169,7 +169,7 @@ def markdown_table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
-    return f"{value:.2f}" if isinstance(value, float) else str(value)
+    return format_float(value) if isinstance(value, float) else str(value)
 
 
 def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Path:
