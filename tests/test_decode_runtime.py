@@ -12,6 +12,7 @@ import torch
 
 from kvlab.cache import build_cache, registered
 from kvlab.cache.codecs import Fp4Codec, Fp8Codec
+from kvlab.cache.codecs.fp8 import FORMATS as FP8_FORMATS
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import Segment, Stored, decode_attention, kernel_available, reference_attention
 from kvlab.kernels.attention import _kernel_applies
@@ -64,6 +65,27 @@ def test_kernel_equals_reference_over_a_contiguous_store(case):
     assert _kernel_applies(segment)  # the C kernel, not the fallback, computes `out`
     out = decode_attention([segment], D**-0.5, torch.float32)
     torch.testing.assert_close(out, reference_attention([segment], D**-0.5), atol=1e-5, rtol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("variant", ["e4m3", "e5m2"])
+def test_the_kernel_decodes_every_finite_fp8_code_exactly(variant):
+    """Each of the 256 bytes (the NaN and infinity codes, never written, replaced by 0) as
+    the one value row attended: the output is that row as torch's float8 conversion reads
+    it (subnormals included), which checks the kernel's fp16-based decode."""
+    codec, fp8 = Fp8Codec(variant, 32, D), FP8_FORMATS[variant]
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(1, 1, 4, D)
+    codes = torch.where(codes.view(fp8).float().isfinite(), codes, 0)
+    codes = codes.expand(B, H, 4, D).contiguous()
+    scale = torch.full((B, H, 4, D // 32), 0.75)
+    values = codec.stored([codes, scale])
+    keys = Stored(rand(B, H, 4, D))
+    for t in range(4):
+        segment = contiguous_segment(keys, values, [t, t], [t + 1, t + 1])
+        assert _kernel_applies(segment)
+        out = decode_attention([segment], D**-0.5, torch.float32)  # (B, H, G, D)
+        want = (codes[:, :, t].view(fp8).float() * 0.75)[:, :, None].expand_as(out)
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
 
 
 @needs_kernel

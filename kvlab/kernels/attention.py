@@ -38,7 +38,8 @@ class Stored:
     D * bits / 32 int32 words of codes — with ``scale``/``zero`` (N, H_kv, rows, S) for
     codes: rows = slots and S = D / group (``token_codes``), or rows = slots / group and
     S = D (``channel_codes``). ``fp8``: uint8 bytes of an 8-bit float format (E = D), a
-    scale per token and ``group`` channels, and as ``zero`` the format's 256 values (fp32).
+    scale per token and ``group`` channels, as ``zero`` the format's 256 values (fp32), and
+    as ``bits`` its exponent bits (4: e4m3, 5: e5m2; the C kernel converts through fp16).
     ``fp4``: e2m1 codes two a byte, the even channel in the low nibble (E = D / 2), a scale
     byte per token and ``group`` channels (uint8), and as ``zero`` the 16 e2m1 values then
     the scale byte's 256 values (fp32).

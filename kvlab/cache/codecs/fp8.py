@@ -14,6 +14,7 @@ from kvlab.cache.codecs.base import Codec
 from kvlab.kernels import Stored
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+EXPONENT_BITS = {"e4m3": 4, "e5m2": 5}  # the decode kernel converts both through fp16
 
 
 class Fp8Codec(Codec):
@@ -44,4 +45,4 @@ class Fp8Codec(Codec):
 
     def stored(self, parts: list[torch.Tensor]) -> Stored:
         table = self.table.to(parts[0].device)
-        return Stored(parts[0], "fp8", 0, self.group, parts[1], table)
+        return Stored(parts[0], "fp8", EXPONENT_BITS[self.variant], self.group, parts[1], table)
