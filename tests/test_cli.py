@@ -157,10 +157,15 @@ def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
         "eval.ppl.max_windows=1",
         "eval.ppl.chunk=8",
     ]
-    if experiment not in ("kv_strategies", "weight_quant", "joint"):  # the ones with ppl
-        tiny = tiny[:2]
+    if experiment not in ("kv_strategies", "weight_quant", "joint", "formats_weights"):
+        tiny = tiny[:2]  # the others have no ppl
     if experiment == "weight_quant":  # GPTQModel on the default model takes minutes;
         tiny += ["quant=none,rtn_int8,bnb", "cache=full"]  # test_quant runs it on a tiny model
+    if experiment == "formats_weights":  # gptq, awq: test_quant and test_awq (tiny model)
+        tiny += ["quant=none,rtn"]
+    if experiment == "formats_kv":  # eval=kld in one short window; one point per family
+        tiny += ["eval.kld.seqlen=32", "eval.kld.max_windows=1", "eval.kld.chunk=8"]
+        tiny += ["cache=fp8,int4,compressed"]
     if experiment == "joint":  # the grid of weights x KV: one weight point, every KV one
         tiny.append("quant=rtn_int8")
     if experiment == "compressed_attention":  # ppl and passkey at the prompt length
