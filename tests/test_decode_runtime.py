@@ -6,6 +6,9 @@ step equal to eager with one graph for 64 steps, for every strategy."""
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -86,6 +89,29 @@ def test_the_kernel_decodes_every_finite_fp8_code_exactly(variant):
         out = decode_attention([segment], D**-0.5, torch.float32)  # (B, H, G, D)
         want = (codes[:, :, t].view(fp8).float() * 0.75)[:, :, None].expand_as(out)
         torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_the_avx2_build_equals_the_reference_too(tmp_path):
+    """On an AVX-512 CPU the kernel's AVX2 paths never run: build the kernels without
+    AVX-512 (a compiler wrapper adding -mno-avx512f; the build is keyed by the compiler)
+    and run this file's kernel tests in a process that loads that build."""
+    from kvlab.kernels.build import _compiler, cpu_identity
+
+    if " avx512f" not in cpu_identity():
+        pytest.skip("this CPU builds and tests the AVX2 paths already")
+    wrapper = tmp_path / "cc"
+    wrapper.write_text(f'#!/bin/sh\nexec {_compiler()} "$@" -mno-avx512f\n')
+    wrapper.chmod(0o755)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    command += ["-k", "kernel and not avx2_build"]
+    done = subprocess.run(
+        command, env=os.environ | {"CC": str(wrapper)}, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout
 
 
 @needs_kernel
