@@ -6,10 +6,10 @@
 set -euo pipefail
 out=${OUT:-outputs/formats}
 kvlab -m +experiment=formats_weights hydra.sweep.dir="$out/weights"
-kvlab -m +experiment=formats_weights quant=rtn,gptq quant.options.symmetric=false \
+kvlab -m +experiment=formats_weights quant=rtn,gptq ++quant.options.symmetric=false \
   hydra.sweep.dir="$out/weights_asymmetric"  # AWQ's zero points, for RTN and GPTQ too
 kvlab -m +experiment=formats_kv hydra.sweep.dir="$out/kv"
-kvlab -m +experiment=formats_kv cache=int4,int2,mxfp4,nvfp4 cache.options.rotate=hadamard \
+kvlab -m +experiment=formats_kv cache=int4,int2,mxfp4,nvfp4 ++cache.options.rotate=hadamard \
   hydra.sweep.dir="$out/kv_rotated"
 kvlab -m +experiment=formats_kv cache=full +cache.options.kv_bits=4 \
   +cache.options.rotate=none,hadamard hydra.sweep.dir="$out/kv_per_token_int4"
