@@ -71,6 +71,20 @@ def test_kernel_equals_reference_over_a_contiguous_store(case):
 
 
 @needs_kernel
+@pytest.mark.parametrize(("bits", "group"), [(8, 8), (4, 4), (8, 64)])
+def test_token_codes_whose_groups_split_or_span_a_plane(bits, group):
+    """Value codes whose group is narrower than a plane of one word's codes (per-channel
+    scales) or as wide as the head: the kernel equals the reference either way."""
+    keys, _ = stored_case("fp32", 100)
+    words, scale, zero = TokenCodes(bits, group).encode(rand(B, H, 100, D))
+    values = Stored(words, "token_codes", bits, group, scale, zero)
+    segment = contiguous_segment(keys, values, [0, 3], [100, 57])
+    assert _kernel_applies(segment)
+    out = decode_attention([segment], D**-0.5, torch.float32)
+    torch.testing.assert_close(out, reference_attention([segment], D**-0.5), atol=1e-5, rtol=0)
+
+
+@needs_kernel
 @pytest.mark.parametrize("variant", ["e4m3", "e5m2"])
 def test_the_kernel_decodes_every_finite_fp8_code_exactly(variant):
     """Each of the 256 bytes (the NaN and infinity codes, never written, replaced by 0) as

@@ -226,6 +226,21 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
     return;
   }
   const int groups = D / s->group;
+  if (s->group % W == 0) { /* each plane's W channels lie in one group: its scale and zero
+                              are two scalars, not a row of them */
+    for (int i = 0; i < count; i++) {
+      const uint32_t *w = (const uint32_t *)s->data + at + i * s->s_slot;
+      const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
+      for (int k = 0; k < planes; k++) {
+        const int shift = k * bits, g = k * W / s->group;
+        const float a = scalar_at(s->scale, s->scale_bf16, z_at + g);
+        const float z = scalar_at(s->zero, s->scale_bf16, z_at + g);
+        float *out = tile + i * D + k * W;
+        for (int j = 0; j < W; j++) out[j] = (float)((w[j] >> shift) & mask) * a + z;
+      }
+    }
+    return;
+  }
   for (int i = 0; i < count; i++) {
     const uint32_t *w = (const uint32_t *)s->data + at + i * s->s_slot;
     const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
