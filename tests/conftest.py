@@ -57,14 +57,15 @@ def tiny_hf_model(family: str):
     return model.eval()
 
 
-def tiny_hf_model_with_vocab(tokenizer):
+def tiny_hf_model_with_vocab(tokenizer, hidden_size: int = 64, intermediate_size: int = 128):
     """A tiny random Llama sized to ``tokenizer``'s vocabulary (for code that tokenizes)."""
     import transformers as tf
 
     torch.manual_seed(0)
     config = tf.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512,
     )  # fmt: skip
     return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_hf_model_with_vocab
 from test_quant import _logits, _pack_int32
 
 from kvlab import load_model
@@ -48,26 +49,17 @@ def test_awq_reader_matches_the_awq_formula():
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
-def _tiny_llama_for_awq(tokenizer):
-    """A tiny random Llama with the tokenizer's vocabulary whose every projection has a
-    multiple of 64 outputs (GPTQModel's AWQ clip search batches output channels by 64)."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
-    return tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def awq_run(tmp_path_factory, smollm2):
     """(source dir, kvlab model quantized with quant=awq, the AWQ checkpoint it loaded)."""
     pytest.importorskip("gptqmodel")
     root = tmp_path_factory.mktemp("awq")
     source = root / "tiny"
-    _tiny_llama_for_awq(smollm2[1]).save_pretrained(source)
+    # every projection with a multiple of 64 outputs: GPTQModel's AWQ clip search batches
+    # output channels by 64
+    tiny_hf_model_with_vocab(smollm2[1], hidden_size=128, intermediate_size=256).save_pretrained(
+        source
+    )
     smollm2[1].save_pretrained(source)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVLAB_CACHE", str(root / "cache"))
