@@ -57,9 +57,8 @@ def awq_run(tmp_path_factory, smollm2):
     source = root / "tiny"
     # every projection with a multiple of 64 outputs: GPTQModel's AWQ clip search batches
     # output channels by 64
-    tiny_hf_model_with_vocab(smollm2[1], hidden_size=128, intermediate_size=256).save_pretrained(
-        source
-    )
+    model = tiny_hf_model_with_vocab(smollm2[1], hidden_size=128, intermediate_size=256)
+    model.save_pretrained(source)
     smollm2[1].save_pretrained(source)
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVLAB_CACHE", str(root / "cache"))
