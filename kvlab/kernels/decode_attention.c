@@ -143,6 +143,36 @@ static int fp8_bytes_8(const uint8_t *c, int d, int end, int exponent_bits, floa
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* Channels c0..c0+7 (c0 % 8 == 0) of a row of integer codes as floats. Channel c = k * W + j
+ * holds bits k*bits.. of word j, so eight channels are eight words under one shift (W >= 8)
+ * or four words under two (W == 4: 2-bit codes of a 64-channel head), never a plane of W
+ * words at a time (16 planes of 4 words made 2-bit codes twice as slow as 4-bit ones). */
+static inline __m256 codes_8(const uint32_t *w, int W, int bits, __m256i mask, int c0) {
+  __m256i words, shifts;
+  if (W >= 8) {
+    words = _mm256_loadu_si256((const __m256i *)(w + c0 % W));
+    shifts = _mm256_set1_epi32(c0 / W * bits);
+  } else {
+    const int lo = c0 / 4 * bits, hi = lo + bits;
+    words = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
+    shifts = _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi);
+  }
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shifts), mask));
+}
+#endif
+
+/* True where codes_8 can decode rows of `s` (every preset on a head of 64 or 128). */
+static int codes_in_eights(const Store *s, int D) {
+#if defined(__AVX2__) && defined(__FMA__)
+  const int W = D * s->bits / 32;
+  return D % 8 == 0 && (W == 4 || (W >= 8 && W % 8 == 0));
+#else
+  (void)s, (void)D;
+  return 0;
+#endif
+}
+
 /* Decode `count` consecutive slots of head h in `block` (within one scale row for channel
  * codes): rows[i] points at slot + i as D floats, either into fp32 storage or into `tile`. */
 static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int count, int D,
@@ -174,7 +204,8 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
         const float a = scalar_at(s->scale, s->scale_bf16, z_at + g);
         int d = g * s->group;
 #if defined(__AVX2__) && defined(__F16C__)
-        if (s->bits == 4 || s->bits == 5) d = fp8_bytes_8(c, d, (g + 1) * s->group, s->bits, a, out);
+        if (s->bits == 4 || s->bits == 5)
+          d = fp8_bytes_8(c, d, (g + 1) * s->group, s->bits, a, out);
 #endif
         for (; d < (g + 1) * s->group; d++) out[d] = table[c[d]] * a;
       }
@@ -206,7 +237,11 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
     return;
   }
   const int bits = s->bits, W = D * bits / 32, planes = 32 / bits;
+  const int eights = codes_in_eights(s, D);
   const uint32_t mask = (1u << bits) - 1u;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256i mask8 = _mm256_set1_epi32((int)mask);
+#endif
   if (s->format == FMT_CHANNEL_CODES) { /* one scale row for the whole run */
     float sc[MAX_D], ze[MAX_D];
     const int64_t z_at = block * s->z_block + h * s->z_head + (slot / s->group) * s->z_row;
@@ -216,31 +251,39 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
     }
     for (int i = 0; i < count; i++) {
       const uint32_t *w = (const uint32_t *)s->data + at + i * s->s_slot;
-      for (int k = 0; k < planes; k++) {
-        const int shift = k * bits;
-        const float *a = sc + k * W, *z = ze + k * W;
-        float *out = tile + i * D + k * W;
-        for (int j = 0; j < W; j++) out[j] = (float)((w[j] >> shift) & mask) * a[j] + z[j];
+      float *out = tile + i * D;
+#if defined(__AVX2__) && defined(__FMA__)
+      if (eights) {
+        for (int c = 0; c < D; c += 8)
+          _mm256_storeu_ps(out + c, _mm256_fmadd_ps(codes_8(w, W, bits, mask8, c),
+                                                    _mm256_loadu_ps(sc + c),
+                                                    _mm256_loadu_ps(ze + c)));
+        continue;
       }
+#endif
+      for (int k = 0; k < planes; k++)
+        for (int j = 0; j < W; j++)
+          out[k * W + j] = (float)((w[j] >> (k * bits)) & mask) * sc[k * W + j] + ze[k * W + j];
     }
     return;
   }
   const int groups = D / s->group;
-  if (s->group % W == 0) { /* each plane's W channels lie in one group: its scale and zero
-                              are two scalars, not a row of them */
+#if defined(__AVX2__) && defined(__FMA__)
+  if (eights && s->group % 8 == 0) { /* eight channels share a group's scale and zero */
     for (int i = 0; i < count; i++) {
       const uint32_t *w = (const uint32_t *)s->data + at + i * s->s_slot;
       const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
-      for (int k = 0; k < planes; k++) {
-        const int shift = k * bits, g = k * W / s->group;
-        const float a = scalar_at(s->scale, s->scale_bf16, z_at + g);
-        const float z = scalar_at(s->zero, s->scale_bf16, z_at + g);
-        float *out = tile + i * D + k * W;
-        for (int j = 0; j < W; j++) out[j] = (float)((w[j] >> shift) & mask) * a + z;
+      float *out = tile + i * D;
+      for (int g = 0; g < groups; g++) {
+        const __m256 a = _mm256_set1_ps(scalar_at(s->scale, s->scale_bf16, z_at + g));
+        const __m256 z = _mm256_set1_ps(scalar_at(s->zero, s->scale_bf16, z_at + g));
+        for (int c = g * s->group; c < (g + 1) * s->group; c += 8)
+          _mm256_storeu_ps(out + c, _mm256_fmadd_ps(codes_8(w, W, bits, mask8, c), a, z));
       }
     }
     return;
   }
+#endif
   for (int i = 0; i < count; i++) {
     const uint32_t *w = (const uint32_t *)s->data + at + i * s->s_slot;
     const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
@@ -250,12 +293,10 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
       const float z = scalar_at(s->zero, s->scale_bf16, z_at + g);
       for (int d = 0; d < s->group; d++) sc[g * s->group + d] = a, ze[g * s->group + d] = z;
     }
-    for (int k = 0; k < planes; k++) {
-      const int shift = k * bits;
-      const float *a = sc + k * W, *z = ze + k * W;
-      float *out = tile + i * D + k * W;
-      for (int j = 0; j < W; j++) out[j] = (float)((w[j] >> shift) & mask) * a[j] + z[j];
-    }
+    float *out = tile + i * D;
+    for (int k = 0; k < planes; k++)
+      for (int j = 0; j < W; j++)
+        out[k * W + j] = (float)((w[j] >> (k * bits)) & mask) * sc[k * W + j] + ze[k * W + j];
   }
 }
 
