@@ -29,6 +29,32 @@ def test_round_trip_error_is_within_half_a_step_of_the_group_maximum(variant, ma
     assert (back != x).any()  # it does quantize
 
 
+@pytest.mark.parametrize("variant", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_encoder_writes_torchs_bytes_and_scales(variant, dtype):
+    """The CPU write path (codes.c) against the torch encoding, bit for bit: random rows over
+    eight decades (subnormal codes included), exact zeros, a group of one value repeated,
+    and values halfway between two codes (round to nearest even)."""
+    pytest.importorskip("kvlab.kernels.codes")
+    from kvlab.kernels.build import library
+
+    if library() is None:
+        pytest.skip("no C compiler for the kernels")
+    codec = Fp8Codec(variant, 16, 64)
+    x = torch.randn(5, 3, 40, 64, generator=GEN) * torch.logspace(-6, 2, 64)
+    x[0, 0, 0] = 0.0
+    x[0, 0, 1] = 0.3
+    grid = codec.table[codec.table.isfinite() & (codec.table.abs() <= codec.largest)]
+    between = (grid.sort().values[:-1] + grid.sort().values[1:]) / 2  # ties
+    x[1, 0, :, :16] = between[torch.randint(0, len(between), (40, 16), generator=GEN)]
+    x[1, 0, :, 15] = codec.largest  # so the group's scale is 1 and the ties stay ties
+    x = x.to(dtype)
+    c_codes, c_scale = codec.encode(x)
+    t_codes, t_scale = codec.encode_torch(x)
+    assert c_scale.dtype == t_scale.dtype == dtype
+    assert torch.equal(c_scale, t_scale) and torch.equal(c_codes, t_codes)
+
+
 def test_zero_rows_and_bytes_per_token():
     codec = Fp8Codec("e4m3", 32, 64)
     zeros = torch.zeros(2, 64)

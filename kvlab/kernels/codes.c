@@ -66,3 +66,51 @@ void kvlab_encode_token_codes(const void *x, int x_bf16, int64_t x_stride, int64
     }
   }
 }
+
+/* fp32 -> an 8-bit float with `mantissa` bits and exponent `bias` (e4m3fn: 3, 7; e5m2: 2,
+ * 15), round to nearest even, for |x| within the format's range (the caller clamps): c10's
+ * conversion, so the bytes are torch's. Subnormals step by 2^(1 - bias - mantissa). */
+static inline uint8_t float_to_fp8(float x, int mantissa, int bias) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  float magnitude;
+  memcpy(&magnitude, &bits, sizeof(magnitude));
+  uint32_t code;
+  if (bits < (uint32_t)(128 - bias) << 23) { /* below the smallest normal, 2^(1 - bias) */
+    code = (uint32_t)nearbyintf(ldexpf(magnitude, bias - 1 + mantissa));
+  } else {
+    const int shift = 23 - mantissa;
+    bits += ((uint32_t)(bias - 127) << 23) + ((1u << (shift - 1)) - 1u) + ((bits >> shift) & 1u);
+    code = bits >> shift;
+  }
+  return (uint8_t)(code | (sign >> 24));
+}
+
+/* Fp8Codec.encode on the CPU: x (n, D) rows with stride x_stride; for each row and group of
+ * `group` channels a scale amax / largest, rounded to the stored dtype (scale: (n, D /
+ * group)), and the bytes of x / scale clamped to +-largest (codes: (n, D)). */
+void kvlab_encode_fp8(const void *x, int x_bf16, int64_t x_stride, int64_t n, int64_t D,
+                      int64_t group, int mantissa, int bias, float largest, uint8_t *codes,
+                      void *scale, int scale_bf16) {
+  const int64_t groups = D / group;
+#pragma omp parallel for schedule(static) if (n > 64)
+  for (int64_t r = 0; r < n; r++) {
+    for (int64_t g = 0; g < groups; g++) {
+      float amax = 0.f;
+      for (int64_t c = g * group; c < (g + 1) * group; c++) {
+        const float v = fabsf(load_value(x, x_bf16, r * x_stride + c));
+        amax = v > amax ? v : amax;
+      }
+      store_value(scale, scale_bf16, r * groups + g, amax / largest);
+      const float stored = load_value(scale, scale_bf16, r * groups + g);
+      const float safe = stored > 0.f ? stored : 1.f;
+      for (int64_t c = g * group; c < (g + 1) * group; c++) {
+        float y = load_value(x, x_bf16, r * x_stride + c) / safe;
+        y = y < -largest ? -largest : (y > largest ? largest : y);
+        codes[r * D + c] = float_to_fp8(y, mantissa, bias);
+      }
+    }
+  }
+}

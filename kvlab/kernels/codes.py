@@ -1,5 +1,6 @@
 """Per-token quantization codes on the CPU in one C call (``codes.c``): the write path of
-``kv_bits`` storage and of KIVI's values, ~20 small torch ops per layer per step before."""
+``kv_bits`` storage and of KIVI's values (~20 small torch ops per layer per step before),
+and of fp8 storage (bytes identical to torch's float8 conversion)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,28 @@ def encode_token_codes(x: torch.Tensor, bits: int, group: int):
     )  # fmt: skip
     lead = x.shape[:-1]
     return words.view(*lead, -1), scale.view(*lead, -1), zero.view(*lead, -1)
+
+
+def encode_fp8(x: torch.Tensor, group: int, mantissa: int, bias: int, largest: float):
+    """(bytes (..., D) uint8, scale (..., D/group) in x's dtype) of x (..., D) in an 8-bit
+    float format of ``mantissa`` bits and exponent ``bias``, a scale per ``group`` channels
+    (see ``Fp8Codec``), or None where the kernel does not apply (the torch path runs)."""
+    dim = x.shape[-1]
+    lib = library()
+    if lib is None or dim > MAX_DIM or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    rows = x.reshape(-1, dim)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    count = rows.shape[0]
+    codes = torch.empty(count, dim, dtype=torch.uint8)
+    scale = torch.empty(count, dim // group, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    lib.kvlab_encode_fp8(
+        ctypes.c_void_p(rows.data_ptr()), bf16, ctypes.c_int64(rows.stride(0)),
+        ctypes.c_int64(count), ctypes.c_int64(dim), ctypes.c_int64(group), mantissa, bias,
+        ctypes.c_float(largest), ctypes.c_void_p(codes.data_ptr()),
+        ctypes.c_void_p(scale.data_ptr()), bf16,
+    )  # fmt: skip
+    lead = x.shape[:-1]
+    return codes.view(*lead, dim), scale.view(*lead, -1)
