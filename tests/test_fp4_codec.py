@@ -47,6 +47,34 @@ def test_round_trip_error_is_within_the_format_bound(variant, bound):
     assert (back != x).any()
 
 
+@pytest.mark.parametrize(
+    ("variant", "tensor_scale"), [("mxfp4", 1.0), ("nvfp4", 1.0), ("nvfp4", 0.5)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_encoder_writes_the_torch_encodings_bytes(variant, tensor_scale, dtype):
+    """The CPU write path (codes.c) against the torch encoding, bit for bit: rows over eight
+    decades, a zero block, block maxima at and just below powers of two (the MX exponent's
+    edges) and values halfway between two e2m1 magnitudes (ties go to the smaller)."""
+    from kvlab.kernels.build import library
+
+    if library() is None:
+        pytest.skip("no C compiler for the kernels")
+    codec = Fp4Codec(variant, 64, tensor_scale=tensor_scale)
+    x = torch.randn(4, 3, 40, 64, generator=GEN) * torch.logspace(-6, 2, 64)
+    x[0, 0, 0, :32] = 0.0
+    edges = (
+        torch.tensor([1.0, 2.0, 4.0, 0.5]) * torch.tensor([1.0, 1 - 2**-24, 1 + 2**-23])[:, None]
+    )
+    x[0, 1, : edges.numel(), 0] = edges.flatten()
+    ties = (E2M1[1:] + E2M1[:-1]) / 2
+    x[1, 0, :, :31] = ties[torch.randint(0, len(ties), (40, 31), generator=GEN)]
+    x[1, 0, :, 31] = 6.0  # the block's maximum: scale 1 (MX: 2^(2 - 2)), so ties stay ties
+    x = x.to(dtype)
+    c_codes, c_scales = codec.encode(x)
+    t_codes, t_scales = codec.encode_torch(x)
+    assert torch.equal(c_scales, t_scales) and torch.equal(c_codes, t_codes)
+
+
 def test_bytes_per_token_are_half_a_byte_a_channel_and_a_scale_byte_a_block():
     assert Fp4Codec("mxfp4", 64).bytes_per_token(64, torch.float32) == 32 + 2
     assert Fp4Codec("nvfp4", 64).bytes_per_token(64, torch.bfloat16) == 32 + 4

@@ -114,3 +114,49 @@ void kvlab_encode_fp8(const void *x, int x_bf16, int64_t x_stride, int64_t n, in
     }
   }
 }
+
+/* Fp4Codec.encode on the CPU: x (n, D) rows with stride x_stride; per block of `group`
+ * channels a scale byte (mx: the e8m0 exponent floor(log2 amax) - 2; else NVFP4's e4m3 of
+ * amax / 6 / tensor_scale) whose value is scales[byte], and e2m1 codes of x / scale, two a
+ * byte with the even channel low (codes: (n, D / 2), scale_codes: (n, D / group)). The
+ * nearest e2m1 magnitude, a tie going to the smaller one (torch.bucketize's side). */
+void kvlab_encode_fp4(const void *x, int x_bf16, int64_t x_stride, int64_t n, int64_t D,
+                      int64_t group, int mx, float tensor_scale, const float *scales,
+                      uint8_t *codes, uint8_t *scale_codes) {
+  static const float midpoints[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  const int64_t groups = D / group;
+#pragma omp parallel for schedule(static) if (n > 64)
+  for (int64_t r = 0; r < n; r++) {
+    uint8_t row[1024]; /* D <= 1024 (codes.py's MAX_DIM) */
+    for (int64_t g = 0; g < groups; g++) {
+      float amax = 0.f;
+      for (int64_t c = g * group; c < (g + 1) * group; c++) {
+        const float v = fabsf(load_value(x, x_bf16, r * x_stride + c));
+        amax = v > amax ? v : amax;
+      }
+      uint8_t byte;
+      if (mx) {
+        int exponent;
+        frexpf(amax > 0x1p-127f ? amax : 0x1p-127f, &exponent); /* amax = m 2^e, m in [.5, 1) */
+        int shared = exponent - 1 - 2;
+        shared = shared < -127 ? -127 : (shared > 127 ? 127 : shared);
+        byte = (uint8_t)(shared + 127);
+      } else {
+        float wanted = amax / 6.0f / tensor_scale;
+        wanted = wanted > 448.f ? 448.f : wanted;
+        byte = float_to_fp8(wanted, 3, 7);
+      }
+      scale_codes[r * groups + g] = byte;
+      const float safe = scales[byte] > 0.f ? scales[byte] : 1.f;
+      for (int64_t c = g * group; c < (g + 1) * group; c++) {
+        const float y = load_value(x, x_bf16, r * x_stride + c) / safe;
+        const float magnitude = fabsf(y) < 6.f ? fabsf(y) : 6.f;
+        uint8_t index = 0;
+        while (index < 7 && midpoints[index] < magnitude) index++;
+        row[c] = (uint8_t)(index + (y < 0.f ? 8 : 0));
+      }
+    }
+    for (int64_t j = 0; j < D / 2; j++)
+      codes[r * (D / 2) + j] = (uint8_t)(row[2 * j] | (row[2 * j + 1] << 4));
+  }
+}

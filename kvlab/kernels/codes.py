@@ -1,6 +1,6 @@
 """Per-token quantization codes on the CPU in one C call (``codes.c``): the write path of
 ``kv_bits`` storage and of KIVI's values (~20 small torch ops per layer per step before),
-and of fp8 storage (bytes identical to torch's float8 conversion)."""
+and of fp8 and fp4 storage (bytes identical to the codecs' torch encodings)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,28 @@ def encode_fp8(x: torch.Tensor, group: int, mantissa: int, bias: int, largest: f
     )  # fmt: skip
     lead = x.shape[:-1]
     return codes.view(*lead, dim), scale.view(*lead, -1)
+
+
+def encode_fp4(x: torch.Tensor, group: int, mx: bool, tensor_scale: float, scales: torch.Tensor):
+    """(codes (..., D/2) uint8, scale bytes (..., D/group) uint8) of x (..., D) in block-scaled
+    e2m1 (see ``Fp4Codec``; ``scales``: the scale byte's 256 fp32 values), or None where the
+    kernel does not apply (the torch path runs)."""
+    dim = x.shape[-1]
+    lib = library()
+    if lib is None or dim > MAX_DIM or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    rows = x.reshape(-1, dim)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    count, table = rows.shape[0], scales.float().contiguous()
+    codes = torch.empty(count, dim // 2, dtype=torch.uint8)
+    scale_codes = torch.empty(count, dim // group, dtype=torch.uint8)
+    lib.kvlab_encode_fp4(
+        ctypes.c_void_p(rows.data_ptr()), int(x.dtype == torch.bfloat16),
+        ctypes.c_int64(rows.stride(0)), ctypes.c_int64(count), ctypes.c_int64(dim),
+        ctypes.c_int64(group), int(mx), ctypes.c_float(tensor_scale),
+        ctypes.c_void_p(table.data_ptr()), ctypes.c_void_p(codes.data_ptr()),
+        ctypes.c_void_p(scale_codes.data_ptr()),
+    )  # fmt: skip
+    lead = x.shape[:-1]
+    return codes.view(*lead, -1), scale_codes.view(*lead, -1)

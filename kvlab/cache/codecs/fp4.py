@@ -59,6 +59,17 @@ class Fp4Codec(Codec):
         return [(dim // 2, torch.uint8), (dim // self.group, torch.uint8)]
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if x.device.type == "cpu":
+            from kvlab.kernels.codes import encode_fp4
+
+            mx = self.variant == "mxfp4"
+            encoded = encode_fp4(x, self.group, mx, self.tensor_scale, self.scales)
+            if encoded is not None:
+                return list(encoded)
+        return self.encode_torch(x)
+
+    def encode_torch(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The reference encoding (any device); the C encoder's bytes equal it."""
         grouped = x.float().unflatten(-1, (-1, self.group))  # (..., D / group, group)
         amax = grouped.abs().amax(dim=-1)
         scale_code = self._scale_codes(amax)  # (..., D / group) uint8
@@ -70,8 +81,8 @@ class Fp4Codec(Codec):
     def _scale_codes(self, amax: torch.Tensor) -> torch.Tensor:
         """Each block's scale byte: MX's shared exponent floor(log2 amax) - 2 (e2m1's
         largest exponent); NVFP4's amax / 6 rounded to e4m3 (after the tensor scale)."""
-        if self.variant == "mxfp4":
-            exponent = torch.floor(torch.log2(amax.clamp(min=2.0**-127))) - 2
+        if self.variant == "mxfp4":  # floor(log2 amax) exactly: amax = m 2^e, m in [0.5, 1)
+            exponent = torch.frexp(amax.clamp(min=2.0**-127)).exponent - 1 - 2
             return (exponent.clamp(-127, 127) + 127).to(torch.uint8)
         wanted = (amax / E2M1_MAX / self.tensor_scale).clamp(max=E4M3_MAX)
         return wanted.to(torch.float8_e4m3fn).view(torch.uint8)
