@@ -13,16 +13,23 @@ from kvlab.kernels.build import library
 MAX_DIM = 1024  # codes.c keeps a row's codes in a fixed buffer of this size
 
 
+def _c_rows(x: torch.Tensor):
+    """(the kernel library, x as (n, D) rows with unit channel stride), or None where the C
+    encoders do not apply: no library, D > MAX_DIM, or a dtype other than fp32 / bf16."""
+    lib = library()
+    if lib is None or x.shape[-1] > MAX_DIM or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    return lib, rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def encode_token_codes(x: torch.Tensor, bits: int, group: int):
     """(words (..., D*bits/32) int32, scale, zero (..., D/group) in x's dtype) of x (..., D),
     or None where the kernel is unavailable (the caller's torch path runs)."""
-    dim = x.shape[-1]
-    lib = library()
-    if lib is None or dim > MAX_DIM:
+    found = _c_rows(x)
+    if found is None:
         return None
-    rows = x.reshape(-1, dim)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    (lib, rows), dim = found, x.shape[-1]
     count = rows.shape[0]
     words = torch.empty(count, dim * bits // 32, dtype=torch.int32)
     scale = torch.empty(count, dim // group, dtype=x.dtype)
@@ -42,13 +49,10 @@ def encode_fp8(x: torch.Tensor, group: int, mantissa: int, bias: int, largest: f
     """(bytes (..., D) uint8, scale (..., D/group) in x's dtype) of x (..., D) in an 8-bit
     float format of ``mantissa`` bits and exponent ``bias``, a scale per ``group`` channels
     (see ``Fp8Codec``), or None where the kernel does not apply (the torch path runs)."""
-    dim = x.shape[-1]
-    lib = library()
-    if lib is None or dim > MAX_DIM or x.dtype not in (torch.float32, torch.bfloat16):
+    found = _c_rows(x)
+    if found is None:
         return None
-    rows = x.reshape(-1, dim)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    (lib, rows), dim = found, x.shape[-1]
     count = rows.shape[0]
     codes = torch.empty(count, dim, dtype=torch.uint8)
     scale = torch.empty(count, dim // group, dtype=x.dtype)
@@ -67,13 +71,10 @@ def encode_fp4(x: torch.Tensor, group: int, mx: bool, tensor_scale: float, scale
     """(codes (..., D/2) uint8, scale bytes (..., D/group) uint8) of x (..., D) in block-scaled
     e2m1 (see ``Fp4Codec``; ``scales``: the scale byte's 256 fp32 values), or None where the
     kernel does not apply (the torch path runs)."""
-    dim = x.shape[-1]
-    lib = library()
-    if lib is None or dim > MAX_DIM or x.dtype not in (torch.float32, torch.bfloat16):
+    found = _c_rows(x)
+    if found is None:
         return None
-    rows = x.reshape(-1, dim)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    (lib, rows), dim = found, x.shape[-1]
     count, table = rows.shape[0], scales.float().contiguous()
     codes = torch.empty(count, dim // 2, dtype=torch.uint8)
     scale_codes = torch.empty(count, dim // group, dtype=torch.uint8)

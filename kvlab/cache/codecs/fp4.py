@@ -59,7 +59,7 @@ class Fp4Codec(Codec):
         return [(dim // 2, torch.uint8), (dim // self.group, torch.uint8)]
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():  # compiled: fused
             from kvlab.kernels.codes import encode_fp4
 
             mx = self.variant == "mxfp4"

@@ -33,7 +33,7 @@ class Fp8Codec(Codec):
         return [(dim, torch.uint8), (dim // self.group, dtype)]
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():  # compiled: fused
             from kvlab.kernels.codes import encode_fp8
 
             mantissa, bias = FIELDS[self.variant]
