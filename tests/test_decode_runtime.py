@@ -316,6 +316,22 @@ def test_attend_makes_no_host_round_trip(tiny_llama, name):
 def test_compiled_decode_equals_eager_in_one_graph(tiny_llama, name):
     """Tokens and every step's logits within 1e-5 (fp32), and 64 decode steps with no
     recompilation (dynamo counts one graph)."""
+    graphs = compiled_against_eager(tiny_llama, name, SETTINGS[name])
+    assert graphs == (0 if name == "nocache" else 1)  # nocache recomputes: nothing compiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_format", ["e4m3", "nvfp4"])
+def test_compiled_decode_over_fp_codes_equals_eager(tiny_llama, kv_format):
+    """Eager steps write fp codes through the C encoder, compiled ones through the torch
+    ops (inductor fuses them): the same bytes, so the same tokens and logits."""
+    options = dict(kv_bits=8 if kv_format == "e4m3" else 4, kv_format=kv_format)
+    assert compiled_against_eager(tiny_llama, "full", options | dict(kv_group_size=16)) == 1
+
+
+def compiled_against_eager(model, name: str, options: dict) -> int:
+    """Generate 65 tokens eagerly and compiled (a static cache), assert equal tokens and
+    logits within 1e-5; the number of graphs dynamo compiled."""
     import torch._dynamo.utils as dynamo_utils
 
     prompt = list(range(3, 14))
@@ -328,17 +344,15 @@ def test_compiled_decode_equals_eager_in_one_graph(tiny_llama, name):
         )
         return run.tokens[0], torch.stack(seen)
 
-    spec = tiny_llama.cache_spec()
-    eager = logits_of(Engine(tiny_llama, build_cache(name, spec, SETTINGS[name])))
+    spec = model.cache_spec()
+    eager = logits_of(Engine(model, build_cache(name, spec, options)))
     torch._dynamo.reset()
     dynamo_utils.counters.clear()
-    static = build_cache(name, spec, SETTINGS[name], static=True)
-    compiled_engine = Engine(tiny_llama, static, compile=True)
-    compiled = logits_of(compiled_engine)
+    static = build_cache(name, spec, options, static=True)
+    compiled = logits_of(Engine(model, static, compile=True))
     assert compiled[0] == eager[0]
     torch.testing.assert_close(compiled[1], eager[1], atol=1e-5, rtol=0)
-    graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-    assert graphs == (0 if name == "nocache" else 1)  # nocache recomputes: nothing compiled
+    return dynamo_utils.counters["stats"]["unique_graphs"]
 
 
 def test_loading_the_kernels_keeps_subnormals():
