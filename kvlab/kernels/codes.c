@@ -67,6 +67,16 @@ void kvlab_encode_token_codes(const void *x, int x_bf16, int64_t x_stride, int64
   }
 }
 
+/* The largest |x[at + c]| of `count` consecutive values (a block's maximum). */
+static inline float largest_magnitude(const void *x, int x_bf16, int64_t at, int64_t count) {
+  float amax = 0.f;
+  for (int64_t c = 0; c < count; c++) {
+    const float v = fabsf(load_value(x, x_bf16, at + c));
+    amax = v > amax ? v : amax;
+  }
+  return amax;
+}
+
 /* fp32 -> an 8-bit float with `mantissa` bits and exponent `bias` (e4m3fn: 3, 7; e5m2: 2,
  * 15), round to nearest even, for |x| within the format's range (the caller clamps): c10's
  * conversion, so the bytes are torch's. Subnormals step by 2^(1 - bias - mantissa). */
@@ -98,11 +108,7 @@ void kvlab_encode_fp8(const void *x, int x_bf16, int64_t x_stride, int64_t n, in
 #pragma omp parallel for schedule(static) if (n > 64)
   for (int64_t r = 0; r < n; r++) {
     for (int64_t g = 0; g < groups; g++) {
-      float amax = 0.f;
-      for (int64_t c = g * group; c < (g + 1) * group; c++) {
-        const float v = fabsf(load_value(x, x_bf16, r * x_stride + c));
-        amax = v > amax ? v : amax;
-      }
+      const float amax = largest_magnitude(x, x_bf16, r * x_stride + g * group, group);
       store_value(scale, scale_bf16, r * groups + g, amax / largest);
       const float stored = load_value(scale, scale_bf16, r * groups + g);
       const float safe = stored > 0.f ? stored : 1.f;
@@ -129,11 +135,7 @@ void kvlab_encode_fp4(const void *x, int x_bf16, int64_t x_stride, int64_t n, in
   for (int64_t r = 0; r < n; r++) {
     uint8_t row[1024]; /* D <= 1024 (codes.py's MAX_DIM) */
     for (int64_t g = 0; g < groups; g++) {
-      float amax = 0.f;
-      for (int64_t c = g * group; c < (g + 1) * group; c++) {
-        const float v = fabsf(load_value(x, x_bf16, r * x_stride + c));
-        amax = v > amax ? v : amax;
-      }
+      const float amax = largest_magnitude(x, x_bf16, r * x_stride + g * group, group);
       uint8_t byte;
       if (mx) {
         int exponent;

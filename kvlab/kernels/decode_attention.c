@@ -109,8 +109,8 @@ static int fp4_bytes_8(const float *values, const uint8_t *c, int j, int end, fl
 #endif
 
 #if defined(__AVX2__) && defined(__F16C__)
-/* Decode fp8 bytes c[d..end) 16 (AVX-512) or 8 at a time times `a`: each byte widened to the fp16 whose
- * sign, exponent and mantissa fields hold the byte's, then converted by the F16C unit
+/* Decode fp8 bytes c[d..end) 16 (AVX-512) or 8 at a time times `a`: each byte widened to
+ * the fp16 whose sign, exponent and mantissa fields hold the byte's, converted by the F16C unit
  * (fp16 subnormals included, so every finite code is exact). e5m2 is fp16's top byte;
  * e4m3's fields sit 3 bits lower (an exponent bias of 7 for fp16's 15), which is the fp16
  * value times 2^8, carried by the scale. Returns the first byte left for the table loop. */
@@ -162,16 +162,23 @@ static inline __m256 codes_8(const uint32_t *w, int W, int bits, __m256i mask, i
 }
 #endif
 
+/* A row of integer codes as floats with a scale and zero per channel, one word plane at a
+ * time (channel k * W + j: bits k*bits.. of word j); where codes_8 does not apply. */
+static void codes_scalar(const uint32_t *w, int W, int bits, const float *sc, const float *ze,
+                         float *out) {
+  const uint32_t mask = (1u << bits) - 1u;
+  for (int k = 0; k < 32 / bits; k++)
+    for (int j = 0; j < W; j++)
+      out[k * W + j] = (float)((w[j] >> (k * bits)) & mask) * sc[k * W + j] + ze[k * W + j];
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
 /* True where codes_8 can decode rows of `s` (every preset on a head of 64 or 128). */
 static int codes_in_eights(const Store *s, int D) {
-#if defined(__AVX2__) && defined(__FMA__)
   const int W = D * s->bits / 32;
   return D % 8 == 0 && (W == 4 || (W >= 8 && W % 8 == 0));
-#else
-  (void)s, (void)D;
-  return 0;
-#endif
 }
+#endif
 
 /* Decode `count` consecutive slots of head h in `block` (within one scale row for channel
  * codes): rows[i] points at slot + i as D floats, either into fp32 storage or into `tile`. */
@@ -236,11 +243,10 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
     }
     return;
   }
-  const int bits = s->bits, W = D * bits / 32, planes = 32 / bits;
-  const int eights = codes_in_eights(s, D);
-  const uint32_t mask = (1u << bits) - 1u;
+  const int bits = s->bits, W = D * bits / 32;
 #if defined(__AVX2__) && defined(__FMA__)
-  const __m256i mask8 = _mm256_set1_epi32((int)mask);
+  const int eights = codes_in_eights(s, D);
+  const __m256i mask8 = _mm256_set1_epi32((1 << bits) - 1);
 #endif
   if (s->format == FMT_CHANNEL_CODES) { /* one scale row for the whole run */
     float sc[MAX_D], ze[MAX_D];
@@ -261,9 +267,7 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
         continue;
       }
 #endif
-      for (int k = 0; k < planes; k++)
-        for (int j = 0; j < W; j++)
-          out[k * W + j] = (float)((w[j] >> (k * bits)) & mask) * sc[k * W + j] + ze[k * W + j];
+      codes_scalar(w, W, bits, sc, ze, out);
     }
     return;
   }
@@ -294,9 +298,7 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
       for (int d = 0; d < s->group; d++) sc[g * s->group + d] = a, ze[g * s->group + d] = z;
     }
     float *out = tile + i * D;
-    for (int k = 0; k < planes; k++)
-      for (int j = 0; j < W; j++)
-        out[k * W + j] = (float)((w[j] >> (k * bits)) & mask) * sc[k * W + j] + ze[k * W + j];
+    codes_scalar(w, W, bits, sc, ze, out);
   }
 }
 
