@@ -117,14 +117,13 @@ def int4_layer(
     """kvlab layer ``name`` (fused ones from their parts) as an Int4Linear on ``device``
     (built there, so it takes the kernel layout of that device)."""
     parts, method = checkpoint_parts(name), quant_method(qcfg)
-    if method == "awq":
-        pieces = [
-            awq_int4_parts({t: tensors[f"{p}.{t}"] for t in PACKED_TENSORS["awq"]}) for p in parts
-        ]
-    else:
-        v1 = qcfg.get("checkpoint_format", qcfg.get("format", "gptq")) == "gptq"
-        gptq = PACKED_TENSORS["gptq"]
-        pieces = [gptq_int4_parts({t: tensors[f"{p}.{t}"] for t in gptq}, int(v1)) for p in parts]
+    v1 = qcfg.get("checkpoint_format", qcfg.get("format", "gptq")) == "gptq"
+
+    def unpacked(part: str) -> tuple:
+        packed = {t: tensors[f"{part}.{t}"] for t in PACKED_TENSORS[method]}
+        return awq_int4_parts(packed) if method == "awq" else gptq_int4_parts(packed, int(v1))
+
+    pieces = [unpacked(part) for part in parts]
     perm = pieces[0][3]
     if any(not _same_perm(piece[3], perm) for piece in pieces[1:]):
         raise ValueError(f"{name}: fused GPTQ parts {parts} have different act-orders")
