@@ -45,7 +45,8 @@ write_conf() {
   cpus=$(nproc --all)
   memory_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 * 9 / 10 ))
   mkdir -p "$CONF_DIR" "$STATE_DIR/ctld" "$STATE_DIR/d" "$LOG_DIR"
-  cat >"$CONF_DIR/slurm.conf" <<EOF
+  # written beside and renamed into place: a daemon never reads a half-written (empty) file
+  cat >"$CONF_DIR/slurm.conf.new" <<EOF
 # written by kvlab's scripts/slurm_local.sh: one node, this host
 ClusterName=kvlab-local
 SlurmctldHost=$host(127.0.0.1)
@@ -72,6 +73,7 @@ SchedulerParameters=defer
 NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$memory_mb State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP
 EOF
+  mv -f "$CONF_DIR/slurm.conf.new" "$CONF_DIR/slurm.conf"
   echo "$host"
 }
 
