@@ -62,6 +62,28 @@ def test_prepacked_model_gives_identical_logits(tiny_checkpoints, monkeypatch):
     assert weight_bytes(packed) == weight_bytes(plain) + head.numel() * head.element_size()
 
 
+@needs_onednn_bf16
+@pytest.mark.slow
+def test_a_compiled_step_runs_the_prepacked_layers(tiny_checkpoints, monkeypatch):
+    """inductor's own lowering of oneDNN's linear wants the packed weight as a graph
+    constant and failed on a module buffer; the layer is an opaque op to it now."""
+    from kvlab.engine import Engine, GenerationConfig
+
+    monkeypatch.setenv("KVLAB_CPU_LINEAR", "onednn")
+    linear_kernel.cache_clear()
+    try:
+        model, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16)
+    finally:
+        linear_kernel.cache_clear()
+    assert any(isinstance(m, PrepackedLinear) for m in model.modules())
+    cfg = GenerationConfig(6, stop_on_eos=False)
+    spec = model.cache_spec()
+    eager = Engine(model, build_cache("full", spec)).generate([list(range(3, 12))], cfg)
+    torch._dynamo.reset()
+    compiled = Engine(model, build_cache("full", spec, static=True), compile=True)
+    assert compiled.generate([list(range(3, 12))], cfg).tokens == eager.tokens
+
+
 KERNEL_TYPES = {"plain": nn.Linear, "onednn": PrepackedLinear}
 
 

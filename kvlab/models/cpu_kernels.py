@@ -68,7 +68,22 @@ class PrepackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return torch.ops.kvlab.onednn_linear(x, self.packed_weight, self.bias, self.out_features)
+
+
+@torch.library.custom_op("kvlab::onednn_linear", mutates_args=())
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    """oneDNN's linear over a prepacked weight, as an op inductor leaves alone (its own
+    lowering of ``mkldnn._linear_pointwise`` wants the weight as a graph constant, which a
+    module buffer in a compiled decode step is not)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@_onednn_linear.register_fake
+def _(x, packed, bias, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def applicable_kernels(dtype: torch.dtype) -> list[str]:
