@@ -155,13 +155,15 @@ def test_a_forced_kernel_that_does_not_apply_falls_back_and_a_bad_name_fails(mon
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 16, 21, 32, 33])
-def test_decode_linear_equals_linear(dtype, rows):
+@pytest.mark.parametrize("out_features", [96, 99])
+def test_decode_linear_equals_linear(dtype, rows, out_features):
     """kvlab's matrix-vector kernel (decode rows, in blocks of up to 8 of every size, with
-    a channel tail: 200 = 12 x 16 + 8) and F.linear (more rows) agree."""
+    a channel tail: 200 = 12 x 16 + 8; one bf16 row takes weight rows four at a time, and
+    99 leaves three alone) and F.linear (more rows) agree."""
     from kvlab.kernels.linear import DecodeLinear
 
     torch.manual_seed(0)
-    linear = nn.Linear(200, 96, bias=True).to(dtype)
+    linear = nn.Linear(200, out_features, bias=True).to(dtype)
     x = torch.randn(rows, 1, 200).to(dtype)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2  # bf16 output rounding
     torch.testing.assert_close(

@@ -9,6 +9,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -110,7 +111,8 @@ def test_the_kernel_decodes_every_finite_fp8_code_exactly(variant):
 def test_the_avx2_build_equals_the_reference_too(tmp_path):
     """On an AVX-512 CPU the kernel's AVX2 paths never run: build the kernels without
     AVX-512 (a compiler wrapper adding -mno-avx512f; the build is keyed by the compiler)
-    and run this file's kernel tests in a process that loads that build."""
+    and run this file's kernel tests and the linear kernel's in a process that loads that
+    build."""
     from kvlab.kernels.build import _compiler, cpu_identity
 
     if " avx512f" not in cpu_identity():
@@ -118,7 +120,8 @@ def test_the_avx2_build_equals_the_reference_too(tmp_path):
     wrapper = tmp_path / "cc"
     wrapper.write_text(f'#!/bin/sh\nexec {_compiler()} "$@" -mno-avx512f\n')
     wrapper.chmod(0o755)
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    linears = f"{Path(__file__).with_name('test_cpu_kernels.py')}::test_decode_linear_equals_linear"
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, linears]
     command += ["-k", "kernel and not avx2_build"]
     done = subprocess.run(
         command, env=os.environ | {"CC": str(wrapper)}, capture_output=True, text=True,

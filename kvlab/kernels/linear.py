@@ -38,22 +38,32 @@ class DecodeLinear(nn.Module):
         if rows > MAX_ROWS or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
-        out = torch.ops.kvlab.small_linear(flat, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            out = torch.ops.kvlab.small_linear(flat, self.weight, self.bias)
+        else:  # eager: the op's Python wrapper costs more than a small layer's product
+            out = _small_linear_impl(flat, self.weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 
 @torch.library.custom_op("kvlab::small_linear", mutates_args=())
 def _small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T + bias, few rows M, in x's dtype (fp32 accumulation)."""
+    return _small_linear_impl(x, weight, bias)
+
+
+def _bf16(t: torch.Tensor | None) -> int:
+    return int(t is not None and t.dtype == torch.bfloat16)
+
+
+def _small_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, out_features = x.shape[0], weight.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype)
-    bf16 = lambda t: int(t is not None and t.dtype == torch.bfloat16)  # noqa: E731
     library().kvlab_gemv(
-        ctypes.c_void_p(x.data_ptr()), bf16(x), ctypes.c_int64(x.stride(0)),
-        ctypes.c_void_p(weight.data_ptr()), bf16(weight),
-        ctypes.c_void_p(None if bias is None else bias.data_ptr()), bf16(bias),
-        ctypes.c_void_p(out.data_ptr()), bf16(out), ctypes.c_int64(rows),
+        ctypes.c_void_p(x.data_ptr()), _bf16(x), ctypes.c_int64(x.stride(0)),
+        ctypes.c_void_p(weight.data_ptr()), _bf16(weight),
+        ctypes.c_void_p(None if bias is None else bias.data_ptr()), _bf16(bias),
+        ctypes.c_void_p(out.data_ptr()), _bf16(out), ctypes.c_int64(rows),
         ctypes.c_int64(out_features), ctypes.c_int64(weight.shape[1]),
     )  # fmt: skip
     return out

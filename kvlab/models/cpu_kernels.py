@@ -68,7 +68,10 @@ class PrepackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kvlab.onednn_linear(x, self.packed_weight, self.bias, self.out_features)
+        packed, bias = self.packed_weight, self.bias
+        if torch.compiler.is_compiling():
+            return torch.ops.kvlab.onednn_linear(x, packed, bias, self.out_features)
+        return _onednn_linear_impl(x, packed, bias)  # eager: no op wrapper to pay for
 
 
 @torch.library.custom_op("kvlab::onednn_linear", mutates_args=())
@@ -78,6 +81,10 @@ def _onednn_linear(
     """oneDNN's linear over a prepacked weight, as an op inductor leaves alone (its own
     lowering of ``mkldnn._linear_pointwise`` wants the weight as a graph constant, which a
     module buffer in a compiled decode step is not)."""
+    return _onednn_linear_impl(x, packed, bias)
+
+
+def _onednn_linear_impl(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
