@@ -1,0 +1,112 @@
+"""Where a decode step's time goes: torch.profiler over the decode steps of one generation on
+the default model (after a warm-up run), ops grouped by name, self time per step, for each
+weight format asked. Not a test: read the shares.
+
+    python scripts/profile_decode_step.py --weights fp32,bf16,int8,int4 --depth 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvlab.cache import cache_factory
+from kvlab.data import wikitext2_test_text
+from kvlab.engine import Engine, GenerationConfig
+from kvlab.models import resolve_checkpoint
+from kvlab.run import compose_run_config, load_run_model
+from kvlab.tracking import environment
+from kvlab.workload import text_windows
+
+WEIGHTS = {  # name -> (model.dtype, quant preset), as in scripts/bench_vs_llamacpp.py
+    "fp32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "rtn_int8"),
+    "int4": ("bfloat16", "rtn_int4_g32_asym"),
+}
+
+
+def label_kvlab_kernels() -> None:
+    """kvlab's C kernels are called through ctypes, which torch.profiler does not see in an
+    eager step: wrap their entry points in named ranges so they show up as ops."""
+    from torch.profiler import record_function
+
+    from kvlab.kernels import attention, linear
+
+    def labelled(module, name: str, label: str) -> None:
+        inner = getattr(module, name)
+
+        def call(*args, **kwargs):
+            with record_function(label):
+                return inner(*args, **kwargs)
+
+        setattr(module, name, call)
+
+    labelled(linear, "_small_linear_impl", "kvlab::small_linear (C, ctypes)")
+    labelled(attention, "_decode_attention_impl", "kvlab::decode_attention (C, ctypes)")
+
+
+def profile_steps(name: str, prompt: list[int], args) -> tuple[dict[str, list[float]], float]:
+    """({op: [self ms per step, calls per step]}, wall ms per step) over the decode steps."""
+    dtype, quant = WEIGHTS[name]
+    cfg = compose_run_config([f"quant={quant}", f"model.dtype={dtype}"])
+    model, _ = load_run_model(cfg.model, cfg.quant, torch.device("cpu"))
+    engine = Engine(model, cache_factory(args.cache, model, {})(static=args.compile),
+                    compile=args.compile)  # fmt: skip
+    gen = GenerationConfig(args.steps + 1, stop_on_eos=False)
+    engine.generate([prompt], gen)  # warm-up (and compilation)
+    run = engine.stream([prompt], gen)
+    steps = iter(run)
+    next(steps)  # prefill and first token, outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in steps:
+            pass
+    wall = sum(run.stats.step_s) * 1e3 / args.steps
+    ops: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for event in prof.key_averages():
+        ops[event.key][0] += event.self_cpu_time_total / 1e3 / args.steps
+        ops[event.key][1] += event.count / args.steps
+    return ops, wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--weights", default="fp32,bf16,int8,int4", type=lambda s: s.split(","))
+    parser.add_argument("--cache", default="full")
+    parser.add_argument("--depth", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--compile", action="store_true")
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
+    prompt = text_windows(tokenizer, wikitext2_test_text(), args.depth, 1)[0]
+    label_kvlab_kernels()
+    env = environment()
+    print(f"decode-step profile, SmolLM2-135M, cache={args.cache}, depth {args.depth}, "
+          f"{args.steps} steps, compile={args.compile}, {env['cpu']}, "
+          f"{torch.get_num_threads()} threads, torch {env['torch']}")  # fmt: skip
+    with torch.inference_mode():
+        for name in args.weights:
+            ops, wall = profile_steps(name, prompt, args)
+            ranked = sorted(ops.items(), key=lambda kv: -kv[1][0])
+            profiled = sum(ms for ms, _ in ops.values())
+            calls = sum(n for _, n in ops.values())
+            print(f"\n### {name}: {wall:.2f} ms a step (profiled: {profiled:.2f} ms of self "
+                  f"time in {calls:.0f} op calls)\n")  # fmt: skip
+            print("| op | self ms / step | share | calls / step |")
+            print("|---|---:|---:|---:|")
+            for op, (ms, count) in ranked[: args.top]:
+                print(f"| `{op}` | {ms:.2f} | {ms / profiled:.0%} | {count:.0f} |")
+            rest = ranked[args.top :]
+            rest_ms = sum(ms for _, (ms, _) in rest)
+            print(f"| {len(rest)} other ops | {rest_ms:.2f} | {rest_ms / profiled:.0%} | "
+                  f"{sum(n for _, (_, n) in rest):.0f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
