@@ -171,6 +171,46 @@ def test_decode_linear_equals_linear(dtype, rows, out_features):
     )
 
 
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("out_features", [96, 99])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_equals_the_dequantized_linear(dtype, rows, out_features, bias):
+    """kvlab's int8 kernel (weight rows four at a time, 99 leaving three alone; channels
+    in 32s, 16s and a scalar tail: 200 = 6 x 32 + 8) against the dequantized weight in
+    fp32, in the activations' dtype."""
+    from kvlab.kernels.linear import int8_linear
+
+    generator = torch.Generator().manual_seed(rows * out_features)
+    codes = torch.randint(-127, 128, (out_features, 200), dtype=torch.int8, generator=generator)
+    scale = (torch.rand(out_features, generator=generator) / 100).to(dtype)
+    offset = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+    x = torch.randn(rows, 200, generator=generator).to(dtype)
+    want = x.float() @ (codes.float() * scale.float()[:, None]).T
+    want = want + offset.float() if bias else want
+    got = int8_linear(x, codes, scale, offset)
+    assert got.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 output rounding
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_int8_layers_run_the_kernel_the_timing_chose():
+    from kvlab.models.cpu_kernels import int8_kernel
+    from kvlab.quant.rtn import Int8Linear
+
+    choice = int8_kernel()
+    assert choice["applicable"] == (["plain", "kvlab"] if kernel_available() else ["plain"])
+    assert choice["kernel"] in choice["applicable"]
+    layer = Int8Linear(nn.Linear(64, 32))
+    assert layer.decode_kernel == choice["kernel"]
+    x = torch.randn(2, 1, 64)
+    plain = Int8Linear(nn.Linear(64, 32))
+    plain.load_state_dict(layer.state_dict())
+    plain.decode_kernel = "plain"
+    torch.testing.assert_close(layer(x), plain(x), atol=2e-2, rtol=2e-2)  # bf16 compute
+
+
 def test_the_probe_agrees_with_the_cpu_flags():
     """AVX-512 BW/VL/DQ is what oneDNN's bf16 reorder needs (or AVX-NE-CONVERT, which the
     flags below may not show): a CPU without AVX-512 and without avx_ne_convert gets no

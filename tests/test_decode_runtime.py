@@ -120,8 +120,14 @@ def test_the_avx2_build_equals_the_reference_too(tmp_path):
     wrapper = tmp_path / "cc"
     wrapper.write_text(f'#!/bin/sh\nexec {_compiler()} "$@" -mno-avx512f\n')
     wrapper.chmod(0o755)
-    linears = f"{Path(__file__).with_name('test_cpu_kernels.py')}::test_decode_linear_equals_linear"
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, linears]
+    linears = [
+        f"{Path(__file__).with_name('test_cpu_kernels.py')}::{test}"
+        for test in (
+            "test_decode_linear_equals_linear",
+            "test_int8_linear_equals_the_dequantized_linear",
+        )
+    ]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *linears]
     command += ["-k", "kernel and not avx2_build"]
     done = subprocess.run(
         command, env=os.environ | {"CC": str(wrapper)}, capture_output=True, text=True,

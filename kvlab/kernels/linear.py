@@ -1,4 +1,5 @@
-"""Decode-time linear layers on the CPU through kvlab's matrix-vector kernel (``gemv.c``).
+"""Decode-time linear layers on the CPU through kvlab's matrix-vector kernels (``gemv.c``;
+``gemv_int8.c`` for int8 weights, :func:`int8_linear`).
 
 A decode step multiplies one row per sequence by every weight matrix: memory-bound, so its
 speed is the bandwidth the kernel reads weights at. On the AMD EPYC here MKL's sgemv
@@ -72,3 +73,39 @@ def _small_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 @_small_linear.register_fake
 def _(x, weight, bias):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def int8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x (M, K) @ (codes (N, K) int8 * scale (N,))^T + bias through ``gemv_int8.c``, in x's
+    dtype (fp32 accumulation); a custom op when compiling, a direct call in eager."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kvlab.int8_linear(x, codes, scale, bias)
+    return _int8_linear_impl(x, codes, scale, bias)
+
+
+@torch.library.custom_op("kvlab::int8_linear", mutates_args=())
+def _int8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return _int8_linear_impl(x, codes, scale, bias)
+
+
+@_int8_linear.register_fake
+def _(x, codes, scale, bias):
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+def _int8_linear_impl(x, codes, scale, bias) -> torch.Tensor:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, out_features = x.shape[0], codes.shape[0]
+    out = torch.empty(rows, out_features, dtype=x.dtype)
+    library().kvlab_gemv_int8(
+        ctypes.c_void_p(x.data_ptr()), _bf16(x), ctypes.c_int64(x.stride(0)),
+        ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scale.data_ptr()), _bf16(scale),
+        ctypes.c_void_p(None if bias is None else bias.data_ptr()), _bf16(bias),
+        ctypes.c_void_p(out.data_ptr()), _bf16(out), ctypes.c_int64(rows),
+        ctypes.c_int64(out_features), ctypes.c_int64(codes.shape[1]),
+    )  # fmt: skip
+    return out

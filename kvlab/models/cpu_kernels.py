@@ -110,20 +110,44 @@ def linear_kernel(dtype: torch.dtype) -> dict:
     """The kernel this CPU runs ``dtype`` linear layers with, and why: ``{"kernel",
     "applicable", "decode_ms"}`` (``decode_ms``: one row through the timed stack per
     candidate, empty when only one applies or the choice is forced)."""
-    applicable = applicable_kernels(dtype)
+    timer = functools.partial(_time_kernels, dtype=dtype)
+    return _choose(str(dtype).removeprefix("torch."), applicable_kernels(dtype), timer)
+
+
+@functools.cache
+def int8_kernel() -> dict:
+    """The kernel this CPU runs int8 weights (one scale per output channel) with for decode
+    rows, as :func:`linear_kernel` decides: ``plain`` (PyTorch's ``_weight_int8pack_mm``)
+    or ``kvlab`` (``gemv_int8.c``), timed on a stack of int8 weights."""
+    applicable = ["plain"]
+    if os.environ.get("KVLAB_CPU_PREPACK", "1") != "0" and library() is not None:
+        applicable.append("kvlab")
+    return _choose("int8", applicable, _time_int8_kernels)
+
+
+def _choose(name: str, applicable: list[str], timer) -> dict:
+    """The choice among ``applicable`` kernels for weights ``name``: forced, the only one,
+    cached, or timed by ``timer(kernels) -> {kernel: ms}`` (see the module docstring)."""
     forced = os.environ.get("KVLAB_CPU_LINEAR")
     if forced is not None:
         if forced not in KERNELS:
             raise ValueError(f"KVLAB_CPU_LINEAR={forced!r}: allowed: {', '.join(KERNELS)}")
         kernel = forced if forced in applicable else "plain"
-        return {"kernel": kernel, "applicable": applicable, "decode_ms": {}, "forced": True}
-    if len(applicable) == 1:
-        return {"kernel": "plain", "applicable": applicable, "decode_ms": {}}
-    path = _choice_path(dtype, applicable)
+        choice = {"kernel": kernel, "applicable": applicable, "decode_ms": {}, "forced": True}
+    elif len(applicable) == 1:
+        choice = {"kernel": "plain", "applicable": applicable, "decode_ms": {}}
+    else:
+        choice = _timed_choice(name, applicable, timer)
+    _CHOSEN[name] = choice
+    return choice
+
+
+def _timed_choice(name: str, applicable: list[str], timer) -> dict:
+    path = _choice_path(name, applicable)
     cached = json.loads(path.read_text()) if path.exists() else None
     if cached is not None and not _close_call(cached):
         return cached
-    times = _time_kernels(applicable, dtype)
+    times = timer(applicable)
     timings = 1
     if cached is not None:  # a load only slows a kernel down: keep each one's best timing
         times = {k: min(t, cached["decode_ms"].get(k, t)) for k, t in times.items()}
@@ -153,12 +177,12 @@ def _close_call(choice: dict) -> bool:
     return times[1] < (1 + 2 * MARGIN) * times[0] or near_threshold
 
 
-def _choice_path(dtype: torch.dtype, applicable: list[str]) -> Path:
+def _choice_path(name: str, applicable: list[str]) -> Path:
     parts = (cpu_identity(), str(torch.get_num_threads()), torch.__version__,
-             library_identity(), str(dtype), ",".join(applicable),
+             library_identity(), name, ",".join(applicable),
              f"{TIMED_ELEMENTS}{TIMED_SHAPES}{MARGIN}")  # fmt: skip
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    return cache_dir() / "kernel_choice" / f"{str(dtype).removeprefix('torch.')}-{key}.json"
+    return cache_dir() / "kernel_choice" / f"{name}-{key}.json"
 
 
 def _time_kernels(kernels: list[str], dtype: torch.dtype, reps: int = 9) -> dict[str, float]:
@@ -179,12 +203,42 @@ def _time_kernels(kernels: list[str], dtype: torch.dtype, reps: int = 9) -> dict
     return {kernel: round(sorted(t)[len(t) // 2], 3) for kernel, t in samples.items()}
 
 
+def _time_int8_kernels(kernels: list[str], reps: int = 9) -> dict[str, float]:
+    """:func:`_time_kernels` for int8 weights (bf16 rows and scales, as ``quant=rtn_int8``
+    runs them): PyTorch's kernel against kvlab's, pass by pass."""
+    from kvlab.kernels.linear import int8_linear
+
+    weights = [
+        (torch.ones(n, k, dtype=torch.int8), torch.full((n,), 1 / 64, dtype=torch.bfloat16))
+        for n, k in _timed_shapes()
+    ]
+    run = {
+        "plain": lambda x, codes, scale: torch.ops.aten._weight_int8pack_mm(x, codes, scale),
+        "kvlab": lambda x, codes, scale: int8_linear(x, codes, scale, None),
+    }
+    x = {k: torch.full((1, k), 0.01, dtype=torch.bfloat16) for k in {s[1] for s in TIMED_SHAPES}}
+    samples: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+    with torch.inference_mode():
+        for rep in range(reps + 2):  # two warm-up passes
+            for kernel in kernels:
+                start = time.perf_counter()
+                for codes, scale in weights:
+                    run[kernel](x[codes.shape[1]], codes, scale)
+                if rep >= 2:
+                    samples[kernel].append((time.perf_counter() - start) * 1e3)
+    return {kernel: round(sorted(t)[len(t) // 2], 3) for kernel, t in samples.items()}
+
+
+def _timed_shapes() -> list[tuple[int, int]]:
+    """(out, in) of the timed stack: ``TIMED_SHAPES`` alternating, ``TIMED_ELEMENTS`` in all."""
+    count = TIMED_ELEMENTS // (TIMED_SHAPES[0][0] * TIMED_SHAPES[0][1])
+    return [TIMED_SHAPES[i % len(TIMED_SHAPES)] for i in range(count)]
+
+
 def _timed_weights(dtype: torch.dtype) -> list[nn.Linear]:
     """Linear layers of ``TIMED_SHAPES`` (alternating) holding ``TIMED_ELEMENTS`` weights."""
-    per_layer = TIMED_SHAPES[0][0] * TIMED_SHAPES[0][1]
     layers = []
-    for i in range(TIMED_ELEMENTS // per_layer):
-        out_features, in_features = TIMED_SHAPES[i % len(TIMED_SHAPES)]
+    for out_features, in_features in _timed_shapes():
         linear = nn.Linear(in_features, out_features, bias=False, device="meta")
         weight = torch.full((out_features, in_features), 0.01, dtype=dtype)
         linear.weight = nn.Parameter(weight, requires_grad=False)
@@ -219,7 +273,6 @@ def prepack_linears(model: nn.Module) -> int:
             if not child.weight.is_contiguous():
                 continue
             choice = linear_kernel(child.weight.dtype)
-            _CHOSEN[str(child.weight.dtype).removeprefix("torch.")] = choice
             kernel = choice["kernel"]
             if kernel == "plain":
                 continue

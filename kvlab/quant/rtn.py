@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvlab.kernels.linear import MAX_ROWS, int8_linear
+from kvlab.models.cpu_kernels import int8_kernel
 from kvlab.quant.base import QuantOptions, register_quantizer, replace_linears
 from kvlab.quant.packing import pack, unpack
 
@@ -137,7 +139,9 @@ class Int4Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """Linear layer over int8 weights with one symmetric scale per output channel."""
+    """Linear layer over int8 weights with one symmetric scale per output channel. On the
+    CPU, decode rows (up to ``MAX_ROWS``) run the kernel :func:`int8_kernel` chose for this
+    CPU (kvlab's or PyTorch's), more rows PyTorch's ``_weight_int8pack_mm``."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = torch.bfloat16):
         super().__init__()
@@ -148,12 +152,16 @@ class Int8Linear(nn.Module):
         self.compute_dtype = compute_dtype
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        cpu = weight.device.type == "cpu"
+        self.decode_kernel = int8_kernel()["kernel"] if cpu else "plain"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
         flat = x.reshape(-1, self.in_features).to(dtype)  # (M, K)
         scale = self.scale.to(dtype)
-        if flat.device.type == "cpu":
+        if flat.device.type == "cpu" and self.decode_kernel == "kvlab" and len(flat) <= MAX_ROWS:
+            out = int8_linear(flat, self.qweight, scale, None)
+        elif flat.device.type == "cpu":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scale)
         else:
             out = F.linear(flat, self.qweight.to(dtype) * scale[:, None])

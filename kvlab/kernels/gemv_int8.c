@@ -1,0 +1,112 @@
+/* kvlab's CPU matrix-vector product over int8 weights for decode: y (M, N) = scale[n] *
+ * (x (M, K) . q (N, K)^T) (+ bias), one symmetric scale per output channel (RTN int8,
+ * LLM.int8 without outliers). The codes are widened to fp32 in registers and multiplied by
+ * the rows in fp32, so the result is the dequantized layer's up to summation order. Decode
+ * is memory-bound: weight rows are streamed four at a time (four memory streams, each row
+ * of x loaded once per step), output rows split across threads; x (fp32 or bf16) is
+ * widened to fp32 once, before the threads start.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+static inline float from_bf16(uint16_t x) {
+  uint32_t bits = (uint32_t)x << 16;
+  float out;
+  memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+static inline uint16_t into_bf16(float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
+  return (uint16_t)(bits >> 16);
+}
+
+static inline float element(const void *p, int bf16, int64_t i) {
+  return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* out[j] = row j of w (COUNT consecutive rows of K codes) . x, over every channel. */
+static inline __attribute__((always_inline)) void dot_codes(const int8_t *w, int64_t K,
+                                                            const float *x, const int COUNT,
+                                                            float *out) {
+  int64_t k0 = 0;
+#if defined(__AVX512F__)
+  __m512 a[4], b[4]; /* two chains a row: eight FMAs in flight cover the FMA latency */
+  for (int j = 0; j < COUNT; j++) a[j] = b[j] = _mm512_setzero_ps();
+  for (; k0 + 32 <= K; k0 += 32) {
+    const __m512 x0 = _mm512_loadu_ps(x + k0), x1 = _mm512_loadu_ps(x + k0 + 16);
+    for (int j = 0; j < COUNT; j++) {
+      const __m256i codes = _mm256_loadu_si256((const __m256i *)(w + j * K + k0));
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+      a[j] = _mm512_fmadd_ps(w0, x0, a[j]);
+      b[j] = _mm512_fmadd_ps(w1, x1, b[j]);
+    }
+  }
+  for (; k0 + 16 <= K; k0 += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k0);
+    for (int j = 0; j < COUNT; j++) {
+      const __m128i codes = _mm_loadu_si128((const __m128i *)(w + j * K + k0));
+      a[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, a[j]);
+    }
+  }
+  for (int j = 0; j < COUNT; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j]));
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 a[4];
+  for (int j = 0; j < COUNT; j++) a[j] = _mm256_setzero_ps();
+  for (; k0 + 8 <= K; k0 += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + k0);
+    for (int j = 0; j < COUNT; j++) {
+      const __m128i codes = _mm_loadl_epi64((const __m128i *)(w + j * K + k0));
+      a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), xv, a[j]);
+    }
+  }
+  for (int j = 0; j < COUNT; j++) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a[j]), _mm256_extractf128_ps(a[j], 1));
+    s = _mm_hadd_ps(s, s);
+    out[j] = _mm_cvtss_f32(_mm_hadd_ps(s, s));
+  }
+#else
+  for (int j = 0; j < COUNT; j++) out[j] = 0.f;
+#endif
+  for (int64_t k = k0; k < K; k++)
+    for (int j = 0; j < COUNT; j++) out[j] += (float)w[j * K + k] * x[k];
+}
+
+/* x: (M, K) with row stride x_stride, fp32 or bf16; q: (N, K) int8 contiguous; scale: (N,)
+ * and bias (N,) or NULL, fp32 or bf16; y: (M, N) contiguous, fp32 or bf16. */
+void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
+                     const void *scale, int scale_bf16, const void *bias, int bias_bf16,
+                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K) {
+  float *xf = malloc(sizeof(float) * M * K);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t k = 0; k < K; k++) xf[m * K + k] = element(x, x_bf16, m * x_stride + k);
+  const int64_t quads = N / 4;
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < quads + N % 4; r++) {
+    const int64_t n = r < quads ? 4 * r : 4 * quads + (r - quads), count = r < quads ? 4 : 1;
+    for (int64_t m = 0; m < M; m++) {
+      float acc[4];
+      if (count == 4)
+        dot_codes(q + n * K, K, xf + m * K, 4, acc);
+      else
+        dot_codes(q + n * K, K, xf + m * K, 1, acc);
+      for (int64_t j = 0; j < count; j++) {
+        float value = acc[j] * element(scale, scale_bf16, n + j);
+        if (bias) value += element(bias, bias_bf16, n + j);
+        if (y_bf16)
+          ((uint16_t *)y)[m * N + n + j] = into_bf16(value);
+        else
+          ((float *)y)[m * N + n + j] = value;
+      }
+    }
+  }
+  free(xf);
+}
