@@ -142,15 +142,23 @@ static inline __attribute__((always_inline)) int64_t dot_block_bf16(
 /* One bf16 row x against FOUR consecutive weight rows (4 memory streams at once, x loaded
  * once per step): out[j] = row j . x over the first multiple of 32 channels. */
 static inline int64_t dot4_bf16(const uint16_t *w, int64_t K, const uint16_t *x, float *out) {
-  __m512 a[4];
-  for (int j = 0; j < 4; j++) a[j] = _mm512_setzero_ps();
+  __m512 a[4], b[4]; /* two chains a row: eight in flight cover vdpbf16ps's latency */
+  for (int j = 0; j < 4; j++) a[j] = b[j] = _mm512_setzero_ps();
   int64_t k0 = 0;
+  for (; k0 + 64 <= K; k0 += 64) {
+    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + k0);
+    const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + k0 + 32);
+    for (int j = 0; j < 4; j++) {
+      a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(w + j * K + k0), x0);
+      b[j] = _mm512_dpbf16_ps(b[j], (__m512bh)_mm512_loadu_si512(w + j * K + k0 + 32), x1);
+    }
+  }
   for (; k0 + 32 <= K; k0 += 32) {
     const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k0);
     for (int j = 0; j < 4; j++)
       a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(w + j * K + k0), xv);
   }
-  for (int j = 0; j < 4; j++) out[j] = _mm512_reduce_add_ps(a[j]);
+  for (int j = 0; j < 4; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j]));
   return k0;
 }
 
