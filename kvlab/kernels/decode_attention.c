@@ -190,11 +190,23 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
     return;
   }
   for (int i = 0; i < count; i++) rows[i] = tile + i * D;
-  if (s->format == FMT_BF16) {
+  if (s->format == FMT_BF16) { /* a bf16 value is the top half of its fp32 */
     for (int i = 0; i < count; i++) {
       const uint16_t *p = (const uint16_t *)s->data + at + i * s->s_slot;
       float *out = tile + i * D;
-      for (int d = 0; d < D; d++) out[d] = bf16_to_f32(p[d]);
+      int d = 0;
+#if defined(__AVX512F__)
+      for (; d + 16 <= D; d += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + d)));
+        _mm512_storeu_ps(out + d, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+      }
+#elif defined(__AVX2__)
+      for (; d + 8 <= D; d += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + d)));
+        _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+      }
+#endif
+      for (; d < D; d++) out[d] = bf16_to_f32(p[d]);
     }
     return;
   }
@@ -338,10 +350,44 @@ static int fill_rows(const Job *job, const Store *s, int b, int h, int64_t t, in
   return filled;
 }
 
+#if defined(__AVX512F__)
+/* key_scores for four rows at a time and a compile-time G (inlined per G): each row's
+ * 16-channel slices loaded once for all G query heads, 4 * G chains in registers.
+ * Returns the rows done. */
+static inline __attribute__((always_inline)) int key_scores_4(
+    const float *q, const float **rows, int n, const int G, int D, float scale,
+    float *scores, int stride) {
+  int i = 0;
+  for (; i + 4 <= n; i += 4) {
+    __m512 a[4][4];
+    for (int g = 0; g < G; g++)
+      for (int r = 0; r < 4; r++) a[g][r] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16)
+      for (int r = 0; r < 4; r++) {
+        const __m512 k = _mm512_loadu_ps(rows[i + r] + d);
+        for (int g = 0; g < G; g++) a[g][r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), k, a[g][r]);
+      }
+    for (int g = 0; g < G; g++)
+      for (int r = 0; r < 4; r++) scores[g * stride + i + r] = _mm512_reduce_add_ps(a[g][r]) * scale;
+  }
+  return i;
+}
+#endif
+
 /* scores[g][i] = scale * q_g . rows[i] for a run of n rows. */
 static void key_scores(const float *q, const float **rows, int n, int G, int D, float scale,
                        float *scores, int stride) {
   int i = 0;
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && G <= 4) {
+    switch (G) {
+      case 1: i = key_scores_4(q, rows, n, 1, D, scale, scores, stride); break;
+      case 2: i = key_scores_4(q, rows, n, 2, D, scale, scores, stride); break;
+      case 3: i = key_scores_4(q, rows, n, 3, D, scale, scores, stride); break;
+      default: i = key_scores_4(q, rows, n, 4, D, scale, scores, stride); break;
+    }
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 8 == 0) {
     for (; i + 8 <= n; i += 8) { /* 8 tokens at once: independent FMA chains, one reduction */
@@ -398,9 +444,48 @@ static inline __attribute__((always_inline)) void add_values_16(
 }
 #endif
 
+#if defined(__AVX512F__)
+/* add_values row by row for a compile-time G and C = D / 16: all G * C accumulators in
+ * registers, so each row is read once, whole and in order (sweeping the rows once per
+ * 16 channels read every row four times at D = 64, in a stride the prefetcher follows
+ * badly: half the bandwidth from memory). */
+static inline __attribute__((always_inline)) void add_values_rows(
+    const float *weights, int stride, const float **rows, int n, const int G, const int C,
+    float *out) {
+  __m512 acc[4][8];
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < C; c++) acc[g][c] = _mm512_loadu_ps(out + (g * C + c) * 16);
+  for (int i = 0; i < n; i++)
+    for (int c = 0; c < C; c++) {
+      const __m512 v = _mm512_loadu_ps(rows[i] + c * 16);
+      for (int g = 0; g < G; g++)
+        acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(weights[g * stride + i]), v, acc[g][c]);
+    }
+  for (int g = 0; g < G; g++)
+    for (int c = 0; c < C; c++) _mm512_storeu_ps(out + (g * C + c) * 16, acc[g][c]);
+}
+#endif
+
 /* out[g] += sum_i weights[g][i] * rows[i] for a run of n rows. */
 static void add_values(const float *weights, int stride, const float **rows, int n, int G,
                        int D, float *out) {
+#if defined(__AVX512F__)
+  if (D == 64 && G <= 4) {
+    switch (G) {
+      case 1: add_values_rows(weights, stride, rows, n, 1, 4, out); return;
+      case 2: add_values_rows(weights, stride, rows, n, 2, 4, out); return;
+      case 3: add_values_rows(weights, stride, rows, n, 3, 4, out); return;
+      default: add_values_rows(weights, stride, rows, n, 4, 4, out); return;
+    }
+  }
+  if (D == 128 && G <= 3) {
+    switch (G) {
+      case 1: add_values_rows(weights, stride, rows, n, 1, 8, out); return;
+      case 2: add_values_rows(weights, stride, rows, n, 2, 8, out); return;
+      default: add_values_rows(weights, stride, rows, n, 3, 8, out); return;
+    }
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 16 == 0 && G <= 4) { /* a constant G keeps the accumulators in registers */
     switch (G) {
