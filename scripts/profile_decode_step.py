@@ -46,6 +46,7 @@ def label_kvlab_kernels() -> None:
         setattr(module, name, call)
 
     labelled(linear, "_small_linear_impl", "kvlab::small_linear (C, ctypes)")
+    labelled(linear, "_int8_linear_impl", "kvlab::int8_linear (C, ctypes)")
     labelled(attention, "_decode_attention_impl", "kvlab::decode_attention (C, ctypes)")
 
 
