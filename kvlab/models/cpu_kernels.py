@@ -15,7 +15,8 @@ choice is cached per CPU (model and flags), threads, torch version and kernel bu
 the next loads (up to ``RETIMINGS`` timings, each kernel's fastest kept), so one timing
 taken while another process loaded the machine does not decide for good.
 ``KVLAB_CPU_LINEAR=<kernel>`` forces a kernel where it applies; ``KVLAB_CPU_PREPACK=0``
-keeps every layer plain.
+keeps every layer plain. Int8 weights (:func:`int8_kernel`) are chosen the same way between
+PyTorch's ``_weight_int8pack_mm`` (``plain``) and ``gemv_int8.c`` (``kvlab``).
 """
 
 from __future__ import annotations
