@@ -1,11 +1,11 @@
 """Build kvlab's C kernels once per machine and load them with ctypes.
 
-The sources (every ``*.c`` here) are compiled with the system C compiler for this CPU
-(``-march=native``: AVX2 on the AMD EPYCs here, AVX-512 on the Xeons) into one library
-under ``$KVLAB_CACHE/kernels``, keyed by the sources, the flags and the CPU (model, features),
-so a cache shared between machines never loads code built for another CPU. OpenMP comes
-from the libgomp torch has already loaded. Without a compiler the kernels are unavailable
-and callers use their torch reference path.
+The sources (every ``*.c`` here, with the ``*.h`` they include) are compiled with the
+system C compiler for this CPU (``-march=native``: AVX2 on the AMD EPYCs here, AVX-512 on
+the Xeons) into one library under ``$KVLAB_CACHE/kernels``, keyed by the sources, the flags
+and the CPU (model, features), so a cache shared between machines never loads code built
+for another CPU. OpenMP comes from the libgomp torch has already loaded. Without a
+compiler the kernels are unavailable and callers use their torch reference path.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from kvlab.paths import cache_dir
 
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # part of the build's key, not compiled
 # fast-math for the code (vectorized expf from glibc's libmvec, reassociated reductions;
 # the kernels use a finite sentinel, not -inf, for "no score seen"), but never on the link
 # line: there gcc adds crtfastmath.o, which sets flush-to-zero for the whole process
@@ -48,7 +49,8 @@ def _compiler() -> str | None:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(FLAGS + LIBS + list(EXACT)).encode()):
+    sources = (s.read_bytes() for s in SOURCES + HEADERS)
+    for part in (*sources, " ".join(FLAGS + LIBS + list(EXACT)).encode()):
         key.update(part)
     key.update(compiler.encode())
     key.update(cpu_identity().encode())

@@ -11,25 +11,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
 #define MAX_M 8
-
-static inline float bf16_value(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float out;
-  memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-static inline uint16_t to_bf16(float value) {
-  uint32_t bits;
-  memcpy(&bits, &value, sizeof(bits));
-  bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
-  return (uint16_t)(bits >> 16);
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __m256 load8(const void *p, int bf16, int64_t k) {
@@ -51,10 +39,6 @@ static inline void store(void *y, int y_bf16, int64_t at, float value) {
     ((uint16_t *)y)[at] = to_bf16(value);
   else
     ((float *)y)[at] = value;
-}
-
-static inline float value_at(const void *p, int bf16, int64_t i) {
-  return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 #if defined(__AVX2__) && defined(__FMA__)

@@ -10,27 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
-
-static inline float from_bf16(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float out;
-  memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-static inline uint16_t into_bf16(float value) {
-  uint32_t bits;
-  memcpy(&bits, &value, sizeof(bits));
-  bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
-  return (uint16_t)(bits >> 16);
-}
-
-static inline float element(const void *p, int bf16, int64_t i) {
-  return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
 
 /* out[j] = row j of w (COUNT consecutive rows of K codes) . x, over every channel. */
 static inline __attribute__((always_inline)) void dot_codes(const int8_t *w, int64_t K,
@@ -87,7 +71,7 @@ void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K) {
   float *xf = malloc(sizeof(float) * M * K);
   for (int64_t m = 0; m < M; m++)
-    for (int64_t k = 0; k < K; k++) xf[m * K + k] = element(x, x_bf16, m * x_stride + k);
+    for (int64_t k = 0; k < K; k++) xf[m * K + k] = value_at(x, x_bf16, m * x_stride + k);
   const int64_t quads = N / 4;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < quads + N % 4; r++) {
@@ -99,10 +83,10 @@ void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *
       else
         dot_codes(q + n * K, K, xf + m * K, 1, acc);
       for (int64_t j = 0; j < count; j++) {
-        float value = acc[j] * element(scale, scale_bf16, n + j);
-        if (bias) value += element(bias, bias_bf16, n + j);
+        float value = acc[j] * value_at(scale, scale_bf16, n + j);
+        if (bias) value += value_at(bias, bias_bf16, n + j);
         if (y_bf16)
-          ((uint16_t *)y)[m * N + n + j] = into_bf16(value);
+          ((uint16_t *)y)[m * N + n + j] = to_bf16(value);
         else
           ((float *)y)[m * N + n + j] = value;
       }
