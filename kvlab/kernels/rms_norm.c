@@ -1,0 +1,32 @@
+/* RMSNorm (Zhang & Sennrich, arXiv 1910.07467) of rows of fp32 or bf16 values in one call,
+ * as kvlab's model computes it in torch ops: the root mean square in fp32, the normalised
+ * row rounded to the row's dtype, then times the weight in that dtype. A decode step
+ * normalises one short row per sequence twice a layer, where the op-by-op version costs
+ * about ten dispatches; the values are the same up to the summation order. */
+#include <math.h>
+#include <stdint.h>
+
+#include "bf16.h"
+
+/* x, out: (rows, dim), rows `stride` elements apart in x; weight: (dim,). bf16 = 1: all
+ * three bf16, else fp32. */
+void kvlab_rms_norm(const void *x, int64_t stride, const void *weight, void *out, int bf16,
+                    int64_t rows, int64_t dim, float eps) {
+  for (int64_t r = 0; r < rows; r++) {
+    float squares = 0.f;
+    for (int64_t i = 0; i < dim; i++) {
+      const float v = value_at(x, bf16, r * stride + i);
+      squares += v * v;
+    }
+    const float inverse = 1.f / sqrtf(squares / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) {
+      const float normed = value_at(x, bf16, r * stride + i) * inverse;
+      if (bf16) {
+        const float rounded = bf16_value(to_bf16(normed));
+        ((uint16_t *)out)[r * dim + i] = to_bf16(value_at(weight, 1, i) * rounded);
+      } else {
+        ((float *)out)[r * dim + i] = value_at(weight, 0, i) * normed;
+      }
+    }
+  }
+}
