@@ -2,7 +2,10 @@
  * as kvlab's model computes it in torch ops: the root mean square in fp32, the normalised
  * row rounded to the row's dtype, then times the weight in that dtype. A decode step
  * normalises one short row per sequence twice a layer, where the op-by-op version costs
- * about ten dispatches; the values are the same up to the summation order. */
+ * about ten dispatches. Built without fast-math (build.py's EXACT): the root mean square is
+ * a sum, a division, a square root and a reciprocal rounded as torch rounds them, so the
+ * values are the same up to the order of the sum (torch's depends on the CPU's vector
+ * width), and bit-identical wherever that sum is exact. */
 #include <math.h>
 #include <stdint.h>
 
