@@ -25,9 +25,7 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     ):
         return None
     dim = x.shape[-1]
-    flat = x.reshape(-1, dim)
-    if flat.stride(-1) != 1:
-        return None
+    flat = x.reshape(-1, dim)  # a view where rows are evenly strided, else a contiguous copy
     out = torch.empty(flat.shape, dtype=x.dtype)
     library().kvlab_rms_norm(
         ctypes.c_void_p(flat.data_ptr()), ctypes.c_int64(flat.stride(0)),
