@@ -24,4 +24,12 @@ static inline float value_at(const void *p, int bf16, int64_t i) {
   return bf16 ? bf16_value(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+/* out[at] = value, stored as fp32 (bf16 = 0) or rounded to bf16 (bf16 = 1). */
+static inline void store(void *out, int bf16, int64_t at, float value) {
+  if (bf16)
+    ((uint16_t *)out)[at] = to_bf16(value);
+  else
+    ((float *)out)[at] = value;
+}
+
 #endif

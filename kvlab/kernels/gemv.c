@@ -34,13 +34,6 @@ static inline float hsum(__m256 a) {
 }
 #endif
 
-static inline void store(void *y, int y_bf16, int64_t at, float value) {
-  if (y_bf16)
-    ((uint16_t *)y)[at] = to_bf16(value);
-  else
-    ((float *)y)[at] = value;
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
 /* Dot products of one weight row with ROWS rows of x (ROWS a constant after inlining):
  * two accumulators per row (16 channels a step) up to 4 rows, one (8 a step) above, so the

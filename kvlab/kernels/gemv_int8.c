@@ -83,12 +83,8 @@ void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *
       else
         dot_codes(q + n * K, K, xf + m * K, 1, acc);
       for (int64_t j = 0; j < count; j++) {
-        float value = acc[j] * value_at(scale, scale_bf16, n + j);
-        if (bias) value += value_at(bias, bias_bf16, n + j);
-        if (y_bf16)
-          ((uint16_t *)y)[m * N + n + j] = to_bf16(value);
-        else
-          ((float *)y)[m * N + n + j] = value;
+        const float b = bias ? value_at(bias, bias_bf16, n + j) : 0.f;
+        store(y, y_bf16, m * N + n + j, acc[j] * value_at(scale, scale_bf16, n + j) + b);
       }
     }
   }

@@ -24,12 +24,8 @@ void kvlab_rms_norm(const void *x, int64_t stride, const void *weight, void *out
     const float inverse = 1.f / sqrtf(squares / (float)dim + eps);
     for (int64_t i = 0; i < dim; i++) {
       const float normed = value_at(x, bf16, r * stride + i) * inverse;
-      if (bf16) {
-        const float rounded = bf16_value(to_bf16(normed));
-        ((uint16_t *)out)[r * dim + i] = to_bf16(value_at(weight, 1, i) * rounded);
-      } else {
-        ((float *)out)[r * dim + i] = value_at(weight, 0, i) * normed;
-      }
+      const float rounded = bf16 ? bf16_value(to_bf16(normed)) : normed;  /* x's dtype */
+      store(out, bf16, r * dim + i, value_at(weight, bf16, i) * rounded);
     }
   }
 }
