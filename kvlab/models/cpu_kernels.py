@@ -97,13 +97,14 @@ def _(x, packed, bias, out_features):
 
 
 def applicable_kernels(dtype: torch.dtype) -> list[str]:
-    """The kernels that can run a CPU linear layer of ``dtype`` here (``plain`` always)."""
+    """The kernels that can run a CPU linear layer of ``dtype`` here (``plain`` always;
+    ``torch.int8``: int8 weights with a scale per output channel, :func:`int8_kernel`)."""
     kernels = ["plain"]
     if os.environ.get("KVLAB_CPU_PREPACK", "1") == "0":
         return kernels
     if dtype == torch.bfloat16 and onednn_bf16_reorder_works():
         kernels.append("onednn")
-    if dtype in (torch.float32, torch.bfloat16) and library() is not None:
+    if dtype in (torch.float32, torch.bfloat16, torch.int8) and library() is not None:
         kernels.append("kvlab")
     return kernels
 
@@ -122,10 +123,7 @@ def int8_kernel() -> dict:
     """The kernel this CPU runs int8 weights (one scale per output channel) with for decode
     rows, as :func:`linear_kernel` decides: ``plain`` (PyTorch's ``_weight_int8pack_mm``)
     or ``kvlab`` (``gemv_int8.c``), timed on a stack of int8 weights."""
-    applicable = ["plain"]
-    if os.environ.get("KVLAB_CPU_PREPACK", "1") != "0" and library() is not None:
-        applicable.append("kvlab")
-    return _choose("int8", applicable, _time_int8_kernels)
+    return _choose("int8", applicable_kernels(torch.int8), _time_int8_kernels)
 
 
 def _choose(name: str, applicable: list[str], timer) -> dict:
@@ -176,27 +174,22 @@ def _choice_path(name: str, applicable: list[str]) -> Path:
     return cache_dir() / "kernel_choice" / f"{name}-{key}.json"
 
 
-def _time_kernels(kernels: list[str], dtype: torch.dtype, reps: int = 9) -> dict[str, float]:
+def _time_kernels(kernels: list[str], dtype: torch.dtype) -> dict[str, float]:
     """Median ms of one row through every layer of a weight stack larger than the LLC, per
-    kernel; the kernels take turns pass by pass, so a machine's drift touches all alike."""
+    kernel (:func:`_time_passes`)."""
     weights = _timed_weights(dtype)
-    stacks = {kernel: [_WRAPPERS[kernel](linear) for linear in weights] for kernel in kernels}
     x = {k: torch.full((1, 1, k), 0.01, dtype=dtype) for k in {s[1] for s in TIMED_SHAPES}}
-    samples: dict[str, list[float]] = {kernel: [] for kernel in kernels}
-    with torch.inference_mode():
-        for rep in range(reps + 2):  # two warm-up passes
-            for kernel, layers in stacks.items():
-                start = time.perf_counter()
-                for layer in layers:
-                    layer(x[layer.in_features])
-                if rep >= 2:
-                    samples[kernel].append((time.perf_counter() - start) * 1e3)
-    return {kernel: round(sorted(t)[len(t) // 2], 3) for kernel, t in samples.items()}
+
+    def stack_pass(kernel: str):
+        layers = [_WRAPPERS[kernel](linear) for linear in weights]
+        return lambda: [layer(x[layer.in_features]) for layer in layers]
+
+    return _time_passes({kernel: stack_pass(kernel) for kernel in kernels})
 
 
-def _time_int8_kernels(kernels: list[str], reps: int = 9) -> dict[str, float]:
+def _time_int8_kernels(kernels: list[str]) -> dict[str, float]:
     """:func:`_time_kernels` for int8 weights (bf16 rows and scales, as ``quant=rtn_int8``
-    runs them): PyTorch's kernel against kvlab's, pass by pass."""
+    runs them): PyTorch's kernel against kvlab's."""
     from kvlab.kernels.linear import int8_linear
 
     weights = [
@@ -208,13 +201,23 @@ def _time_int8_kernels(kernels: list[str], reps: int = 9) -> dict[str, float]:
         "kvlab": lambda x, codes, scale: int8_linear(x, codes, scale, None),
     }
     x = {k: torch.full((1, k), 0.01, dtype=torch.bfloat16) for k in {s[1] for s in TIMED_SHAPES}}
-    samples: dict[str, list[float]] = {kernel: [] for kernel in kernels}
+
+    def stack_pass(kernel: str):
+        return lambda: [run[kernel](x[codes.shape[1]], codes, scale) for codes, scale in weights]
+
+    return _time_passes({kernel: stack_pass(kernel) for kernel in kernels})
+
+
+def _time_passes(passes: dict, reps: int = 9) -> dict[str, float]:
+    """Median ms of each kernel's pass over its stack (``passes``: kernel -> a call); the
+    kernels take turns pass by pass after two warm-up passes, so a machine's drift touches
+    all alike."""
+    samples: dict[str, list[float]] = {kernel: [] for kernel in passes}
     with torch.inference_mode():
-        for rep in range(reps + 2):  # two warm-up passes
-            for kernel in kernels:
+        for rep in range(reps + 2):
+            for kernel, run_pass in passes.items():
                 start = time.perf_counter()
-                for codes, scale in weights:
-                    run[kernel](x[codes.shape[1]], codes, scale)
+                run_pass()
                 if rep >= 2:
                     samples[kernel].append((time.perf_counter() - start) * 1e3)
     return {kernel: round(sorted(t)[len(t) // 2], 3) for kernel, t in samples.items()}
