@@ -86,9 +86,22 @@ def kvlab_run(engine: Engine, prompt: list[int], args) -> tuple[float, float, in
     return percentile(stats.step_s, 50) * 1e3, stats.ttft_s * 1e3, stats.kv_peak.used_bytes
 
 
-def kvlab_engines(weights: Weights, kv_types: list[str], prompt: list[int], args) -> dict:
+def load_weights(weights: Weights) -> torch.nn.Module:
+    """The default model on the CPU in ``weights``' dtype and quantizer, as a run loads it."""
     cfg = compose_run_config([f"quant={weights.quant}", f"model.dtype={weights.dtype}"])
-    model, _ = load_run_model(cfg.model, cfg.quant, torch.device("cpu"))
+    return load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
+
+
+def wikitext_prompt(length: int) -> list[int]:
+    """The first ``length`` tokens of WikiText-2 test, in the default model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
+    return text_windows(tokenizer, wikitext2_test_text(), length, 1)[0]
+
+
+def kvlab_engines(weights: Weights, kv_types: list[str], prompt: list[int], args) -> dict:
+    model = load_weights(weights)
     engines = {}
     for kv in kv_types:
         engine = Engine(model, cache_factory(kv, model, {})(static=args.compile),
@@ -99,11 +112,7 @@ def kvlab_engines(weights: Weights, kv_types: list[str], prompt: list[int], args
 
 
 def measure(args) -> list[dict]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
-    longest = max(args.depths)
-    text = text_windows(tokenizer, wikitext2_test_text(), longest, 1)[0]
+    text = wikitext_prompt(max(args.depths))
     samples: dict[tuple, dict[str, list[float]]] = {}
     meta: dict[tuple, dict] = {}
     for name in args.weights:

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: torch.profiler over the decode steps of one generation on
 the default model (after a warm-up run), ops grouped by name, self time per step, for each
-weight format asked. Not a test: read the shares.
+weight format asked (the weights of scripts/bench_vs_llamacpp.py). Not a test: read the
+shares.
 
     python scripts/profile_decode_step.py --weights fp32,bf16,int8,int4 --depth 1024
 """
@@ -11,22 +12,12 @@ import argparse
 from collections import defaultdict
 
 import torch
+from bench_vs_llamacpp import WEIGHTS, load_weights, wikitext_prompt  # scripts/, beside it
 from torch.profiler import ProfilerActivity, profile
 
 from kvlab.cache import cache_factory
-from kvlab.data import wikitext2_test_text
 from kvlab.engine import Engine, GenerationConfig
-from kvlab.models import resolve_checkpoint
-from kvlab.run import compose_run_config, load_run_model
 from kvlab.tracking import environment
-from kvlab.workload import text_windows
-
-WEIGHTS = {  # name -> (model.dtype, quant preset), as in scripts/bench_vs_llamacpp.py
-    "fp32": ("float32", "none"),
-    "bf16": ("bfloat16", "none"),
-    "int8": ("bfloat16", "rtn_int8"),
-    "int4": ("bfloat16", "rtn_int4_g32_asym"),
-}
 
 
 def label_kvlab_kernels() -> None:
@@ -52,9 +43,7 @@ def label_kvlab_kernels() -> None:
 
 def profile_steps(name: str, prompt: list[int], args) -> tuple[dict[str, list[float]], float]:
     """({op: [self ms per step, calls per step]}, wall ms per step) over the decode steps."""
-    dtype, quant = WEIGHTS[name]
-    cfg = compose_run_config([f"quant={quant}", f"model.dtype={dtype}"])
-    model, _ = load_run_model(cfg.model, cfg.quant, torch.device("cpu"))
+    model = load_weights(WEIGHTS[name])
     engine = Engine(model, cache_factory(args.cache, model, {})(static=args.compile),
                     compile=args.compile)  # fmt: skip
     gen = GenerationConfig(args.steps + 1, stop_on_eos=False)
@@ -82,10 +71,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m"))
-    prompt = text_windows(tokenizer, wikitext2_test_text(), args.depth, 1)[0]
+    prompt = wikitext_prompt(args.depth)
     label_kvlab_kernels()
     env = environment()
     print(f"decode-step profile, SmolLM2-135M, cache={args.cache}, depth {args.depth}, "
