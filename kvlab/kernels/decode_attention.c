@@ -365,10 +365,12 @@ static inline __attribute__((always_inline)) int key_scores_4(
     for (int d = 0; d < D; d += 16)
       for (int r = 0; r < 4; r++) {
         const __m512 k = _mm512_loadu_ps(rows[i + r] + d);
-        for (int g = 0; g < G; g++) a[g][r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), k, a[g][r]);
+        for (int g = 0; g < G; g++)
+          a[g][r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), k, a[g][r]);
       }
     for (int g = 0; g < G; g++)
-      for (int r = 0; r < 4; r++) scores[g * stride + i + r] = _mm512_reduce_add_ps(a[g][r]) * scale;
+      for (int r = 0; r < 4; r++)
+        scores[g * stride + i + r] = _mm512_reduce_add_ps(a[g][r]) * scale;
   }
   return i;
 }

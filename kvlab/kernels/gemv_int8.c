@@ -28,8 +28,9 @@ static inline __attribute__((always_inline)) void dot_codes(const int8_t *w, int
     const __m512 x0 = _mm512_loadu_ps(x + k0), x1 = _mm512_loadu_ps(x + k0 + 16);
     for (int j = 0; j < COUNT; j++) {
       const __m256i codes = _mm256_loadu_si256((const __m256i *)(w + j * K + k0));
-      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
-      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+      const __m128i low = _mm256_castsi256_si128(codes), high = _mm256_extracti128_si256(codes, 1);
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low));
+      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high));
       a[j] = _mm512_fmadd_ps(w0, x0, a[j]);
       b[j] = _mm512_fmadd_ps(w1, x1, b[j]);
     }
