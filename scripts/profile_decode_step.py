@@ -25,7 +25,7 @@ def label_kvlab_kernels() -> None:
     eager step: wrap their entry points in named ranges so they show up as ops."""
     from torch.profiler import record_function
 
-    from kvlab.kernels import attention, linear
+    from kvlab.kernels import attention_c, linear
 
     def labelled(module, name: str, label: str) -> None:
         inner = getattr(module, name)
@@ -38,7 +38,7 @@ def label_kvlab_kernels() -> None:
 
     labelled(linear, "_small_linear_impl", "kvlab::small_linear (C, ctypes)")
     labelled(linear, "_int8_linear_impl", "kvlab::int8_linear (C, ctypes)")
-    labelled(attention, "_decode_attention_impl", "kvlab::decode_attention (C, ctypes)")
+    labelled(attention_c, "_decode_attention_impl", "kvlab::decode_attention (C, ctypes)")
 
 
 def profile_steps(name: str, prompt: list[int], args) -> tuple[dict[str, list[float]], float]:

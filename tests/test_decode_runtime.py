@@ -19,7 +19,7 @@ from kvlab.cache.codecs import Fp4Codec, Fp8Codec
 from kvlab.cache.codecs.fp8 import FORMATS as FP8_FORMATS
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import Segment, Stored, decode_attention, kernel_available, reference_attention
-from kvlab.kernels.attention import _kernel_applies
+from kvlab.kernels.attention_c import c_kernel_applies as _kernel_applies
 from kvlab.kernels.int_codes import BITS, ChannelCodes, TokenCodes
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler for the kernel")

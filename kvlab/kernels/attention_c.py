@@ -1,0 +1,175 @@
+"""The CPU decode attention backend: the C kernel of ``decode_attention.c`` (flash-decoding:
+per-chunk partial softmax, merged at the end; codes dequantized row by row in L1), called
+through ctypes in eager mode and as the torch custom op ``kvlab::decode_attention`` when
+compiling, so ``torch.compile`` traces a decode step through it without a graph break."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvlab.kernels.build import library
+from kvlab.kernels.segments import FORMATS, TABLES, Segment, Stored
+
+CHUNK = 256  # tokens per partial result
+MAX_HEAD_DIM = 256
+
+
+def c_attention(segments: list[Segment], scale: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """(B, H_kv, G, D) in ``out_dtype``: one softmax over every segment, in one C call."""
+    args = _flatten(segments) + (scale, out_dtype == torch.bfloat16)
+    if torch.compiler.is_compiling():
+        return torch.ops.kvlab.decode_attention(*args)
+    return _decode_attention_impl(*args)  # eager: no dispatcher round trip
+
+
+class _Store(ctypes.Structure):
+    _fields_ = [
+        ("format", ctypes.c_int32), ("bits", ctypes.c_int32), ("group", ctypes.c_int32),
+        ("scale_bf16", ctypes.c_int32), ("data", ctypes.c_void_p),
+        ("s_block", ctypes.c_int64), ("s_head", ctypes.c_int64), ("s_slot", ctypes.c_int64),
+        ("scale", ctypes.c_void_p), ("zero", ctypes.c_void_p),
+        ("z_block", ctypes.c_int64), ("z_head", ctypes.c_int64), ("z_row", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+class _Job(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", _Store), ("v", _Store), ("table", ctypes.c_void_p),
+        ("table_stride", ctypes.c_int64), ("block_size", ctypes.c_int64),
+        ("ring", ctypes.c_int64), ("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p),
+        ("B", ctypes.c_int32), ("H", ctypes.c_int32), ("G", ctypes.c_int32),
+        ("D", ctypes.c_int32), ("chunk", ctypes.c_int32), ("n_chunks", ctypes.c_int32),
+        ("partial_offset", ctypes.c_int32), ("partial_total", ctypes.c_int32),
+        ("scale", ctypes.c_float), ("m", ctypes.c_void_p), ("l", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+@torch.compiler.assume_constant_result
+def kernel_available() -> bool:
+    """Whether the C kernel is built and loaded (decided once, before any tracing)."""
+    return library() is not None
+
+
+def c_kernel_applies(s: Segment) -> bool:
+    """The C kernel serves CPU tensors of fp32/bf16 (codes: int32 words) with head_dim <=
+    256, contiguous last axes and int64 tables."""
+    stores = (s.keys, s.values)
+    return (
+        s.q.device.type == "cpu"
+        and s.q.shape[-1] <= MAX_HEAD_DIM
+        and all(_store_applies(st) for st in stores)
+        and all(t.dtype == torch.int64 and t.is_contiguous() for t in (s.table, s.lo, s.hi))
+        and kernel_available()
+    )
+
+
+def _store_applies(st: Stored) -> bool:
+    if st.data.stride(-1) != 1:
+        return False
+    if st.format == "fp":
+        return st.data.dtype in (torch.float32, torch.bfloat16)
+    if st.format in TABLES:
+        scale_types = (torch.uint8,) if st.format == "fp4" else (torch.float32, torch.bfloat16)
+        return (
+            st.data.dtype == torch.uint8
+            and st.scale is not None
+            and st.scale.dtype in scale_types
+            and st.scale.stride(-1) == 1
+            and st.zero is not None
+            and st.zero.dtype == torch.float32
+            and st.zero.shape == (TABLES[st.format],)
+            and st.zero.is_contiguous()
+        )
+    return (
+        st.data.dtype == torch.int32
+        and st.scale is not None
+        and st.scale.dtype in (torch.float32, torch.bfloat16)
+        and st.zero is not None
+        and st.zero.dtype == st.scale.dtype
+        and st.scale.stride() == st.zero.stride()
+        and st.scale.stride(-1) == 1
+    )
+
+
+def _flatten(segments: list[Segment]) -> tuple:
+    """The segments as the custom op's flat lists (one entry per segment)."""
+    pick = lambda f: [f(s) for s in segments]  # noqa: E731
+    config = []
+    for s in segments:
+        k, v = s.keys, s.values
+        config += [FORMATS[k.format], k.bits, k.group, FORMATS[v.format], v.bits, v.group, s.ring]
+    return (
+        pick(lambda s: s.q), pick(lambda s: s.keys.data), pick(lambda s: s.keys.scale),
+        pick(lambda s: s.keys.zero), pick(lambda s: s.values.data),
+        pick(lambda s: s.values.scale), pick(lambda s: s.values.zero), pick(lambda s: s.table),
+        pick(lambda s: s.lo), pick(lambda s: s.hi), config,
+    )  # fmt: skip
+
+
+def _c_store(data, fmt, bits, group, scale_t, zero_t) -> _Store:
+    store = _Store()
+    store.format = 1 if (fmt == 0 and data.dtype == torch.bfloat16) else fmt
+    store.bits, store.group, store.data = bits, group, data.data_ptr()
+    store.s_block, store.s_head, store.s_slot = data.stride(0), data.stride(1), data.stride(2)
+    if scale_t is not None:
+        store.scale_bf16 = int(scale_t.dtype == torch.bfloat16)
+        store.scale, store.zero = scale_t.data_ptr(), zero_t.data_ptr()
+        store.z_block, store.z_head, store.z_row = scale_t.stride()[:3]
+    return store
+
+
+def _n_chunks(table: torch.Tensor, block_size: int, ring: int) -> int:
+    return -(-(ring or table.shape[1] * block_size) // CHUNK)
+
+
+@torch.library.custom_op("kvlab::decode_attention", mutates_args=())
+def _decode_attention_op(
+    qs: list[torch.Tensor], k_data: list[torch.Tensor], k_scale: list[torch.Tensor | None],
+    k_zero: list[torch.Tensor | None], v_data: list[torch.Tensor],
+    v_scale: list[torch.Tensor | None], v_zero: list[torch.Tensor | None],
+    tables: list[torch.Tensor], los: list[torch.Tensor], his: list[torch.Tensor],
+    config: list[int], scale: float, bf16: bool,
+) -> torch.Tensor:  # fmt: skip
+    """The C kernel over flattened segments (see :func:`_flatten`): (B, H_kv, G, D)."""
+    return _decode_attention_impl(
+        qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, config,
+        scale, bf16,
+    )  # fmt: skip
+
+
+@_decode_attention_op.register_fake
+def _(qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, config, scale, bf16):
+    return qs[0].new_empty(qs[0].shape, dtype=torch.bfloat16 if bf16 else torch.float32)
+
+
+def _decode_attention_impl(
+    qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, config, scale, bf16
+) -> torch.Tensor:
+    """One C call: every segment's partials into one buffer, then their merge."""
+    batch, heads, group, dim = qs[0].shape
+    chunks = [
+        _n_chunks(table, data.shape[2], config[7 * i + 6])
+        for i, (table, data) in enumerate(zip(tables, k_data, strict=True))
+    ]
+    rows = batch * heads * sum(chunks) * group
+    work = torch.empty(rows * (dim + 2), dtype=torch.float32)  # maxima, sums, outputs
+    jobs, offset, queries = (_Job * len(qs))(), 0, [q.float().contiguous() for q in qs]
+    for i, job in enumerate(jobs):
+        fmt = config[7 * i : 7 * i + 7]
+        job.k = _c_store(k_data[i], fmt[0], fmt[1], fmt[2], k_scale[i], k_zero[i])
+        job.v = _c_store(v_data[i], fmt[3], fmt[4], fmt[5], v_scale[i], v_zero[i])
+        job.q, job.table = queries[i].data_ptr(), tables[i].data_ptr()
+        job.lo, job.hi = los[i].data_ptr(), his[i].data_ptr()
+        job.table_stride, job.block_size, job.ring = tables[i].stride(0), k_data[i].shape[2], fmt[6]
+        job.B, job.H, job.G, job.D, job.scale = batch, heads, group, dim, scale
+        job.chunk, job.n_chunks, job.partial_offset = CHUNK, chunks[i], offset
+        job.partial_total = sum(chunks)
+        job.m = work.data_ptr()
+        job.l, job.o = job.m + 4 * rows, job.m + 8 * rows
+        offset += chunks[i]
+    out = torch.empty(batch, heads, group, dim, dtype=torch.bfloat16 if bf16 else torch.float32)
+    library().kvlab_decode_attention(jobs, len(jobs), ctypes.c_void_p(out.data_ptr()), int(bf16))
+    return out
