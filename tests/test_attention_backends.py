@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cache_contract import COMPOSED, LOSSY, prompts, recorded
-from test_decode_runtime import CASES, GEN, D, H, contiguous_segment, rand, stored_case
+from test_decode_runtime import CASES, GEN, SETTINGS, D, H, contiguous_segment, rand, stored_case
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvlab.cache import build_cache
 from kvlab.engine import Engine, GenerationConfig
@@ -169,3 +170,75 @@ def test_every_strategy_decodes_alike_on_the_gpu_backends(tiny_llama, name, opti
     assert gpu_tokens == tokens
     for got, want in zip(gpu_logits, logits, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+class BytesWritten(TorchDispatchMode):
+    """Bytes every torch op writes: new tensors (not views of their inputs) and, for
+    in-place ops, the largest tensor they take as input (what ``index_copy_`` or
+    ``copy_`` writes into the destination). The C kernel writes only tensors allocated by
+    torch ops, so its buffers count too."""
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        if func._schema.is_mutable:
+            self.total += max((t.nbytes for t in tensors[1:]), default=0)
+            return out
+        inputs = {t.untyped_storage().data_ptr() for t in tensors}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                self.total += t.nbytes
+        return out
+
+
+def decode_step_bytes(model, name: str, length: int, backend: str) -> int:
+    """Bytes the cache's attend writes, all layers, on the third decode step after a
+    ``length``-token prompt."""
+    cache = build_cache(name, model.cache_spec(), SETTINGS[name])
+    attend, written = cache.attend, []
+
+    def counted(step, *args):
+        if not step.decode:
+            return attend(step, *args)
+        with BytesWritten() as mode:
+            out = attend(step, *args)
+        written.append(mode.total)
+        return out
+
+    cache.attend = counted
+    prompt = [3 + i % 200 for i in range(length)]
+    with use_backend(backend):
+        Engine(model, cache).generate([prompt], GenerationConfig(3, stop_on_eos=False))
+    return sum(written[-model.cache_spec().num_layers :])
+
+
+def fp32_history_bytes(model, tokens: int) -> int:
+    spec = model.cache_spec()
+    return 2 * tokens * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
+
+
+@pytest.mark.parametrize("name", sorted(set(SETTINGS) - {"nocache"}))
+def test_a_decode_step_writes_no_copy_of_the_history(tiny_llama, name):
+    """400 more tokens of history add almost nothing to what a decode step writes on the
+    CPU path: no dequantized copy, no re-copy of the cache (the C kernel's partials grow by
+    one chunk per 256 tokens). Quest gathers and scores its page summaries each step (min
+    and max: 2 / block_size of the keys, and a score per page and query head): at most
+    1.5x their bytes. (Triton's interpreter copies its arguments, so it is not measured
+    here.)"""
+    growth = decode_step_bytes(tiny_llama, name, 440, "c")
+    growth -= decode_step_bytes(tiny_llama, name, 40, "c")
+    history = fp32_history_bytes(tiny_llama, 400)
+    summaries = history / SETTINGS[name]["block_size"] if name == "quest" else 0
+    assert growth <= history / 100 + 1.5 * summaries
+
+
+@pytest.mark.parametrize("name", ["full", "int4"])
+def test_the_byte_count_sees_a_dequantized_history(tiny_llama, name):
+    """The reference path copies every slot to fp32: the bound above fails it."""
+    growth = decode_step_bytes(tiny_llama, name, 440, "reference")
+    growth -= decode_step_bytes(tiny_llama, name, 40, "reference")
+    assert growth >= fp32_history_bytes(tiny_llama, 400) / 2
