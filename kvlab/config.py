@@ -203,13 +203,24 @@ class WorkloadConfig:
             _require(exists, "workload.prompt_file", self.prompt_file, "an existing text file")
 
 
+# kvlab.kernels.attention.BACKENDS (spelled out here so the config needs no torch import)
+ATTENTION_BACKENDS = ("auto", "c", "gpu", "flex", "triton", "reference")
+
+
 @dataclass
 class EngineConfig:
     """How decode steps run: ``compile`` puts each under ``torch.compile`` (inductor on the
     CPU, CUDA graphs on a GPU; the cache keeps static shapes); eager by default, since it
-    does not win everywhere yet (see experiments/engine_vs_hf)."""
+    does not win everywhere yet (see experiments/engine_vs_hf). ``attention``: the decode
+    attention backend, ``auto`` = the C kernel on the CPU, FlexAttention and Triton on CUDA
+    (see kvlab.kernels.attention); pinning one compares backends on one machine."""
 
     compile: bool = False
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        allowed = ", ".join(ATTENTION_BACKENDS)
+        _require(self.attention in ATTENTION_BACKENDS, "engine.attention", self.attention, allowed)
 
 
 LOGGERS = ("none", "wandb")

@@ -24,6 +24,7 @@ from kvlab.config import (
 from kvlab.engine import Engine, GenerationConfig, SamplingConfig
 from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
 from kvlab.eval import run_evals
+from kvlab.kernels.attention import use_backend
 from kvlab.models import load_model
 from kvlab.models.cpu_kernels import prepack_linears
 from kvlab.models.llama import Decoder
@@ -92,7 +93,12 @@ def generation_config(cfg: RunConfig, new_tokens: int | None = None) -> Generati
 
 def measure(cfg: RunConfig, out_dir: Path | None = None) -> dict[str, Any]:
     """Run the workload of ``cfg`` once after a warm-up, then its evals (their files go to
-    ``out_dir``); the metrics of that run."""
+    ``out_dir``), on the decode attention backend ``engine.attention``; the metrics."""
+    with use_backend(cfg.engine.attention):
+        return _measure(cfg, out_dir)
+
+
+def _measure(cfg: RunConfig, out_dir: Path | None) -> dict[str, Any]:
     check_context(cfg)
     apply_threads(cfg.threads)  # the CPUs this process was given, not the machine's
     device = resolve_device(cfg.model.device)

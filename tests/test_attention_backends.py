@@ -242,3 +242,14 @@ def test_the_byte_count_sees_a_dequantized_history(tiny_llama, name):
     growth = decode_step_bytes(tiny_llama, name, 440, "reference")
     growth -= decode_step_bytes(tiny_llama, name, 40, "reference")
     assert growth >= fp32_history_bytes(tiny_llama, 400) / 2
+
+
+@needs_triton
+@pytest.mark.slow
+def test_a_compiled_step_on_the_gpu_backends_equals_eager(tiny_llama):
+    """On CPU tensors the flex and Triton calls stay outside the graph (a graph break):
+    a compiled step still gives the eager tokens and logits."""
+    from test_decode_runtime import compiled_against_eager
+
+    with use_backend("gpu"):
+        compiled_against_eager(tiny_llama, "int4", SETTINGS["int4"])

@@ -58,6 +58,7 @@ def test_every_config_file_composes(group, option):
             r"workload.serving.prompt_len: kind='zipf' is invalid; allowed: .*longtail",
         ),
         (lambda: WorkloadConfig(kind="offline"), r"workload.kind='offline' .*serving"),
+        (lambda: EngineConfig(attention="cuda"), r"engine.attention='cuda'.*auto, c, gpu"),
         (
             lambda: WorkloadConfig(serving=ServingConfig(kv_budget_gib=1)),
             r"workload.serving=.* exactly when workload.kind=serving",
@@ -255,3 +256,10 @@ def test_a_choice_on_the_axes_that_is_not_the_strategy_is_refused_before_loading
     with pytest.raises(ValueError, match=message):
         CacheConfig(**axes)
     assert CacheConfig(name="int4", policy="keep_all", store="contiguous", codec="kivi")
+
+
+def test_the_attention_backends_a_config_allows_are_the_kernels_own():
+    from kvlab.config import ATTENTION_BACKENDS
+    from kvlab.kernels.attention import BACKENDS
+
+    assert ATTENTION_BACKENDS == BACKENDS

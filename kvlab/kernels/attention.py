@@ -61,9 +61,22 @@ def decode_attention(segments: list[Segment], scale: float, out_dtype: torch.dty
         return c_attention(segments, scale, out_dtype)
     if backends[0] == "reference":
         return reference_attention(segments, scale).to(out_dtype)
+    if segments[0].q.is_cuda:
+        return _per_segment(segments, backends, scale).to(out_dtype)
+    return _per_segment_untraced(segments, backends, scale).to(out_dtype)
+
+
+def _per_segment(segments: list[Segment], backends: list[str], scale: float) -> torch.Tensor:
+    """Each segment by its backend, merged by log-sum-exp: (B, H_kv, G, D) in fp32."""
     partial = {"flex": flex_partial, "triton": triton_partial}
     parts = [partial[name](s, scale) for name, s in zip(backends, segments, strict=True)]
-    return merge_segments(parts).to(out_dtype)
+    return merge_segments(parts)
+
+
+# On CPU tensors FlexAttention runs eagerly and Triton interpreted; neither can be traced
+# (inductor's CPU flex returns no log-sum-exp; dynamo cannot guard numpy views), so a
+# compiled step breaks its graph there.
+_per_segment_untraced = torch.compiler.disable(_per_segment)
 
 
 def segment_backends(segments: list[Segment]) -> list[str]:

@@ -60,6 +60,8 @@ def block_mask(s: Segment) -> BlockMask:
     same values: every layer of a step. Compared by value, since a store may update its
     table in place and inference tensors keep no version counter (on CUDA the comparison
     syncs with the host once a layer; a step-level cache would avoid that)."""
+    if torch.compiler.is_compiling():  # a traced step builds it in its graph, per layer
+        return _build_block_mask(s)
     tensors = (s.table, s.lo, s.hi)
     shape = (s.ring, *s.q.shape, *s.keys.data.shape[:3])
     if _last_mask and _last_mask[1] == shape and _same_values(_last_mask[0], tensors):

@@ -24,12 +24,18 @@ CHUNK = 256  # slots per program
 BLOCK_N = 32  # keys scored at once
 
 
+@torch.compiler.assume_constant_result
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def triton_interpreted() -> bool:
+    return _triton_interpreted()
+
+
+@functools.cache
+def _triton_interpreted() -> bool:
     """Whether Triton runs interpreted, on CPU tensors: ``TRITON_INTERPRET=1`` must be set
     before Triton's first import (which importing ``torch._dynamo`` does), since Triton
     decides it per function as it defines them."""
