@@ -116,21 +116,33 @@ def lockstep(engines: dict[str, Engine], prompts: list[list[int]], cfg) -> dict:
     return runs
 
 
-def hf_rows(prompt, args) -> list[dict]:
+def hf_peers(args):
+    """Hugging Face's model and the caches it is timed with: the default checkpoint with
+    DynamicCache and quanto's int4 QuantizedCache, or with --random-weights a model of the
+    same config built by transformers (DynamicCache), on the run's device and dtype."""
     import importlib.util
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    dtype = getattr(torch, args.dtype)
+    if args.random_weights:
+        config = AutoConfig.from_pretrained(args.random_weights)
+        with torch.device(args.device):
+            hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        return hf.eval(), {"hf DynamicCache": {}}
     if importlib.util.find_spec("optimum.quanto") is None:
         raise SystemExit(
             "the HF QuantizedCache peer needs optimum-quanto: "
             "pip install -e '.[bench]', or pass --skip-hf"
         )
-    hf = AutoModelForCausalLM.from_pretrained(
-        resolve_checkpoint("smollm2-135m"), dtype=torch.float32
-    ).eval()
+    checkpoint = resolve_checkpoint("smollm2-135m")
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).to(args.device).eval()
     quanto = dict(cache_implementation="quantized", cache_config={"backend": "quanto", "nbits": 4})
-    peers = {"hf DynamicCache": {}, "hf QuantizedCache quanto int4": quanto}
+    return hf, {"hf DynamicCache": {}, "hf QuantizedCache quanto int4": quanto}
+
+
+def hf_rows(prompt, args) -> list[dict]:
+    hf, peers = hf_peers(args)
     runs: dict[str, list] = {key: [] for key in peers}
     with torch.inference_mode():
         for kwargs in peers.values():
@@ -224,8 +236,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-batch", action="store_true")
     ap.add_argument("--only", type=lambda s: s.split(","), default=[],
-                    help="strategies to run besides full (the reference): names, or parts of "
-                         "a label (kv_format: the fp8/fp4 rows)")  # fmt: skip
+                    help="strategies to run besides full (the reference): names, or parts "
+                         "of a label (kv_format: the fp8/fp4 rows); hf: the HF peers")  # fmt: skip
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--random-weights", metavar="CONFIG_JSON", default=None,
@@ -239,12 +251,13 @@ def main() -> None:
         gen = torch.Generator().manual_seed(0)
         vocab = model.config.vocab_size
         prompt = torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()
-        args.skip_hf = args.skip_batch = True
+        args.skip_batch = True  # batches read WikiText through the tokenizer
     else:
         model, tokenizer = kvlab.load_model("smollm2-135m", dtype=dtype, device=args.device)
         prompt = build_prompts(tokenizer, args.prompt_len, 1)[0]
     rows = kvlab_rows(model, prompt, args)
-    rows += [] if args.skip_hf or args.only else hf_rows(prompt, args)
+    with_hf = not args.skip_hf and (not args.only or "hf" in args.only)
+    rows += hf_rows(prompt, args) if with_hf else []
     if not args.skip_batch and (not args.only or "paged" in args.only):
         batch_throughput(model, tokenizer, args)
     print_table(rows, decode_roof(model), args)

@@ -53,24 +53,40 @@ def test_every_strategy_runs_on_cuda_like_on_the_cpu(tiny_cuda, tiny_llama, sett
             assert tokens == on_cpu.generate(prompts, cfg).tokens, name
 
 
-def test_decode_attention_torch_path_on_cuda_equals_the_cpu_kernel():
+def on_cuda(segment):
+    from kvlab.kernels import Segment, Stored
+
+    def move(stored: Stored) -> Stored:
+        to = lambda t: None if t is None else t.cuda()  # noqa: E731
+        return Stored(to(stored.data), stored.format, stored.bits, stored.group,
+                      to(stored.scale), to(stored.zero))  # fmt: skip
+
+    s = segment
+    return Segment(s.q.cuda(), move(s.keys), move(s.values), s.table.cuda(), s.lo.cuda(),
+                   s.hi.cuda(), s.ring)  # fmt: skip
+
+
+def test_decode_attention_on_cuda_takes_flex_and_triton_and_equals_the_cpu_kernel():
+    """Every stored format on CUDA through its own backend (no reference copy), alone and
+    beside an exact paged segment, equals the C kernel on the same data."""
+    from test_attention_backends import ring_and_paged
     from test_decode_runtime import CASES, contiguous_segment, stored_case
 
-    from kvlab.kernels import Segment, Stored, decode_attention
-
-    def to_cuda(stored: Stored) -> Stored:
-        move = lambda t: None if t is None else t.cuda()  # noqa: E731
-        return Stored(move(stored.data), stored.format, stored.bits, stored.group,
-                      move(stored.scale), move(stored.zero))  # fmt: skip
+    from kvlab.kernels import decode_attention
+    from kvlab.kernels.attention import segment_backends
 
     for case in CASES:
-        keys, values = stored_case(case)
-        cpu = contiguous_segment(keys, values, [0, 5], [300, 123])
-        gpu = Segment(cpu.q.cuda(), to_cuda(keys), to_cuda(values), cpu.table.cuda(),
-                      cpu.lo.cuda(), cpu.hi.cuda())  # fmt: skip
-        expected = decode_attention([cpu], 64**-0.5, torch.float32)
-        got = decode_attention([gpu], 64**-0.5, torch.float32).cpu()
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        keys, values = stored_case(case, 60)
+        cpu = contiguous_segment(keys, values, [100, 0], [150, 40], ring=60)
+        _, paged = ring_and_paged("fp32")
+        paged.q = cpu.q
+        for segments in ([cpu], [cpu, paged]):
+            gpu = [on_cuda(s) for s in segments]
+            want = "flex" if keys.format == "fp" else "triton"
+            assert segment_backends(gpu)[0] == want, case
+            expected = decode_attention(segments, 64**-0.5, torch.float32)
+            got = decode_attention(gpu, 64**-0.5, torch.float32).cpu()
+            torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)  # bf16, TF32
 
 
 @pytest.mark.parametrize("name", ["full", "int4", "paged", "sliding"])
