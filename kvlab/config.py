@@ -210,15 +210,18 @@ ATTENTION_BACKENDS = ("auto", "c", "gpu", "flex", "triton", "reference")
 @dataclass
 class EngineConfig:
     """How decode steps run: ``compile`` puts each under ``torch.compile`` (inductor on the
-    CPU, CUDA graphs on a GPU; the cache keeps static shapes); eager by default, since it
-    does not win everywhere yet (see experiments/engine_vs_hf). ``attention``: the decode
+    CPU, CUDA graphs on a GPU; the cache keeps static shapes): ``true``, ``false``, or
+    ``auto`` — compiled where a timing on this machine says it wins for this model, weights
+    and cache strategy (see kvlab.engine.compile_choice). ``attention``: the decode
     attention backend, ``auto`` = the C kernel on the CPU, FlexAttention and Triton on CUDA
     (see kvlab.kernels.attention); pinning one compares backends on one machine."""
 
-    compile: bool = False
+    compile: Any = "auto"  # true, false or auto
     attention: str = "auto"
 
     def __post_init__(self) -> None:
+        allowed = "true, false or auto"
+        _require(self.compile in (True, False, "auto"), "engine.compile", self.compile, allowed)
         allowed = ", ".join(ATTENTION_BACKENDS)
         _require(self.attention in ATTENTION_BACKENDS, "engine.attention", self.attention, allowed)
 
@@ -259,7 +262,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         _require(self.threads >= 0, "threads", self.threads, "0 (default) or a count >= 1")
         _require(
-            not (self.engine.compile and self.workload.kind == "serving"),
+            not (self.engine.compile is True and self.workload.kind == "serving"),
             "engine.compile",
             self.engine.compile,
             "false with workload=serving (the running batch changes size every few steps, "

@@ -22,6 +22,7 @@ from kvlab.config import (
     to_run_config,
 )
 from kvlab.engine import Engine, GenerationConfig, SamplingConfig
+from kvlab.engine.compile_choice import compile_choice
 from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
 from kvlab.eval import run_evals
 from kvlab.kernels.attention import use_backend
@@ -108,7 +109,9 @@ def _measure(cfg: RunConfig, out_dir: Path | None) -> dict[str, Any]:
 
     if cfg.workload.serving is not None:
         return _measure_serving(cfg, model, tokenizer, new_cache, out_dir)
-    compiled, draft = cfg.engine.compile, build_draft(cfg, model)
+    choice = compile_choice(cfg.engine.compile, model, new_cache, _cache_key(cfg),
+                            cfg.workload.new_tokens, serving=False)  # fmt: skip
+    compiled, draft = choice["compile"], build_draft(cfg, model)
     eos = _eos_ids(tokenizer, model)
     engine = Engine(model, new_cache(static=compiled), eos, compile=compiled, draft=draft)
     prompts = build_prompts(
@@ -123,8 +126,14 @@ def _measure(cfg: RunConfig, out_dir: Path | None) -> dict[str, Any]:
         shared = cfg.spec.method == "layerskip"
         metrics["spec/draft_weight_bytes"] = 0 if shared else weight_bytes(draft.engine.model)
     metrics["new_tokens"] = sum(len(t) for t in run.tokens)
+    metrics["engine/compiled"], metrics["engine/compile_choice"] = compiled, choice
     metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
     return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)
+
+
+def _cache_key(cfg: RunConfig) -> str:
+    """The run's cache strategy and options, as a compile choice is keyed by them."""
+    return f"{cfg.cache.name} {sorted(dict(cfg.cache.options).items())}"
 
 
 def build_draft(cfg: RunConfig, model: Decoder) -> ModelDraft | None:

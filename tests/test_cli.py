@@ -42,7 +42,9 @@ def test_single_run_writes_a_complete_record(tmp_path):
     assert set(METRICS) <= set(record["metrics"])
     assert record["metrics"]["prompt_tokens"] == 16 and record["metrics"]["new_tokens"] == 4
     assert (record["metrics"]["device"], record["metrics"]["dtype"]) == ("cpu", "float32")
-    assert record["config"]["engine"] == {"compile": False}  # the decode runtime is recorded
+    assert record["config"]["engine"] == {"compile": "auto", "attention": "auto"}
+    assert record["metrics"]["engine/compiled"] is False  # 4 decode steps: not worth a compile
+    assert "4 decode steps < 64" in record["metrics"]["engine/compile_choice"]["reason"]
     env = record["environment"]
     assert {"torch", "transformers", "threads", "cpu", "python"} <= set(env)
     assert env["threads_source"] != "torch default"  # recorded after the run applied it
