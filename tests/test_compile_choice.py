@@ -4,6 +4,7 @@ choice cached and reused; runs that cannot gain stay eager without a timing."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvlab.cache import cache_factory
 from kvlab.engine.compile_choice import MIN_STEPS, compile_choice
@@ -50,3 +51,24 @@ def test_auto_times_both_once_and_reuses_the_choice(tiny_llama, new_cache, tmp_p
     assert again == first | {"cached": True}
     other = compile_choice("auto", tiny_llama, new_cache, "int4 {}", MIN_STEPS, serving=False)
     assert "cached" not in other  # another strategy is timed for itself
+
+
+@pytest.mark.slow
+def test_more_compiled_engines_than_torchs_default_limit_all_compile(tiny_llama):
+    """torch keeps 8 graphs per code object and runs the rest eagerly, silently; a sweep
+    or a benchmark builds more compiled engines than that in one process."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from kvlab.engine import Engine, GenerationConfig
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    cfg = GenerationConfig(2, stop_on_eos=False)
+    for rows in range(1, 11):  # ten batch shapes: ten graphs of Decoder.logits
+        engine = Engine(tiny_llama, new_cache_of(tiny_llama)(static=True), compile=True)
+        engine.generate([list(range(3, 9))] * rows, cfg)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 10
+
+
+def new_cache_of(model):
+    return cache_factory("full", model, {})

@@ -276,8 +276,16 @@ def prefill_spans(width: int, chunk: int, contexts: Sequence[int]) -> list[tuple
     return list(zip(ordered[:-1], ordered[1:], strict=True))
 
 
+RECOMPILE_LIMIT = 64  # graphs of Decoder.logits one process keeps (torch's default: 8)
+
+
 def compiled_layers(model: Decoder):
     """``model.logits`` under ``torch.compile``: inductor on the CPU, and CUDA graphs
-    (``reduce-overhead``) on a GPU, where a decode step is launch-bound."""
+    (``reduce-overhead``) on a GPU, where a decode step is launch-bound. Every engine's
+    model and batch shape is a graph of the one ``Decoder.logits`` code object, and past
+    torch's limit of 8 dynamo silently runs the rest eagerly (a sweep, a benchmark over
+    weight formats and depths, the compile-choice probe): the limit is raised."""
+    limit = torch._dynamo.config.recompile_limit
+    torch._dynamo.config.recompile_limit = max(limit, RECOMPILE_LIMIT)
     mode = "reduce-overhead" if model.embed_tokens.weight.device.type == "cuda" else None
     return torch.compile(model.logits, mode=mode, dynamic=False)
