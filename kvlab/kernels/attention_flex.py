@@ -43,16 +43,23 @@ def flex_applies(s: Segment) -> bool:
 
 
 def flex_partial(s: Segment, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The segment's attention (B, H_kv, G, D) in fp32 and its log-sum-exp (B, H_kv, G)."""
+    """The segment's attention (B, H_kv, G, D) in fp32 and its log-sum-exp (B, H_kv, G).
+
+    Each (row, KV head) is one batch entry whose G query heads share the pool's single KV
+    head, G padded to a power of two: the layout of flex's decoding kernel, which packs a
+    KV head's query heads into one tile and splits the keys across programs."""
     batch, heads, group, dim = s.q.shape
     keys, values = s.keys.data, s.values.data
-    q = s.q.reshape(batch, heads * group, 1, dim).to(keys.dtype)
+    padded = 1 << (group - 1).bit_length()
+    q = torch.nn.functional.pad(s.q, (0, 0, 0, padded - group))  # (B, H_kv, G', D)
+    q = q.reshape(batch * heads, padded, 1, dim).to(keys.dtype)
     k, v = keys.view(1, 1, -1, dim), values.view(1, 1, -1, dim)
     attend = _compiled_flex if q.is_cuda else flex_attention
     mask = block_mask(s)
     out, aux = attend(q, k, v, block_mask=mask, scale=scale, enable_gqa=True, **_WITH_LSE)
     lse = aux if isinstance(aux, torch.Tensor) else aux.lse
-    return out.float().view(batch, heads, group, dim), lse.float().view(batch, heads, group)
+    out = out.float().view(batch, heads, padded, dim)[:, :, :group]
+    return out, lse.float().view(batch, heads, padded)[:, :, :group]
 
 
 def block_mask(s: Segment) -> BlockMask:
@@ -76,25 +83,25 @@ def _same_values(held: tuple, tensors: tuple) -> bool:
 
 
 def _build_block_mask(s: Segment) -> BlockMask:
-    batch, heads, group, _ = s.q.shape
+    """Batch entry b * H_kv + h (one mask head) lists row b's blocks of KV head h."""
+    batch, heads = s.q.shape[:2]
     pool, _, slots = s.keys.data.shape[:3]
     size = _flex_block(slots)
     per_block = slots // size  # mask blocks per stored block
     blocks, count = _row_blocks(s, slots)  # (B, n) stored blocks in use first, (B,)
     owner = _logical_block_of(s, blocks, count, pool)
-    kv_head = torch.arange(heads * group, device=s.q.device) // group  # of each query head
-    flat = blocks[:, None, :] * heads + kv_head[None, :, None]  # (B, Hq, n) in the pool
+    kv_head = torch.arange(heads, device=s.q.device)
+    flat = blocks[:, None, :] * heads + kv_head[None, :, None]  # (B, H_kv, n) in the pool
     sub = torch.arange(per_block, device=s.q.device)
-    indices = (flat[..., None] * per_block + sub).flatten(2)  # (B, Hq, n * per_block)
+    indices = (flat[..., None] * per_block + sub).reshape(batch * heads, -1)  # (B*H_kv, n*per)
     total = pool * heads * per_block
     indices = torch.nn.functional.pad(indices, (0, total - indices.shape[-1]))
-    counts = (count * per_block)[:, None].expand(-1, heads * group)
-    mask_mod = _visible(s, owner, slots, heads, group)
+    counts = (count * per_block).repeat_interleave(heads)
     return BlockMask.from_kv_blocks(
-        counts[..., None].int().contiguous(),
-        indices[:, :, None, :].int().contiguous(),
+        counts[:, None, None].int().contiguous(),
+        indices[:, None, None, :].int().contiguous(),
         BLOCK_SIZE=(MAX_FLEX_BLOCK, size),
-        mask_mod=mask_mod,
+        mask_mod=_visible(s, owner, slots, heads),
         seq_lengths=(1, pool * heads * slots),
     )
 
@@ -127,23 +134,25 @@ def _logical_block_of(s, blocks, count, pool: int) -> torch.Tensor:
     ranks = torch.arange(blocks.shape[1], device=blocks.device)
     used = ranks[None, :] < count[:, None]
     first = 0 if s.ring else (s.lo // s.block_size)[:, None]
-    logical = torch.where(used, ranks[None, :] + first, -1)
-    owner = torch.full((blocks.shape[0], pool + 1), -1, dtype=torch.long, device=blocks.device)
+    logical = torch.where(used, ranks[None, :] + first, -1).int()
+    owner = torch.full((blocks.shape[0], pool + 1), -1, dtype=torch.int32, device=blocks.device)
     owner.scatter_(1, torch.where(used, blocks, pool), logical)  # unused: to a spare column
     return owner[:, :pool]
 
 
-def _visible(s: Segment, owner, slots: int, heads: int, group: int):
-    """``mask_mod``: key kv_idx of the pool is visible to query head h of row b when row b
-    keeps its block, it is of h's KV head, and its logical token lies in [lo, hi)."""
+def _visible(s: Segment, owner, slots: int, heads: int):
+    """``mask_mod``: key kv_idx of the pool is visible to batch entry e = (row b, KV head
+    h) when row b keeps its block, the key is of head h, and its logical token lies in
+    [lo, hi)."""
     lo, hi, ring, capacity = s.lo, s.hi, s.ring, s.capacity
 
-    def mask_mod(b, h, q_idx, kv_idx):
+    def mask_mod(entry, h, q_idx, kv_idx):
+        b = entry // heads
         flat, pos = kv_idx // slots, kv_idx % slots
         logical_block = owner[b, flat // heads]
         slot = logical_block * slots + pos
         token = hi[b] - 1 - (hi[b] - 1 - slot) % ring if ring else slot
-        kept = (logical_block >= 0) & (flat % heads == h // group) & (slot < capacity)
+        kept = (logical_block >= 0) & (flat % heads == entry % heads) & (slot < capacity)
         return kept & (token >= lo[b]) & (token < hi[b])
 
     return mask_mod
