@@ -63,11 +63,13 @@ def flex_partial(s: Segment, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_mask(s: Segment) -> BlockMask:
-    """The segment's mask over its pool, reused while the step's tables and bounds hold the
-    same values: every layer of a step. Compared by value, since a store may update its
-    table in place and inference tensors keep no version counter (on CUDA the comparison
-    syncs with the host once a layer; a step-level cache would avoid that)."""
-    if torch.compiler.is_compiling():  # a traced step builds it in its graph, per layer
+    """The segment's mask over its pool. On the CPU it is reused while the step's tables
+    and bounds hold the same values (every layer of a step), compared by value, since a
+    store may update its table in place and inference tensors keep no version counter. On
+    CUDA that comparison would wait for the device once a layer, so each layer builds it
+    (a few asynchronous kernels; in a compiled step, part of the graph). A per-step key
+    from the policies would let CUDA reuse it too."""
+    if s.q.is_cuda or torch.compiler.is_compiling():
         return _build_block_mask(s)
     tensors = (s.table, s.lo, s.hi)
     shape = (s.ring, *s.q.shape, *s.keys.data.shape[:3])
