@@ -249,7 +249,17 @@ def test_the_byte_count_sees_a_dequantized_history(tiny_llama, name):
 def test_a_compiled_step_on_the_gpu_backends_equals_eager(tiny_llama):
     """On CPU tensors the flex and Triton calls stay outside the graph (a graph break):
     a compiled step still gives the eager tokens and logits."""
-    from test_decode_runtime import compiled_against_eager
+    options = SETTINGS["int4"]  # a KIVI history (Triton) beside its exact ring (flex)
+    prompt, cfg = list(range(3, 14)), GenerationConfig(8, stop_on_eos=False)
 
-    with use_backend("gpu"):
-        compiled_against_eager(tiny_llama, "int4", SETTINGS["int4"])
+    def run(static: bool):
+        seen = []
+        engine = Engine(tiny_llama, build_cache("int4", tiny_llama.cache_spec(), options,
+                                                static=static), compile=static)  # fmt: skip
+        with use_backend("gpu"):
+            tokens = engine.generate([prompt], cfg, on_logits=lambda x, _: seen.append(x.clone()))
+        return tokens.tokens[0], torch.stack(seen)
+
+    eager, compiled = run(False), run(True)
+    assert compiled[0] == eager[0]
+    torch.testing.assert_close(compiled[1], eager[1], atol=1e-5, rtol=0)
