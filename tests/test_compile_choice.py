@@ -72,3 +72,19 @@ def test_more_compiled_engines_than_torchs_default_limit_all_compile(tiny_llama)
 
 def new_cache_of(model):
     return cache_factory("full", model, {})
+
+
+@pytest.mark.slow
+def test_a_compiled_engine_speculates_like_plain_eager_greedy(tiny_llama):
+    """engine.compile=auto can now meet spec=ngram: verification steps run eagerly beside
+    compiled decode steps, over a static cache that rolls back; the text must not change."""
+    from kvlab.engine import Engine, GenerationConfig
+    from kvlab.speculative.config import SpecConfig
+
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: prompt lookup drafts and is checked
+    ngram = SpecConfig("ngram", num_speculative_tokens=3, max_ngram=3, min_ngram=1)
+    plain = Engine(tiny_llama, new_cache_of(tiny_llama)(static=False))
+    want = plain.generate([prompt], GenerationConfig(24, stop_on_eos=False)).tokens
+    compiled = Engine(tiny_llama, new_cache_of(tiny_llama)(static=True), compile=True)
+    run = compiled.generate([prompt], GenerationConfig(24, stop_on_eos=False, spec=ngram))
+    assert run.tokens == want
