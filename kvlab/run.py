@@ -107,10 +107,12 @@ def _measure(cfg: RunConfig, out_dir: Path | None) -> dict[str, Any]:
 
     new_cache = cache_factory(cfg.cache.name, model, cfg.cache.options)  # workload and evals
 
-    if cfg.workload.serving is not None:
-        return _measure_serving(cfg, model, tokenizer, new_cache, out_dir)
+    serving = cfg.workload.serving is not None
     choice = compile_choice(cfg.engine.compile, model, new_cache, _cache_key(cfg),
-                            cfg.workload.new_tokens, serving=False)  # fmt: skip
+                            cfg.workload.new_tokens, serving)  # fmt: skip
+    decided = {"engine/compiled": choice["compile"], "engine/compile_choice": choice}
+    if serving:
+        return _measure_serving(cfg, model, tokenizer, new_cache, out_dir) | decided
     compiled, draft = choice["compile"], build_draft(cfg, model)
     eos = _eos_ids(tokenizer, model)
     engine = Engine(model, new_cache(static=compiled), eos, compile=compiled, draft=draft)
@@ -126,7 +128,7 @@ def _measure(cfg: RunConfig, out_dir: Path | None) -> dict[str, Any]:
         shared = cfg.spec.method == "layerskip"
         metrics["spec/draft_weight_bytes"] = 0 if shared else weight_bytes(draft.engine.model)
     metrics["new_tokens"] = sum(len(t) for t in run.tokens)
-    metrics["engine/compiled"], metrics["engine/compile_choice"] = compiled, choice
+    metrics |= decided
     metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
     return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)
 

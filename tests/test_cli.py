@@ -187,6 +187,11 @@ def test_every_experiment_runs_with_tiny_limits(experiment, tmp_path):
     rows = load_results(sweep)
     assert rows and all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
     assert (sweep / "report.md").exists()
+    if experiment == "serving_capacity":  # serving decodes eagerly, and its record says why
+        for path in sweep.rglob("result.json"):
+            metrics = json.loads(path.read_text())["metrics"]
+            assert metrics["engine/compiled"] is False
+            assert "serving" in metrics["engine/compile_choice"]["reason"]
 
 
 @pytest.mark.slow
