@@ -164,17 +164,19 @@ def test_a_forced_kernel_that_does_not_apply_falls_back_and_a_bad_name_fails(mon
 
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 16, 21, 32, 33])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8, 9, 16, 21, 32, 33])
 @pytest.mark.parametrize("out_features", [96, 99])
-def test_decode_linear_equals_linear(dtype, rows, out_features):
-    """kvlab's matrix-vector kernel (decode rows, in blocks of up to 8 of every size, with
-    a channel tail: 200 = 12 x 16 + 8; one bf16 row takes weight rows four at a time, and
-    99 leaves three alone) and F.linear (more rows) agree."""
+@pytest.mark.parametrize("strided", [False, True])
+def test_decode_linear_equals_linear(dtype, rows, out_features, strided):
+    """kvlab's matrix-vector kernel and F.linear (more than 32 rows) agree: tiles of 4 (or 2)
+    weight rows against chunks of every size up to 6 (AVX-512) or 5 (AVX2) rows of x, 99
+    leaving weight rows alone, a channel tail (200 = 12 x 16 + 8), rows of x 300 elements
+    apart; one bf16 row takes weight rows four at a time."""
     from kvlab.kernels.linear import DecodeLinear
 
     torch.manual_seed(0)
     linear = nn.Linear(200, out_features, bias=True).to(dtype)
-    x = torch.randn(rows, 1, 200).to(dtype)
+    x = torch.randn(rows, 1, 300 if strided else 200).to(dtype)[..., :200]
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2  # bf16 output rounding
     torch.testing.assert_close(
         DecodeLinear(linear)(x).float(), linear(x).float(), atol=tolerance, rtol=tolerance

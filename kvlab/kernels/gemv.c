@@ -1,12 +1,13 @@
 /* kvlab's CPU matrix-vector product for decode: y (M, N) = x (M, K) W (N, K)^T (+ bias) for
- * the rows of a decode step (one token per sequence), fp32 or bf16 weights and activations,
- * fp32 accumulation. Decode is memory-bound: the kernel streams each weight row from memory
- * once for all M rows, output rows split across threads. Rows are taken in blocks of up to
- * 8 whose size is a compile-time constant, so each row's accumulators stay in registers
- * (a runtime row count kept them in memory: 2x slower at M = 8); the blocks after the first
- * re-read the weight row from L1. On the AMD EPYC here one row reads ~17.5 GB/s where MKL's
- * sgemv reads ~9 and oneDNN's packed kernel ~10. Where the CPU has AVX512-BF16, bf16
- * weights and rows are multiplied by vdpbf16ps without widening.
+ * the few rows of a decode or verification step, fp32 or bf16 weights and activations, fp32
+ * accumulation. Decode is memory-bound: the kernel streams each weight row from memory once
+ * for all M rows, tiles of weight rows split across threads (see "tiles"), the next tile
+ * prefetched while one is read. Every tile size is a compile-time constant, so the
+ * accumulators stay in registers (a runtime row count kept them in memory: 2x slower at
+ * M = 8). Where the CPU has AVX512-BF16, bf16 weights and rows are multiplied by vdpbf16ps
+ * without widening. Measured on a Xeon (AVX-512, 2 threads, SmolLM2-135M's 121 fp32
+ * linears, scripts/bench_verify_step.py): 1 row 19-20 ms as MKL's sgemv, 5 rows 21.6 ms
+ * against MKL's 38.5 (one weight row at a time, before tiles: 23.8 and 32.2 ms).
  */
 #include <stdint.h>
 #include <string.h>
@@ -17,196 +18,233 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_M 8
-
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 load8(const void *p, int bf16, int64_t k) {
-  if (!bf16) return _mm256_loadu_ps((const float *)p + k);
-  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+static inline const void *row_at(const void *p, int bf16, int64_t index) {
+  return bf16 ? (const void *)((const uint16_t *)p + index)
+              : (const void *)((const float *)p + index);
 }
 
-static inline float hsum(__m256 a) {
+/* The generic path: a tile of R consecutive weight rows against M rows of x, R * M
+ * accumulators in registers, so every weight vector loaded from memory serves M rows and
+ * R memory streams run at once (one stream at a time read ~20 GB/s where MKL's sgemv, which
+ * streams several, read ~27). Widest vectors the CPU has: 16 lanes on AVX-512, 8 on AVX2.
+ * Tile sizes keep accumulators, weight vectors and one x vector within the register file
+ * (32 zmm / 16 ymm): AVX-512 R = 4 with M <= 6 (8 chains when M = 1); AVX2 R = 4 for
+ * M <= 2, R = 2 for M <= 5. More rows of x are taken in chunks, re-reading the tile's
+ * weights from L1. */
+#if defined(__AVX512F__)
+typedef __m512 vec;
+#define LANES 16
+#define MAX_TILE_M 6
+static inline vec vzero(void) { return _mm512_setzero_ps(); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+static inline vec vload(const void *p, const int bf16, int64_t k) {
+  if (!bf16) return _mm512_loadu_ps((const float *)p + k);
+  const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#define TILE_R(M) 4
+#define TILE_M(R) 6
+#elif defined(__AVX2__) && defined(__FMA__)
+typedef __m256 vec;
+#define LANES 8
+#define MAX_TILE_M 5
+static inline vec vzero(void) { return _mm256_setzero_ps(); }
+static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_hadd_ps(s, s);
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(s);
 }
+static inline vec vload(const void *p, const int bf16, int64_t k) {
+  if (!bf16) return _mm256_loadu_ps((const float *)p + k);
+  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#define TILE_R(M) ((M) <= 2 ? 4 : 2)
+#define TILE_M(R) ((R) == 4 ? 2 : 5)
+#else
+#define MAX_TILE_M 4
+#define TILE_R(M) 4
+#define TILE_M(R) 4
 #endif
 
-#if defined(__AVX2__) && defined(__FMA__)
-/* Dot products of one weight row with ROWS rows of x (ROWS a constant after inlining):
- * two accumulators per row (16 channels a step) up to 4 rows, one (8 a step) above, so the
- * independent FMA chains cover the FMA latency without spilling. Returns the channels done. */
-static inline __attribute__((always_inline)) int64_t dot_block(
-    const void *row, int w_bf16, const void *x, int x_bf16, int64_t x_stride, int64_t K,
-    const int ROWS, float *acc) {
-  __m256 a[8], b[8];
-  for (int m = 0; m < ROWS; m++) a[m] = b[m] = _mm256_setzero_ps();
+/* acc[r * M + m] = weight row r . x row m over the channels the vectors cover; returns
+ * how many channels that is (the rest are the caller's). R, M, WB, XB are constants after
+ * inlining. With M = 1 each weight row gets two chains, so 8 FMAs are in flight. */
+static inline __attribute__((always_inline)) int64_t tile_dots(
+    const void *w, const int WB, int64_t K, const void *x, const int XB, int64_t x_stride,
+    const int R, const int M, float *acc) {
   int64_t k0 = 0;
-  if (ROWS == 1) { /* one row: four independent chains */
-    __m256 c = a[0], d = a[0];
-    for (; k0 + 32 <= K; k0 += 32) {
-      a[0] = _mm256_fmadd_ps(load8(row, w_bf16, k0), load8(x, x_bf16, k0), a[0]);
-      b[0] = _mm256_fmadd_ps(load8(row, w_bf16, k0 + 8), load8(x, x_bf16, k0 + 8), b[0]);
-      c = _mm256_fmadd_ps(load8(row, w_bf16, k0 + 16), load8(x, x_bf16, k0 + 16), c);
-      d = _mm256_fmadd_ps(load8(row, w_bf16, k0 + 24), load8(x, x_bf16, k0 + 24), d);
-    }
-    a[0] = _mm256_add_ps(a[0], _mm256_add_ps(c, d));
-  } else if (ROWS <= 4) {
-    for (; k0 + 16 <= K; k0 += 16) {
-      const __m256 w0 = load8(row, w_bf16, k0), w1 = load8(row, w_bf16, k0 + 8);
-      for (int m = 0; m < ROWS; m++) {
-        a[m] = _mm256_fmadd_ps(w0, load8(x, x_bf16, m * x_stride + k0), a[m]);
-        b[m] = _mm256_fmadd_ps(w1, load8(x, x_bf16, m * x_stride + k0 + 8), b[m]);
+#ifdef LANES
+  vec a[4][MAX_TILE_M], b[4];
+  for (int r = 0; r < R; r++) {
+    b[r] = vzero();
+    for (int m = 0; m < M; m++) a[r][m] = vzero();
+  }
+  if (M == 1) {
+    for (; k0 + 2 * LANES <= K; k0 += 2 * LANES) {
+      const vec x0 = vload(x, XB, k0), x1 = vload(x, XB, k0 + LANES);
+      for (int r = 0; r < R; r++) {
+        __builtin_prefetch(row_at(w, WB, (R + r) * K + k0));
+        __builtin_prefetch(row_at(w, WB, (R + r) * K + k0 + LANES));
+        a[r][0] = vfma(vload(w, WB, r * K + k0), x0, a[r][0]);
+        b[r] = vfma(vload(w, WB, r * K + k0 + LANES), x1, b[r]);
       }
     }
-  } else {
-    for (; k0 + 8 <= K; k0 += 8) {
-      const __m256 w0 = load8(row, w_bf16, k0);
-      for (int m = 0; m < ROWS; m++)
-        a[m] = _mm256_fmadd_ps(w0, load8(x, x_bf16, m * x_stride + k0), a[m]);
+  }
+  for (; k0 + LANES <= K; k0 += LANES) {
+    vec wv[4];
+    for (int r = 0; r < R; r++) {
+      __builtin_prefetch(row_at(w, WB, (R + r) * K + k0));
+      wv[r] = vload(w, WB, r * K + k0);
+    }
+    for (int m = 0; m < M; m++) {
+      const vec xv = vload(x, XB, m * x_stride + k0);
+      for (int r = 0; r < R; r++) a[r][m] = vfma(wv[r], xv, a[r][m]);
     }
   }
-  for (int m = 0; m < ROWS; m++) acc[m] = hsum(_mm256_add_ps(a[m], b[m]));
+  for (int r = 0; r < R; r++) {
+    a[r][0] = a[r][0] + b[r];
+    for (int m = 0; m < M; m++) acc[r * M + m] = vsum(a[r][m]);
+  }
+#else
+  (void)w; (void)WB; (void)x; (void)XB; (void)x_stride; (void)R;
+  for (int i = 0; i < 4 * M; i++) acc[i] = 0.f;
+#endif
   return k0;
 }
-
-static int64_t dot_rows(const void *row, int w_bf16, const void *x, int x_bf16,
-                        int64_t x_stride, int64_t K, int64_t rows, float *acc) {
-  switch (rows) {
-    case 1: return dot_block(row, w_bf16, x, x_bf16, x_stride, K, 1, acc);
-    case 2: return dot_block(row, w_bf16, x, x_bf16, x_stride, K, 2, acc);
-    case 3: return dot_block(row, w_bf16, x, x_bf16, x_stride, K, 3, acc);
-    case 4: return dot_block(row, w_bf16, x, x_bf16, x_stride, K, 4, acc);
-    case 5: return dot_block(row, w_bf16, x, x_bf16, x_stride, K, 5, acc);
-    case 6: return dot_block(row, w_bf16, x, x_bf16, x_stride, K, 6, acc);
-    case 7: return dot_block(row, w_bf16, x, x_bf16, x_stride, K, 7, acc);
-    default: return dot_block(row, w_bf16, x, x_bf16, x_stride, K, 8, acc);
-  }
-}
-#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-/* bf16 weights times bf16 rows with vdpbf16ps (AVX512-BF16): 32 channel pairs per
- * instruction, exact products summed in fp32, so no widening of either operand; two
- * chains per row. Channels past the last multiple of 32 are left to the caller. */
-static inline __attribute__((always_inline)) int64_t dot_block_bf16(
-    const uint16_t *row, const uint16_t *x, int64_t x_stride, int64_t K, const int ROWS,
-    float *acc) {
-  __m512 a[MAX_M], b[MAX_M];
-  for (int m = 0; m < ROWS; m++) a[m] = b[m] = _mm512_setzero_ps();
-  int64_t k0 = 0;
-  for (; k0 + 64 <= K; k0 += 64) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k0);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(row + k0 + 32);
-    for (int m = 0; m < ROWS; m++) {
-      const uint16_t *xm = x + m * x_stride + k0;
-      a[m] = _mm512_dpbf16_ps(a[m], w0, (__m512bh)_mm512_loadu_si512(xm));
-      b[m] = _mm512_dpbf16_ps(b[m], w1, (__m512bh)_mm512_loadu_si512(xm + 32));
-    }
+/* tile_dots for bf16 weights and rows where the CPU has AVX512-BF16: vdpbf16ps multiplies
+ * 32 channel pairs exactly and sums them in fp32, so neither operand is widened. */
+static inline __attribute__((always_inline)) int64_t tile_dots_bf16(
+    const uint16_t *w, int64_t K, const uint16_t *x, int64_t x_stride, const int R,
+    const int M, float *acc) {
+  __m512 a[4][MAX_TILE_M], b[4];
+  for (int r = 0; r < R; r++) {
+    b[r] = vzero();
+    for (int m = 0; m < M; m++) a[r][m] = vzero();
   }
-  if (k0 + 32 <= K) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k0);
-    for (int m = 0; m < ROWS; m++)
-      a[m] = _mm512_dpbf16_ps(a[m], w0, (__m512bh)_mm512_loadu_si512(x + m * x_stride + k0));
-    k0 += 32;
-  }
-  for (int m = 0; m < ROWS; m++) acc[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));
-  return k0;
-}
-
-/* One bf16 row x against FOUR consecutive weight rows (4 memory streams at once, x loaded
- * once per step): out[j] = row j . x over the first multiple of 32 channels. */
-static inline int64_t dot4_bf16(const uint16_t *w, int64_t K, const uint16_t *x, float *out) {
-  __m512 a[4], b[4]; /* two chains a row: eight in flight cover vdpbf16ps's latency */
-  for (int j = 0; j < 4; j++) a[j] = b[j] = _mm512_setzero_ps();
   int64_t k0 = 0;
-  for (; k0 + 64 <= K; k0 += 64) {
-    const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + k0);
-    const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + k0 + 32);
-    for (int j = 0; j < 4; j++) {
-      a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(w + j * K + k0), x0);
-      b[j] = _mm512_dpbf16_ps(b[j], (__m512bh)_mm512_loadu_si512(w + j * K + k0 + 32), x1);
+  if (M == 1) {
+    for (; k0 + 64 <= K; k0 += 64) {
+      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + k0);
+      const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + k0 + 32);
+      for (int r = 0; r < R; r++) {
+        __builtin_prefetch(w + (R + r) * K + k0);
+        __builtin_prefetch(w + (R + r) * K + k0 + 32);
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)_mm512_loadu_si512(w + r * K + k0), x0);
+        b[r] = _mm512_dpbf16_ps(b[r], (__m512bh)_mm512_loadu_si512(w + r * K + k0 + 32), x1);
+      }
     }
   }
   for (; k0 + 32 <= K; k0 += 32) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k0);
-    for (int j = 0; j < 4; j++)
-      a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)_mm512_loadu_si512(w + j * K + k0), xv);
+    __m512bh wv[4];
+    for (int r = 0; r < R; r++) {
+      __builtin_prefetch(w + (R + r) * K + k0);
+      wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k0);
+    }
+    for (int m = 0; m < M; m++) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * x_stride + k0);
+      for (int r = 0; r < R; r++) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv[r], xv);
+    }
   }
-  for (int j = 0; j < 4; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j]));
+  for (int r = 0; r < R; r++) {
+    a[r][0] = a[r][0] + b[r];
+    for (int m = 0; m < M; m++) acc[r * M + m] = vsum(a[r][m]);
+  }
   return k0;
 }
+#endif
 
-/* One bf16 row: weight rows four at a time (dot4_bf16), the last N % 4 one by one. */
-static void gemv_bf16_one_row(const uint16_t *x, const uint16_t *w, const void *bias,
-                              int bias_bf16, void *y, int y_bf16, int64_t N, int64_t K) {
-  const int64_t quads = N / 4;
-#pragma omp parallel for schedule(static)
-  for (int64_t q = 0; q < quads + N % 4; q++) {
-    const int64_t n = q < quads ? 4 * q : 4 * quads + (q - quads), count = q < quads ? 4 : 1;
-    float acc[4];
-    const uint16_t *wn = w + n * K;
-    const int64_t k0 = count == 4 ? dot4_bf16(wn, K, x, acc) : dot_block_bf16(wn, x, 0, K, 1, acc);
-    for (int64_t j = 0; j < count; j++) {
-      for (int64_t k = k0; k < K; k++) acc[j] += bf16_value(wn[j * K + k]) * bf16_value(x[k]);
-      store(y, y_bf16, n + j, acc[j] + (bias ? value_at(bias, bias_bf16, n + j) : 0.f));
+/* One tile: R weight rows from row n against rows m0.. m0 + M - 1 of x, finished in scalar
+ * code past the vectors, bias added, stored to y (M_total, N). */
+static inline __attribute__((always_inline)) void tile(
+    const void *w, const int WB, const void *x, const int XB, int64_t x_stride,
+    const void *bias, int bias_bf16, void *y, int y_bf16, int64_t N, int64_t K, int64_t n,
+    int64_t m0, const int R, const int M) {
+  float acc[4 * MAX_TILE_M];
+  const void *wn = row_at(w, WB, n * K), *xm = row_at(x, XB, m0 * x_stride);
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  const int64_t k0 = WB && XB ? tile_dots_bf16(wn, K, xm, x_stride, R, M, acc)
+                              : tile_dots(wn, WB, K, xm, XB, x_stride, R, M, acc);
+#else
+  const int64_t k0 = tile_dots(wn, WB, K, xm, XB, x_stride, R, M, acc);
+#endif
+  for (int r = 0; r < R; r++) {
+    const float b = bias ? value_at(bias, bias_bf16, n + r) : 0.f;
+    for (int m = 0; m < M; m++) {
+      float sum = acc[r * M + m];
+      for (int64_t k = k0; k < K; k++)
+        sum += value_at(wn, WB, r * K + k) * value_at(xm, XB, m * x_stride + k);
+      store(y, y_bf16, (m0 + m) * N + n + r, sum + b);
     }
   }
 }
 
-static int64_t dot_rows_bf16(const uint16_t *row, const uint16_t *x, int64_t x_stride,
-                             int64_t K, int64_t rows, float *acc) {
-  switch (rows) {
-    case 1: return dot_block_bf16(row, x, x_stride, K, 1, acc);
-    case 2: return dot_block_bf16(row, x, x_stride, K, 2, acc);
-    case 3: return dot_block_bf16(row, x, x_stride, K, 3, acc);
-    case 4: return dot_block_bf16(row, x, x_stride, K, 4, acc);
-    case 5: return dot_block_bf16(row, x, x_stride, K, 5, acc);
-    case 6: return dot_block_bf16(row, x, x_stride, K, 6, acc);
-    case 7: return dot_block_bf16(row, x, x_stride, K, 7, acc);
-    default: return dot_block_bf16(row, x, x_stride, K, 8, acc);
+#define TILE_CASE(MM)                                                               \
+  case MM:                                                                          \
+    if (rows == 4)                                                                  \
+      tile(w, WB, x, XB, xs, bias, bb, y, yb, N, K, n, m0, 4, MM);                  \
+    else if (rows == 2)                                                             \
+      tile(w, WB, x, XB, xs, bias, bb, y, yb, N, K, n, m0, 2, MM);                  \
+    else                                                                            \
+      tile(w, WB, x, XB, xs, bias, bb, y, yb, N, K, n, m0, 1, MM);                  \
+    break;
+
+/* Tiles of TILE_R(M) weight rows (1 for the last N % TILE_R) split across threads, each
+ * against all M rows of x in chunks of at most TILE_M(R), so the weights stream from memory
+ * once; WB, XB: weights / x in bf16. */
+static inline __attribute__((always_inline)) void tiles(
+    const void *x, const int XB, int64_t xs, const void *w, const int WB, const void *bias,
+    int bb, void *y, int yb, int64_t M, int64_t N, int64_t K) {
+  const int64_t R = TILE_R(M), chunk_max = TILE_M(R), full = N / R * R;
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < full / R + N % R; t++) {
+    const int64_t n = t < full / R ? t * R : full + (t - full / R);
+    const int64_t rows = n < full ? R : 1;
+    for (int64_t m0 = 0; m0 < M; m0 += chunk_max) {
+      switch (M - m0 < chunk_max ? M - m0 : chunk_max) {
+        TILE_CASE(1)
+        TILE_CASE(2)
+        TILE_CASE(3)
+        TILE_CASE(4)
+#if MAX_TILE_M >= 5
+        TILE_CASE(5)
+#endif
+#if MAX_TILE_M >= 6
+        TILE_CASE(6)
+#endif
+      }
+    }
   }
 }
-#endif
 
-static inline const void *row_at(const void *p, int bf16, int64_t index) {
-  return bf16 ? (const void *)((const uint16_t *)p + index) : (const void *)((const float *)p + index);
+static void tiles_ff(const void *x, int64_t xs, const void *w, const void *bias, int bb,
+                     void *y, int yb, int64_t M, int64_t N, int64_t K) {
+  tiles(x, 0, xs, w, 0, bias, bb, y, yb, M, N, K);
+}
+static void tiles_bb(const void *x, int64_t xs, const void *w, const void *bias, int bb,
+                     void *y, int yb, int64_t M, int64_t N, int64_t K) {
+  tiles(x, 1, xs, w, 1, bias, bb, y, yb, M, N, K);
+}
+static void tiles_fb(const void *x, int64_t xs, const void *w, const void *bias, int bb,
+                     void *y, int yb, int64_t M, int64_t N, int64_t K) {
+  tiles(x, 0, xs, w, 1, bias, bb, y, yb, M, N, K);
+}
+static void tiles_bf(const void *x, int64_t xs, const void *w, const void *bias, int bb,
+                     void *y, int yb, int64_t M, int64_t N, int64_t K) {
+  tiles(x, 1, xs, w, 0, bias, bb, y, yb, M, N, K);
 }
 
 /* x: (M, K) with row stride x_stride; w: (N, K) contiguous; y: (M, N) contiguous. */
 void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
                 const void *bias, int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N,
                 int64_t K) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if (M == 1 && x_bf16 && w_bf16) {
-    gemv_bf16_one_row((const uint16_t *)x, (const uint16_t *)w, bias, bias_bf16, y, y_bf16, N, K);
-    return;
-  }
-#endif
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; n++) {
-    const void *row = row_at(w, w_bf16, n * K);
-    const float b = bias ? value_at(bias, bias_bf16, n) : 0.f;
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_M) {
-      const int64_t rows = M - m0 < MAX_M ? M - m0 : MAX_M;
-      const void *xs = row_at(x, x_bf16, m0 * x_stride);
-      float acc[MAX_M] = {0};
-      int64_t k0 = 0;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-      if (w_bf16 && x_bf16)
-        k0 = dot_rows_bf16((const uint16_t *)row, (const uint16_t *)xs, x_stride, K, rows, acc);
-      else
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-      k0 = dot_rows(row, w_bf16, xs, x_bf16, x_stride, K, rows, acc);
-#endif
-      for (int64_t k = k0; k < K; k++) {
-        const float wk = value_at(row, w_bf16, k);
-        for (int64_t m = 0; m < rows; m++) acc[m] += wk * value_at(xs, x_bf16, m * x_stride + k);
-      }
-      for (int64_t m = 0; m < rows; m++) store(y, y_bf16, (m0 + m) * N + n, acc[m] + b);
-    }
-  }
+  void (*run)(const void *, int64_t, const void *, const void *, int, void *, int, int64_t,
+              int64_t, int64_t) =
+      w_bf16 ? (x_bf16 ? tiles_bb : tiles_fb) : (x_bf16 ? tiles_bf : tiles_ff);
+  run(x, x_stride, w, bias, bias_bf16, y, y_bf16, M, N, K);
 }
