@@ -103,7 +103,16 @@ def test_a_loaded_model_runs_the_kernel_the_probe_chose(tiny_checkpoints, dtype)
     model, _ = load_model(str(tiny_checkpoints["smollm"]), dtype)
     linear_types = nn.Linear | PrepackedLinear | DecodeLinear  # what each candidate installs
     kernels = {type(m) for m in model.modules() if isinstance(m, linear_types)}
-    assert kernels == {KERNEL_TYPES.get(choice["kernel"], DecodeLinear)}
+    one_row, few_rows = choice["kernel"], choice["few_rows_kernel"]
+    assert few_rows in choice["applicable"]
+    if one_row == "onednn" or len(choice["few_rows_ms"]) < 2:
+        assert few_rows == one_row
+    kvlab_rows = (1, 1) if one_row == "kvlab" else (2, 32)
+    if one_row == few_rows:
+        assert kernels == {KERNEL_TYPES.get(choice["kernel"], DecodeLinear)}
+    else:  # kvlab's kernel for the width it won, F.linear for the other
+        assert kernels == {DecodeLinear}
+        assert {m.kernel_rows for m in model.modules() if type(m) is DecodeLinear} == {kvlab_rows}
     if choice["kernel"] != "onednn":
         assert model.lm_head.weight is model.embed_tokens.weight  # the tie survives
     recorded = environment()["cpu_kernels"]["linear"][str(dtype).removeprefix("torch.")]
@@ -121,7 +130,9 @@ def test_a_choice_is_timed_again_and_each_kernel_keeps_its_best(tmp_path, monkey
     )
     calls = []
 
-    def fake_timing(kernels, dtype):
+    def fake_timing(kernels, dtype, rows=1):
+        if rows != 1:
+            return {kernel: 1.0 for kernel in kernels}
         calls.append(dtype)
         return next(timings)
 
@@ -147,6 +158,44 @@ def test_a_choice_is_timed_again_and_each_kernel_keeps_its_best(tmp_path, monkey
         assert load() == third and len(calls) == 3  # settled: read, not timed
     finally:
         linear_kernel.cache_clear()
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
+@pytest.mark.parametrize("one_row, few_rows", [("plain", "kvlab"), ("kvlab", "plain")])
+def test_each_width_runs_the_kernel_timed_fastest_at_it(tmp_path, monkeypatch, one_row, few_rows):
+    """One row and a few rows are timed apart; where they disagree, kvlab's kernel takes only
+    the width it won (counted calls) and F.linear the other, with the same outputs."""
+    from kvlab.kernels import linear as kernels_linear
+    from kvlab.models import cpu_kernels
+
+    def fake_timing(kernels, dtype, rows=1):
+        winner = one_row if rows == 1 else few_rows
+        return {kernel: 5.0 if kernel == winner else 10.0 for kernel in kernels}
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernels, "applicable_kernels", lambda dtype: ["plain", "kvlab"])
+    monkeypatch.setattr(cpu_kernels, "_time_kernels", fake_timing)
+    linear_kernel.cache_clear()
+    try:
+        choice = linear_kernel(torch.float32)
+        assert (choice["kernel"], choice["few_rows_kernel"]) == (one_row, few_rows)
+        assert choice["few_rows_ms"] == {"plain": 10.0 if few_rows == "kvlab" else 5.0,
+                                         "kvlab": 5.0 if few_rows == "kvlab" else 10.0}  # fmt: skip
+        model = nn.Sequential(nn.Linear(64, 48))
+        assert cpu_kernels.prepack_linears(model) == 1
+    finally:
+        linear_kernel.cache_clear()
+    calls = []
+    kernel = kernels_linear._small_linear_impl
+    monkeypatch.setattr(
+        kernels_linear, "_small_linear_impl", lambda *a: calls.append(len(a[0])) or kernel(*a)
+    )
+    reference = nn.Linear(64, 48)
+    reference.load_state_dict(model[0].state_dict())
+    for rows in (1, 5):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(model(x), reference(x), atol=1e-5, rtol=1e-5)
+    assert calls == ([1] if one_row == "kvlab" else [5])
 
 
 def test_a_forced_kernel_that_does_not_apply_falls_back_and_a_bad_name_fails(monkeypatch):

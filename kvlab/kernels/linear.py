@@ -27,16 +27,19 @@ MAX_ROWS = 32
 
 class DecodeLinear(nn.Module):
     """``nn.Linear`` whose few-row products (decode) run kvlab's CPU matrix-vector kernel;
-    same parameters, same outputs up to fp32 rounding."""
+    same parameters, same outputs up to fp32 rounding. ``kernel_rows``: the row counts
+    (first, last) the kernel takes, ``F.linear`` the others."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, kernel_rows: tuple[int, int] = (1, MAX_ROWS)):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        self.kernel_rows = kernel_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows > MAX_ROWS or x.device.type != "cpu":
+        first, last = self.kernel_rows
+        if not first <= rows <= last or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, self.in_features)
         if torch.compiler.is_compiling():

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from kvlab.kernels.build import cpu_identity, library, library_identity
-from kvlab.kernels.linear import DecodeLinear
+from kvlab.kernels.linear import MAX_ROWS, DecodeLinear
 from kvlab.paths import cache_dir
 
 KERNELS = ("plain", "onednn", "kvlab")
@@ -42,6 +42,7 @@ MARGIN = 0.05  # a candidate replaces the plain layer only when this much faster
 RETIMINGS = 3  # a choice is timed on this many loads (each kernel's best kept), then cached
 TIMED_ELEMENTS = 128 * 2**20  # 512 MiB of fp32 weights (256 MiB bf16) per timing pass
 TIMED_SHAPES = ((1536, 576), (576, 1536))  # the default model's MLP, alternating
+FEW_ROWS = 5  # the width a few-row step is timed at: verifying 4 drafts, a small batch
 
 
 @functools.cache
@@ -112,8 +113,9 @@ def applicable_kernels(dtype: torch.dtype) -> list[str]:
 @functools.cache
 def linear_kernel(dtype: torch.dtype) -> dict:
     """The kernel this CPU runs ``dtype`` linear layers with, and why: ``{"kernel",
-    "applicable", "decode_ms"}`` (``decode_ms``: one row through the timed stack per
-    candidate, empty when only one applies or the choice is forced)."""
+    "applicable", "decode_ms", "few_rows_kernel", "few_rows_ms"}`` (``decode_ms``: one row
+    through the timed stack per candidate, empty when only one applies or the choice is
+    forced; ``few_rows_*``: the same for ``FEW_ROWS`` rows, see :func:`_few_rows_kernel`)."""
     timer = functools.partial(_time_kernels, dtype=dtype)
     return _choose(str(dtype).removeprefix("torch."), applicable_kernels(dtype), timer)
 
@@ -135,8 +137,10 @@ def _choose(name: str, applicable: list[str], timer) -> dict:
             raise ValueError(f"KVLAB_CPU_LINEAR={forced!r}: allowed: {', '.join(KERNELS)}")
         kernel = forced if forced in applicable else "plain"
         choice = {"kernel": kernel, "applicable": applicable, "decode_ms": {}, "forced": True}
+        choice |= {"few_rows_kernel": kernel, "few_rows_ms": {}}
     elif len(applicable) == 1:
         choice = {"kernel": "plain", "applicable": applicable, "decode_ms": {}}
+        choice |= {"few_rows_kernel": "plain", "few_rows_ms": {}}
     else:
         choice = _timed_choice(name, applicable, timer)
     _CHOSEN[name] = choice
@@ -149,21 +153,41 @@ def _timed_choice(name: str, applicable: list[str], timer) -> dict:
     if cached is not None and cached.get("timings", 1) >= RETIMINGS:
         return cached
     times = timer(applicable)
+    few = [kernel for kernel in ("plain", "kvlab") if kernel in applicable]
+    few_times = timer(few, rows=FEW_ROWS) if len(few) == 2 else {}
     timings = 1
     if cached is not None:  # a load only slows a kernel down: keep each one's best timing
-        times = {k: min(t, cached["decode_ms"].get(k, t)) for k, t in times.items()}
+        times = _best(times, cached["decode_ms"])
+        few_times = _best(few_times, cached.get("few_rows_ms", {}))
         timings += cached.get("timings", 1)
-    choice = {"kernel": _fastest(times), "applicable": applicable, "decode_ms": times}
+    kernel = _fastest(times)
+    choice = {"kernel": kernel, "applicable": applicable, "decode_ms": times}
+    choice |= {"few_rows_kernel": _few_rows_kernel(kernel, few_times), "few_rows_ms": few_times}
     choice["timings"] = timings
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(choice, indent=1))
     return choice
 
 
+def _best(times: dict[str, float], cached: dict[str, float]) -> dict[str, float]:
+    return {kernel: min(t, cached.get(kernel, t)) for kernel, t in times.items()}
+
+
 def _fastest(times: dict[str, float]) -> str:
     """The fastest kernel where it beats ``plain`` by ``MARGIN``, else ``plain``."""
     best = min(times, key=times.get)
     return best if times[best] < (1 - MARGIN) * times["plain"] else "plain"
+
+
+def _few_rows_kernel(one_row: str, few_times: dict[str, float]) -> str:
+    """The kernel for 2 to ``MAX_ROWS`` rows (a verification step, a small batch): the
+    faster of ``plain`` and ``kvlab`` at ``FEW_ROWS`` rows where both apply (a library's
+    matrix-vector path can win at one row and turn into a slower matrix-matrix one at
+    five: MKL on a Xeon, 20 -> 38 ms over the default model's fp32 linears, kvlab's kernel
+    20 -> 22); the one-row kernel where the layer is oneDNN's (it keeps no plain weight)."""
+    if one_row == "onednn" or not few_times:
+        return one_row
+    return _fastest(few_times)
 
 
 def _choice_path(name: str, applicable: list[str]) -> Path:
@@ -174,11 +198,11 @@ def _choice_path(name: str, applicable: list[str]) -> Path:
     return cache_dir() / "kernel_choice" / f"{name}-{key}.json"
 
 
-def _time_kernels(kernels: list[str], dtype: torch.dtype) -> dict[str, float]:
-    """Median ms of one row through every layer of a weight stack larger than the LLC, per
-    kernel (:func:`_time_passes`)."""
+def _time_kernels(kernels: list[str], dtype: torch.dtype, rows: int = 1) -> dict[str, float]:
+    """Median ms of ``rows`` rows through every layer of a weight stack larger than the LLC,
+    per kernel (:func:`_time_passes`)."""
     weights = _timed_weights(dtype)
-    x = {k: torch.full((1, 1, k), 0.01, dtype=dtype) for k in {s[1] for s in TIMED_SHAPES}}
+    x = {k: torch.full((rows, 1, k), 0.01, dtype=dtype) for k in {s[1] for s in TIMED_SHAPES}}
 
     def stack_pass(kernel: str):
         layers = [_WRAPPERS[kernel](linear) for linear in weights]
@@ -187,7 +211,7 @@ def _time_kernels(kernels: list[str], dtype: torch.dtype) -> dict[str, float]:
     return _time_passes({kernel: stack_pass(kernel) for kernel in kernels})
 
 
-def _time_int8_kernels(kernels: list[str]) -> dict[str, float]:
+def _time_int8_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
     """:func:`_time_kernels` for int8 weights (bf16 rows and scales, as ``quant=rtn_int8``
     runs them): PyTorch's kernel against kvlab's."""
     from kvlab.kernels.linear import int8_linear
@@ -200,7 +224,8 @@ def _time_int8_kernels(kernels: list[str]) -> dict[str, float]:
         "plain": lambda x, codes, scale: torch.ops.aten._weight_int8pack_mm(x, codes, scale),
         "kvlab": lambda x, codes, scale: int8_linear(x, codes, scale, None),
     }
-    x = {k: torch.full((1, k), 0.01, dtype=torch.bfloat16) for k in {s[1] for s in TIMED_SHAPES}}
+    shapes = {s[1] for s in TIMED_SHAPES}
+    x = {k: torch.full((rows, k), 0.01, dtype=torch.bfloat16) for k in shapes}
 
     def stack_pass(kernel: str):
         return lambda: [run[kernel](x[codes.shape[1]], codes, scale) for codes, scale in weights]
@@ -267,9 +292,17 @@ def prepack_linears(model: nn.Module) -> int:
             if not child.weight.is_contiguous():
                 continue
             choice = linear_kernel(child.weight.dtype)
-            kernel = choice["kernel"]
-            if kernel == "plain":
-                continue
-            setattr(parent, name, _WRAPPERS[kernel](child))
-            swapped += 1
+            layer = _layer(child, choice["kernel"], choice["few_rows_kernel"])
+            if layer is not child:
+                setattr(parent, name, layer)
+                swapped += 1
     return swapped
+
+
+def _layer(linear: nn.Linear, one_row: str, few_rows: str) -> nn.Module:
+    """``linear`` as the chosen kernels run it: one kernel for every width, or kvlab's
+    kernel for one row or for 2 to ``MAX_ROWS`` rows only, ``F.linear`` for the rest."""
+    if one_row == few_rows or one_row == "onednn":
+        return linear if one_row == "plain" else _WRAPPERS[one_row](linear)
+    kernel_rows = (1, 1) if one_row == "kvlab" else (2, MAX_ROWS)
+    return DecodeLinear(linear, kernel_rows)

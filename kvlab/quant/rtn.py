@@ -140,8 +140,9 @@ class Int4Linear(nn.Module):
 
 class Int8Linear(nn.Module):
     """Linear layer over int8 weights with one symmetric scale per output channel. On the
-    CPU, decode rows (up to ``MAX_ROWS``) run the kernel :func:`int8_kernel` chose for this
-    CPU (kvlab's or PyTorch's), more rows PyTorch's ``_weight_int8pack_mm``."""
+    CPU, one row and 2 to ``MAX_ROWS`` rows each run the kernel :func:`int8_kernel` chose
+    for that width on this CPU (kvlab's or PyTorch's), more rows PyTorch's
+    ``_weight_int8pack_mm``."""
 
     def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = torch.bfloat16):
         super().__init__()
@@ -153,13 +154,15 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         cpu = weight.device.type == "cpu"
-        self.decode_kernel = int8_kernel()["kernel"] if cpu else "plain"
+        choice = int8_kernel() if cpu else {"kernel": "plain", "few_rows_kernel": "plain"}
+        self.decode_kernel, self.few_rows_kernel = choice["kernel"], choice["few_rows_kernel"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
         flat = x.reshape(-1, self.in_features).to(dtype)  # (M, K)
         scale = self.scale.to(dtype)
-        if flat.device.type == "cpu" and self.decode_kernel == "kvlab" and len(flat) <= MAX_ROWS:
+        kernel = self.decode_kernel if len(flat) == 1 else self.few_rows_kernel
+        if flat.device.type == "cpu" and kernel == "kvlab" and len(flat) <= MAX_ROWS:
             out = int8_linear(flat, self.qweight, scale, None)
         elif flat.device.type == "cpu":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scale)
