@@ -127,6 +127,8 @@ def _measure(cfg: RunConfig, out_dir: Path | None) -> dict[str, Any]:
     if draft is not None:  # what the draft adds (an early exit shares the model's weights)
         shared = cfg.spec.method == "layerskip"
         metrics["spec/draft_weight_bytes"] = 0 if shared else weight_bytes(draft.engine.model)
+        metrics["spec/draft_compiled"] = draft.engine.compiled
+        metrics["spec/draft_compile_choice"] = draft.compile_choice
     metrics["new_tokens"] = sum(len(t) for t in run.tokens)
     metrics |= decided
     metrics["sample_text"] = tokenizer.decode(run.tokens[0])[:300]
@@ -139,7 +141,8 @@ def _cache_key(cfg: RunConfig) -> str:
 
 
 def build_draft(cfg: RunConfig, model: Decoder) -> ModelDraft | None:
-    """The run's draft model over its own cache (``spec.method`` self, layerskip or model);
+    """The run's draft model over its own cache (``spec.method`` self, layerskip or model),
+    its steps compiled as ``engine.compile`` decides for the draft's own weights and cache;
     None for prompt lookup and plain decoding, which need none."""
     spec = cfg.spec
     if not spec.drafts_with_a_model:
@@ -157,7 +160,12 @@ def build_draft(cfg: RunConfig, model: Decoder) -> ModelDraft | None:
             f"and model={cfg.model.source!r} one of {model.config.vocab_size}; allowed: a "
             "draft with the model's tokenizer"
         )
-    return ModelDraft(draft, cache_factory(spec.cache, draft, spec.cache_options)())
+    new_cache = cache_factory(spec.cache, draft, spec.cache_options)
+    options = sorted(dict(spec.cache_options).items())
+    key = f"draft {spec.method} layers={spec.layers} {spec.cache} {options}"
+    choice = compile_choice(cfg.engine.compile, draft, new_cache, key, cfg.workload.new_tokens,
+                            serving=False)  # fmt: skip
+    return ModelDraft(draft, new_cache(static=choice["compile"]), choice)
 
 
 def _measure_serving(cfg, model, tokenizer, new_cache, out_dir) -> dict[str, Any]:

@@ -7,6 +7,9 @@ prompt lookup's home) and open-ended (the passage continued). Strategies that ca
 speculate get a row with the reason.
 
     python scripts/bench_speculative.py --passage-tokens 384 --new-tokens 96 --rounds 2
+
+``--compile``: every engine's one-token steps (the target's and each model draft's) run
+under ``torch.compile`` over static caches, as ``engine.compile`` runs them.
 """
 
 from __future__ import annotations
@@ -55,8 +58,11 @@ def drafts(model, args) -> dict[str, tuple[SpecConfig, object]]:
     device = model.embed_tokens.weight.device
     int4_model, _ = load_run_model(ModelConfig(), QuantConfig("rtn", INT4), device)
 
+    compiled = {"compile": args.compile, "reason": "--compile"}
+
     def over(draft_model, cache="full", options=None):
-        return ModelDraft(draft_model, build_cache(cache, draft_model.cache_spec(), options or {}))
+        draft_cache = build_cache(cache, draft_model.cache_spec(), options or {}, args.compile)
+        return ModelDraft(draft_model, draft_cache, compiled)
 
     return {
         "ngram": (SpecConfig("ngram", K), None),
@@ -72,18 +78,20 @@ def drafts(model, args) -> dict[str, tuple[SpecConfig, object]]:
     }
 
 
-def generate(model, strategy, options, prompt, new_tokens, spec=None, draft=None):
-    cache = build_cache(strategy, model.cache_spec(), options)
+def generate(engine, prompt, new_tokens, spec=None):
     cfg = GenerationConfig(new_tokens, stop_on_eos=False, spec=spec or SpecConfig())
-    return Engine(model, cache, draft=draft).generate([prompt], cfg)
+    return engine.generate([prompt], cfg)
 
 
 def measure(model, strategy, options, prompt, args, spec=None, draft=None) -> dict:
-    """Median decode tok/s over rounds (after a warm-up), the metrics and tokens of the last."""
-    generate(model, strategy, options, prompt, 4, spec, draft)  # warm-up
+    """Median decode tok/s over rounds (after a warm-up, which compiles where ``--compile``
+    asks) of one engine, the metrics and tokens of the last."""
+    cache = build_cache(strategy, model.cache_spec(), options, static=args.compile)
+    engine = Engine(model, cache, draft=draft, compile=args.compile)
+    generate(engine, prompt, 4, spec)  # warm-up
     speeds, run = [], None
     for _ in range(args.rounds):
-        run = generate(model, strategy, options, prompt, args.new_tokens, spec, draft)
+        run = generate(engine, prompt, args.new_tokens, spec)
         speeds.append(generation_metrics(run.stats)["decode_tok_s"])
     return {"tok_s": statistics.median(speeds), "metrics": generation_metrics(run.stats),
             "tokens": run.tokens[0]}  # fmt: skip
@@ -96,14 +104,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--exit-layer", type=int, default=15)
     parser.add_argument("--only", default=",".join(STRATEGIES))
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_run_model(ModelConfig(), QuantConfig(), torch.device("cpu"))
     prompts, candidates = workloads(tokenizer, args.passage_tokens), drafts(model, args)
     cpu = cpu_identity().splitlines()[0].split(":")[1].strip()
+    steps = "compiled" if args.compile else "eager"
     print(f"smollm2-135m fp32, CPU {cpu}, threads "
           f"{torch.get_num_threads()}, k={K}, {args.new_tokens} new tokens, greedy, batch 1, "
-          f"median of {args.rounds} rounds")  # fmt: skip
+          f"median of {args.rounds} rounds, {steps} steps")  # fmt: skip
     print(
         "\n| workload | strategy | draft | tok/s | vs none | acceptance | tokens/step "
         "| draft ms | verify ms | text = none |"

@@ -113,3 +113,23 @@ def test_a_model_method_without_a_draft_says_how_to_give_one(tiny_llama, prompts
     cfg = GenerationConfig(4, spec=SpecConfig("self", K))
     with pytest.raises(ValueError, match="spec.method='self' drafts with a model: build"):
         engine.generate(prompts, cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_runs_draft_compiles_as_engine_compile_says_and_keeps_the_text(
+    tiny_checkpoints, tiny_llama, prompts, compile
+):
+    """The run's model draft (``build_draft``) takes its own compile choice: compiled, its
+    steps run under torch.compile over a static cache and the greedy text is unchanged."""
+    from kvlab.config import EngineConfig, ModelConfig, RunConfig
+    from kvlab.run import build_draft
+
+    int4 = dict(bits=4, group_size=32, symmetric=False)
+    spec = SpecConfig("self", K, quant="rtn", quant_options=int4)
+    model = ModelConfig(source=str(tiny_checkpoints["llama"]))
+    cfg = RunConfig(model=model, spec=spec, engine=EngineConfig(compile=compile))
+    draft = build_draft(cfg, tiny_llama)
+    assert draft.compile_choice == {"compile": compile, "reason": f"engine.compile={compile}"}
+    assert draft.engine.compiled is compile and draft.cache.static is compile
+    assert run(tiny_llama, prompts, draft).tokens == run(tiny_llama, prompts).tokens

@@ -29,10 +29,14 @@ from kvlab.speculative.config import SpecConfig
 
 
 class ModelDraft:
-    """Greedy drafts of ``model`` over ``cache`` (its rows follow the running batch's)."""
+    """Greedy drafts of ``model`` over ``cache`` (its rows follow the running batch's).
+    ``compile_choice``: ``{"compile": bool, "reason": ...}`` (:mod:`kvlab.engine.compile_choice`)
+    — compiled, its one-token steps, most of what a speculative step costs, run under
+    ``torch.compile`` (``cache`` built ``static=True``)."""
 
-    def __init__(self, model: Decoder, cache: KVCache):
-        self.engine = Engine(model, cache)
+    def __init__(self, model: Decoder, cache: KVCache, compile_choice: dict | None = None):
+        self.compile_choice = compile_choice or {"compile": False, "reason": "not asked"}
+        self.engine = Engine(model, cache, compile=self.compile_choice["compile"])
         self.rows: list[int] = []  # request index of each draft cache row
 
     @property
