@@ -88,7 +88,7 @@ def measure(model, strategy, options, prompt, args, spec=None, draft=None) -> di
     asks) of one engine, the metrics and tokens of the last."""
     cache = build_cache(strategy, model.cache_spec(), options, static=args.compile)
     engine = Engine(model, cache, draft=draft, compile=args.compile)
-    generate(engine, prompt, 4, spec)  # warm-up
+    generate(engine, prompt, args.new_tokens, spec)  # warm-up: the rounds' shapes, compiled
     speeds, run = [], None
     for _ in range(args.rounds):
         run = generate(engine, prompt, args.new_tokens, spec)

@@ -70,6 +70,24 @@ def test_more_compiled_engines_than_torchs_default_limit_all_compile(tiny_llama)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 10
 
 
+def test_nearby_lengths_share_one_compiled_graph(tiny_llama):
+    """A static cache rounds its rows up to STATIC_ROOM_STEP tokens, so a warm-up and the run
+    after it (or a sweep's points) of other lengths reuse the graph instead of compiling
+    once per length (a compile inside a measured run is counted in its decode time)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from kvlab.cache.composed import STATIC_ROOM_STEP
+    from kvlab.engine import Engine, GenerationConfig
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    engine = Engine(tiny_llama, new_cache_of(tiny_llama)(static=True), compile=True)
+    for prompt_len, new in ((6, 2), (30, 9), (STATIC_ROOM_STEP - 12, 12)):
+        engine.generate([list(range(3, 3 + prompt_len))], GenerationConfig(new, stop_on_eos=False))
+    assert engine.cache.store.slots == STATIC_ROOM_STEP
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+
+
 def new_cache_of(model):
     return cache_factory("full", model, {})
 

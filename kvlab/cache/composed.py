@@ -26,6 +26,10 @@ from kvlab.cache.stores.staged import StagedStore
 
 _COMPOSITIONS: dict[str, tuple[type[Policy], type[Store], type]] = {}
 STAGED: dict[type[Store], type[Store]] = {ContiguousStore: StagedStore}  # store -> its staged form
+# a static cache's rows hold a multiple of this many tokens: shapes, and so a compiled step's
+# graph, repeat across prompts of nearby lengths (a warm-up's and the run's, a sweep's points)
+# instead of compiling once per length
+STATIC_ROOM_STEP = 256
 
 
 def store_for(store: type[Store], codec) -> type[Store]:
@@ -99,6 +103,8 @@ class ComposedCache(KVCache):
 
     # ---- rows ------------------------------------------------------------------------------
     def allocate(self, batch_size: int, max_tokens: int) -> None:
+        if self.static:
+            max_tokens = -(-max_tokens // STATIC_ROOM_STEP) * STATIC_ROOM_STEP
         super().allocate(batch_size, max_tokens)
         self.store.allocate(batch_size, max_tokens)
         self.policy.allocate(batch_size, max_tokens)
