@@ -133,3 +133,33 @@ def test_a_runs_draft_compiles_as_engine_compile_says_and_keeps_the_text(
     assert draft.compile_choice == {"compile": compile, "reason": f"engine.compile={compile}"}
     assert draft.engine.compiled is compile and draft.cache.static is compile
     assert run(tiny_llama, prompts, draft).tokens == run(tiny_llama, prompts).tokens
+
+
+def test_the_draft_prefills_beside_the_model_and_catches_up_one_token_in_a_step(
+    tiny_llama, prompts
+):
+    """A new round's prompts reach the draft during the model's prefill (its time counts in
+    the prefill's, not in the first decode step's drafting); afterwards a row that lacks only
+    its newest token (its drafts were rejected) catches up through a one-token decode step,
+    the path a compiled draft runs compiled, and a row that lacks more through a verify."""
+    import time
+
+    draft = draft_of(early_exit(tiny_llama, 1))  # rejected often: one-token catch-ups
+    calls, spent = [], []
+    for name in ("prefill", "decode_step", "verify"):
+        method = getattr(draft.engine, name)
+
+        def recorded(*args, method=method, name=name):
+            began = time.perf_counter()
+            out = method(*args)
+            calls.append((name, None))
+            spent.append(time.perf_counter() - began) if name == "prefill" else None
+            return out
+
+        setattr(draft.engine, name, recorded)
+    result = run(tiny_llama, prompts, draft, "layerskip")
+    assert result.tokens == run(tiny_llama, prompts).tokens
+    assert [name for name, _ in calls].count("prefill") == 1 and calls[0][0] == "prefill"
+    assert result.stats.prefill_s[0] >= spent[0]
+    catch_ups_by_verify = [name for name, _ in calls].count("verify")
+    assert catch_ups_by_verify < len(result.stats.draft_s)  # one per proposal without the path

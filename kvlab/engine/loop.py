@@ -191,6 +191,7 @@ class EngineLoop:
         )
         if tokens is None:
             return {}
+        seconds += self._prefill_draft()
         t = self.clock.mark()
         joining = self.sched.joining
         self.stats.note_memory(self.sched.cache.memory())  # the running batch's rows
@@ -203,6 +204,16 @@ class EngineLoop:
                 seq.status = Status.READY
                 emitted[seq.index] = [token]
         return emitted
+
+    def _prefill_draft(self) -> float:
+        """A model draft's prefill of a new round's prompts, beside the model's (seconds;
+        0 without one, or while rows of an earlier round still run)."""
+        prefill = getattr(self.draft, "prefill", None)
+        if prefill is None or self.sched.running:
+            return 0.0
+        began = now(self.engine.device)
+        prefill(self.sched.joining, self.room)
+        return now(self.engine.device) - began
 
     def _decode(self) -> dict[int, list[int]]:
         """One token for every request of the running batch."""

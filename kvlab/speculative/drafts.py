@@ -73,14 +73,26 @@ class ModelDraft:
             [min(n, wanted.get(i, n)) for i, n in zip(self.rows, lengths, strict=True)]
         )
 
+    def prefill(self, seqs: list[Sequence], room: int) -> None:
+        """A new round's prompts (no other row runs), fed while the model prefills them, so
+        the draft's prefill counts in time to first token as the model's does, into rows
+        of ``room`` tokens; rows of earlier rounds' requests are forgotten."""
+        if self.rows:
+            self.cache.free(list(range(len(self.rows))))
+            self.rows = []
+        self._catch_up(seqs, room)
+
     def _catch_up(self, seqs: list[Sequence], room: int) -> torch.Tensor:
         """Feed each row what the draft cache lacks of its tokens; the logits after each
-        row's newest token."""
+        row's newest token. Where each row lacks only that token (a draft was rejected),
+        a one-token step (compiled where the draft compiles)."""
         if self._follow(seqs):
             self.cache.allocate(len(seqs), room)
             tokens = [s.tokens for s in seqs]
             return self.engine.prefill(tokens, max(map(len, tokens)))
         held = self.cache.lengths
+        if all(n + 1 == len(s.tokens) for s, n in zip(seqs, held, strict=True)):
+            return self.engine.decode_step([s.tokens for s in seqs])
         prefixes = [s.tokens[: n + 1] for s, n in zip(seqs, held, strict=True)]
         tails = [s.tokens[n + 1 :] for s, n in zip(seqs, held, strict=True)]
         logits = self.engine.verify(prefixes, tails)  # (B, 1 + longest tail, V)
