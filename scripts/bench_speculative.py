@@ -36,7 +36,7 @@ STRATEGIES = {
     "paged": {},
     "int8": dict(rollback=K),
     "int4": dict(rollback=K),
-    "sliding": dict(window=256),
+    "sliding": dict(window=256, rollback=K),
     "evict": dict(scorer="snapkv", ratio=0.5),
     "compressed": {},
 }
