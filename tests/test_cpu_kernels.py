@@ -234,13 +234,14 @@ def test_decode_linear_equals_linear(dtype, rows, out_features, strided):
 
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 13])
 @pytest.mark.parametrize("out_features", [96, 99])
 @pytest.mark.parametrize("bias", [False, True])
 def test_int8_linear_equals_the_dequantized_linear(dtype, rows, out_features, bias):
-    """kvlab's int8 kernel (weight rows four at a time, 99 leaving three alone; channels
-    in 32s, 16s and a scalar tail: 200 = 6 x 32 + 8) against the dequantized weight in
-    fp32, in the activations' dtype."""
+    """kvlab's int8 kernel (weight rows four at a time, 99 leaving three alone, against
+    chunks of every size up to 6 rows of x (AVX-512) or 2 (AVX2); channels in 32s, 16s and a
+    scalar tail: 200 = 6 x 32 + 8) against the dequantized weight in fp32, in the
+    activations' dtype."""
     from kvlab.kernels.linear import int8_linear
 
     generator = torch.Generator().manual_seed(rows * out_features)
