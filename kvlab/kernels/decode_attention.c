@@ -350,6 +350,26 @@ static int fill_rows(const Job *job, const Store *s, int b, int h, int64_t t, in
   return filled;
 }
 
+/* Ask for the rows of logical tokens t.. (< end) of an fp32 or bf16 store ahead of their
+ * use (a no-op for codes, which are decoded where they are read): the K pass prefetches its
+ * chunk's value rows, so the V pass finds them in L2 instead of waiting on memory. */
+static void prefetch_rows(const Job *job, const Store *s, int b, int h, int64_t t,
+                          int64_t end) {
+  if (s->format != FMT_F32 && s->format != FMT_BF16) return;
+  const int64_t row_bytes = (int64_t)job->D * (s->format == FMT_F32 ? 4 : 2);
+  const int64_t slot_bytes = s->s_slot * (s->format == FMT_F32 ? 4 : 2);
+  int64_t block, slot;
+  while (t < end) {
+    const int run = next_run(job, b, t, end, &block, &slot);
+    const int64_t at = block * s->s_block + h * s->s_head + slot * s->s_slot;
+    const char *p = (const char *)s->data + at * (s->format == FMT_F32 ? 4 : 2);
+    for (int i = 0; i < run; i++)
+      for (int64_t byte = 0; byte < row_bytes; byte += 64)
+        __builtin_prefetch(p + i * slot_bytes + byte);
+    t += run;
+  }
+}
+
 #if defined(__AVX512F__)
 /* key_scores for four rows at a time and a compile-time G (inlined per G): each row's
  * 16-channel slices loaded once for all G query heads, 4 * G chains in registers.
@@ -398,7 +418,8 @@ static void key_scores(const float *q, const float **rows, int n, int G, int D, 
         for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
         for (int d = 0; d < D; d += 8) {
           const __m256 qv = _mm256_loadu_ps(q + g * D + d);
-          for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[i + r] + d), a[r]);
+          for (int r = 0; r < 8; r++)
+            a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[i + r] + d), a[r]);
         }
         const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
         const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
@@ -544,6 +565,8 @@ static void attend_chunk(const Job *job, int b, int h, int c) {
   const float *rows[TILE];
   for (int64_t t = t0; t < t1;) {
     const int run = fill_rows(job, &job->k, b, h, t, t1, tile, rows);
+    prefetch_rows(job, &job->v, b, h, t, t + run);
+    prefetch_rows(job, &job->k, b, h, t + run, t + 2 * run < t1 ? t + 2 * run : t1);
     key_scores(q, rows, run, G, D, job->scale, scores + (t - t0), n);
     t += run;
   }
