@@ -222,22 +222,16 @@ static inline __attribute__((always_inline)) void tiles(
   }
 }
 
-static void tiles_ff(const void *x, int64_t xs, const void *w, const void *bias, int bb,
-                     void *y, int yb, int64_t M, int64_t N, int64_t K) {
-  tiles(x, 0, xs, w, 0, bias, bb, y, yb, M, N, K);
-}
-static void tiles_bb(const void *x, int64_t xs, const void *w, const void *bias, int bb,
-                     void *y, int yb, int64_t M, int64_t N, int64_t K) {
-  tiles(x, 1, xs, w, 1, bias, bb, y, yb, M, N, K);
-}
-static void tiles_fb(const void *x, int64_t xs, const void *w, const void *bias, int bb,
-                     void *y, int yb, int64_t M, int64_t N, int64_t K) {
-  tiles(x, 0, xs, w, 1, bias, bb, y, yb, M, N, K);
-}
-static void tiles_bf(const void *x, int64_t xs, const void *w, const void *bias, int bb,
-                     void *y, int yb, int64_t M, int64_t N, int64_t K) {
-  tiles(x, 1, xs, w, 0, bias, bb, y, yb, M, N, K);
-}
+/* One specialisation per (x, weights) precision pair, so each inlines its own loads. */
+#define TILES_FOR(NAME, XB, WB)                                                        \
+  static void NAME(const void *x, int64_t xs, const void *w, const void *bias, int bb, \
+                   void *y, int yb, int64_t M, int64_t N, int64_t K) {                 \
+    tiles(x, XB, xs, w, WB, bias, bb, y, yb, M, N, K);                                 \
+  }
+TILES_FOR(tiles_ff, 0, 0)
+TILES_FOR(tiles_bb, 1, 1)
+TILES_FOR(tiles_fb, 0, 1)
+TILES_FOR(tiles_bf, 1, 0)
 
 /* x: (M, K) with row stride x_stride; w: (N, K) contiguous; y: (M, N) contiguous. */
 void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
