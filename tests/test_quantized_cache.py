@@ -144,3 +144,41 @@ def test_the_c_encoder_is_bit_identical_to_the_torch_codec(dtype, bits):
     codes, scale_ref, zero_ref = min_max_quantize(x.transpose(1, 2).unflatten(-1, (2, 32)), bits)
     assert torch.equal(words, pack_words(codes.flatten(-2), bits))
     assert torch.equal(scale, scale_ref[..., 0]) and torch.equal(zero, zero_ref[..., 0])
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_short_step_reads_the_codes_in_place_as_the_decoded_history_gives(
+    name, tiny_llama, monkeypatch
+):
+    """With a rollback margin of 3 a step of up to 4 tokens passes through the ring and is
+    attended through the decode kernel, a query row per token: rows of different lengths
+    (below the residual, closing a group, padded) give the logits, and then the bytes and
+    next decode step, of the same step over the decoded history, and never decode it."""
+    from kvlab.cache.stores.staged import StagedStore
+    from kvlab.engine import Engine
+
+    options = dict(group_size=4, residual=6, rollback=3)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 17, 22)]
+    drafts = [[7, 8, 9], [10], [11, 12]]
+
+    def run(in_place: bool):
+        engine = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec(), options))
+        engine.cache.allocate(3, 64)
+        engine.prefill(prompts, max(map(len, prompts)))
+        seqs = [p + [5] for p in prompts]
+        with monkeypatch.context() as patch:
+            if in_place:
+                patch.setattr(StagedStore, "read", lambda *a: pytest.fail("decoded history"))
+            else:
+                patch.setattr(StagedStore, "in_place_steps", lambda self: 1)
+            logits = engine.verify(seqs, drafts)
+        seqs = [s + d + [3] for s, d in zip(seqs, drafts, strict=True)]
+        return logits, engine.decode_step(seqs), engine.cache.memory().used_bytes
+
+    (got, got_next, got_bytes), (want, want_next, want_bytes) = run(True), run(False)
+    for row, draft in enumerate(drafts):
+        real = slice(0, 1 + len(draft))
+        torch.testing.assert_close(got[row, real], want[row, real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got_next, want_next, atol=1e-5, rtol=0)
+    assert got_bytes == want_bytes

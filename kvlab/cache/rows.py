@@ -27,15 +27,21 @@ def _row_head_index(batch: int, heads: int, device: torch.device):
 
 
 def decode_output(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """(B, H_kv, G, D) kernel output as the (B, H, 1, D) attention output."""
-    return out.reshape(q.shape[0], q.shape[1], 1, out.shape[-1])
+    """(B * T, H_kv, G, D) kernel output (see :func:`grouped`) as the (B, H, T, D) attention
+    output of queries ``q``."""
+    batch, heads, steps, dim = q.shape[0], q.shape[1], q.shape[2], out.shape[-1]
+    if steps == 1:
+        return out.reshape(batch, heads, 1, dim)
+    return out.reshape(batch, steps, heads, dim).transpose(1, 2)
 
 
 def grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """One decode query per row (B, H, 1, D) as (B, H_kv, G, D): query head h serves KV
-    head h // G."""
-    batch, heads, _, dim = q.shape
-    return q.reshape(batch, kv_heads, heads // kv_heads, dim)
+    """Queries (B, H, T, D) as (B * T, H_kv, G, D), a row per query token (row b * T + t):
+    query head h serves KV head h // G."""
+    batch, heads, steps, dim = q.shape
+    if steps > 1:
+        q = q.transpose(1, 2)
+    return q.reshape(batch * steps, kv_heads, heads // kv_heads, dim)
 
 
 def heads_as_blocks(pool: torch.Tensor) -> torch.Tensor:

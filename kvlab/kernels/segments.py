@@ -100,6 +100,17 @@ class Segment:
         """Logical tokens a row can address."""
         return self.ring or self.table.shape[1] * self.block_size
 
+    def per_token(self, start: torch.Tensor, steps: int) -> Segment:
+        """The segment of B rows for a step of ``steps`` query tokens a row, its queries
+        ``q`` already (B * steps, H_kv, G, D): row b * steps + t is token t of row b, which
+        sees the row's tokens before start[b] + t + 1 (causal within the step; bounds
+        clamped, so a token before the segment's range sees none of it)."""
+        token_end = start[:, None] + 1 + torch.arange(steps, device=start.device)  # (B, T)
+        hi = torch.minimum(self.hi[:, None], token_end).flatten()
+        lo = torch.minimum(self.lo.repeat_interleave(steps), hi)
+        table = self.table.repeat_interleave(steps, dim=0)
+        return Segment(self.q, self.keys, self.values, table, lo, hi, self.ring)
+
     def per_head(self, index: tuple | None = None) -> Segment:
         """The same attention with every (row, KV head) as a row of one KV head, so each
         head can have a table of its own (a top-k of entries per head): queries

@@ -1,9 +1,11 @@
 """``keep_all``: every key and value kept, token t of a row in logical slot t; exact by
-construction. Decode reads every stored token in place (the decode kernel); multi-token
-steps run SDPA over the stored prefix, causal on a first prefill, else under the mask of
-:mod:`kvlab.cache.masks`. Over the contiguous store this is ``full`` (gpt-fast's static
-cache), over the paged store ``paged`` (vLLM's PagedAttention); in token codes the step's
-own tokens are read back as stored.
+construction. Decode reads every stored token in place (the decode kernel), and so does
+a short step where the store allows it (a query row per token: a verification over KIVI
+codes reads them where they lie); other multi-token steps run SDPA over the stored
+prefix, causal on a first prefill, else under the mask of :mod:`kvlab.cache.masks`. Over
+the contiguous store this is ``full`` (gpt-fast's static cache), over the paged store
+``paged`` (vLLM's PagedAttention); in token codes the step's own tokens are read back as
+stored.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from kvlab.kernels import decode_attention
 @dataclass
 class KeepAllStep(Step):
     """``where``: the store's placement of the new tokens; ``origin`` (B,) zeros (every
-    stored token is visible to a decode query); ``read``: slots a multi-token step attends
-    over; ``mask`` (B, 1, T, read), None for plain causal attention."""
+    stored token is visible to a decode query); ``in_place``: the step is attended through
+    the decode kernel, a query row per token; else ``read``: slots a multi-token step
+    attends over, ``mask`` (B, 1, T, read), None for plain causal attention."""
 
     where: Any
     origin: torch.Tensor
+    in_place: bool = True
     read: int = 0
     mask: torch.Tensor | None = None
 
@@ -43,8 +47,9 @@ class KeepAll(Policy):
         slots = slot_positions(start, steps)  # (B, T)
         real = torch.arange(steps, device=start.device)[None] < (end - start)[:, None]
         where = store.place(lengths, info, slots, real)
-        step = self.Step(info, start, end, where, torch.zeros_like(start))
-        if steps > 1:
+        in_place = steps <= store.in_place_steps()
+        step = self.Step(info, start, end, where, torch.zeros_like(start), in_place)
+        if not in_place:
             step.read = longest + steps
             held = store.held(where, step.read)
             if held is not None:
@@ -54,10 +59,12 @@ class KeepAll(Policy):
         return step
 
     def attend(self, step, store, layer, q, k, v, k_raw):
-        if step.decode:
+        if step.in_place:
             store.write(step.where, layer, k, v)
             queries = grouped(q, self.spec.num_kv_heads)
             segments = store.segments(step.where, layer, queries, step.origin, step.end)
+            if not step.decode:
+                segments = [s.per_token(step.start, step.info.steps) for s in segments]
             return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
         keys, values = store.context(step.where, layer, k, v, step.read)
         return sdpa(q, keys, values, mask=step.mask, causal=step.mask is None)

@@ -71,6 +71,12 @@ class Store(ABC):
         By default slots past a row's length are never read, so there is nothing to do."""
         return None
 
+    def in_place_steps(self) -> int:
+        """Most tokens per row a step may bring and still be attended in place, through the
+        decode kernel with one query row per token (:meth:`Segment.per_token`), rather than
+        over :meth:`context`'s decoded history: 1 (decode) unless a store says more."""
+        return 1
+
     @abstractmethod
     def place(self, lengths: list[int], info, slots: torch.Tensor, real: torch.Tensor) -> Any:
         """Where the step's new tokens go: ``slots`` (B, T) their logical slots, ``real``

@@ -75,6 +75,12 @@ class StagedStore(ContiguousStore):
             f"allowed: cache.options.rollback >= {depth} and cache.options.residual > {depth}"
         )
 
+    def in_place_steps(self) -> int:
+        """A step whose tokens fit in the ring beside the exact ones before it (at most
+        residual + G - 1) passes through the ring as a decode token does and is read in
+        place: rollback + 1 tokens, a verification of ``rollback`` drafts."""
+        return self.ring_size - self.codec.residual - self.group + 1
+
     @classmethod
     def slots_for(cls, codec, options, max_tokens: int) -> int:
         group = codec.group
@@ -116,17 +122,18 @@ class StagedStore(ContiguousStore):
         closes = index[None] < ((coded_after - coded) // group)[:, None]
         groups = torch.where(closes, (coded // group)[:, None] + index, self.trash_group)
         sources = coded[:, None] + torch.arange(count * group, device=device)[None]
-        # a decode token always passes through the ring (with no residual it may complete
-        # a group, which is encoded from the ring); a longer step's tokens encoded within
-        # it skip the ring, where several would share a slot in one write
-        in_ring = real & ((slots >= coded_after[:, None]) | (info.steps == 1))
+        # a decode token (or a step read in place) always passes through the ring (with no
+        # residual it may complete a group, which is encoded from the ring); a longer step's
+        # tokens encoded within it skip the ring, where several would share a slot in one write
+        in_place = info.steps <= self.in_place_steps()
+        in_ring = real & ((slots >= coded_after[:, None]) | in_place)
         ring_slots = torch.where(in_ring, slots % ring, ring)  # trash: slot `ring`
         rows = torch.arange(len(lengths), device=device)[:, None]
         host = [(n, self.codec.encoded(n), self.codec.encoded(n + k))  # host lengths, coded
                 for n, k in zip(lengths, info.num_new, strict=True)]  # fmt: skip
         encodes = self.static or any(after > before for _, before, after in host)
-        read = self.codec.encoded(max(lengths)) if info.steps > 1 else 0
-        ring_from = self._ring_from(host, info.steps)
+        read = 0 if in_place else self.codec.encoded(max(lengths))
+        ring_from = self.ring_from if in_place else self._ring_from(host)
         return StagedWrite(
             rows,
             start,
@@ -141,12 +148,10 @@ class StagedStore(ContiguousStore):
             ring_from,
         )
 
-    def _ring_from(self, host: list[tuple[int, int, int]], steps: int) -> list[int]:
-        """Each row's :attr:`ring_from` after the step (``host``: per row its length and
-        coded tokens before and after): a multi-token step's tokens that it encodes itself
+    def _ring_from(self, host: list[tuple[int, int, int]]) -> list[int]:
+        """Each row's :attr:`ring_from` after a step not read in place (``host``: per row
+        its length and coded tokens before and after): the tokens that it encodes itself
         never enter the ring."""
-        if steps == 1:
-            return self.ring_from
         pairs = zip(host, self.ring_from, strict=True)
         return [max(low, after) if after > n else low for (n, _, after), low in pairs]
 
@@ -183,8 +188,8 @@ class StagedStore(ContiguousStore):
 
     # ---- one layer -------------------------------------------------------------------------
     def write(self, where: StagedWrite, layer, k, v) -> None:
-        """Decode: the new token into the ring, then the group it closes into codes (read
-        from the ring; the step's code segment ends before it)."""
+        """Decode (or a step read in place): the new tokens into the ring, then the group
+        they close into codes (read from the ring; the step's code segment ends before it)."""
         self._write_ring(where, layer, k, v)
         self._encode_closed(where, layer, None, None)
 
