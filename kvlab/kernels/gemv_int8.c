@@ -19,6 +19,33 @@
 #include <immintrin.h>
 #endif
 
+/* The widest fp32 vector the CPU has, and CODE_LANES int8 codes widened into one. */
+#if defined(__AVX512F__)
+#define CODE_LANES 16
+typedef __m512 cvec;
+static inline cvec cv_zero(void) { return _mm512_setzero_ps(); }
+static inline cvec cv_fma(cvec a, cvec b, cvec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline cvec cv_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline float cv_sum(cvec a) { return _mm512_reduce_add_ps(a); }
+static inline cvec cv_codes(const int8_t *p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CODE_LANES 8
+typedef __m256 cvec;
+static inline cvec cv_zero(void) { return _mm256_setzero_ps(); }
+static inline cvec cv_fma(cvec a, cvec b, cvec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline cvec cv_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline float cv_sum(cvec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+static inline cvec cv_codes(const int8_t *p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+
 /* out[j] = row j of w (COUNT consecutive rows of K codes) . x, over every channel. */
 static inline __attribute__((always_inline)) void dot_codes(const int8_t *w, int64_t K,
                                                             const float *x, const int COUNT,
@@ -39,29 +66,17 @@ static inline __attribute__((always_inline)) void dot_codes(const int8_t *w, int
       b[j] = _mm512_fmadd_ps(w1, x1, b[j]);
     }
   }
-  for (; k0 + 16 <= K; k0 += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + k0);
-    for (int j = 0; j < COUNT; j++) {
-      const __m128i codes = _mm_loadu_si128((const __m128i *)(w + j * K + k0));
-      a[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), xv, a[j]);
-    }
+  for (int j = 0; j < COUNT; j++) a[j] = _mm512_add_ps(a[j], b[j]);
+#elif defined(CODE_LANES)
+  cvec a[4];
+  for (int j = 0; j < COUNT; j++) a[j] = cv_zero();
+#endif
+#if defined(CODE_LANES)
+  for (; k0 + CODE_LANES <= K; k0 += CODE_LANES) {
+    const cvec xv = cv_load(x + k0);
+    for (int j = 0; j < COUNT; j++) a[j] = cv_fma(cv_codes(w + j * K + k0), xv, a[j]);
   }
-  for (int j = 0; j < COUNT; j++) out[j] = _mm512_reduce_add_ps(_mm512_add_ps(a[j], b[j]));
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a[4];
-  for (int j = 0; j < COUNT; j++) a[j] = _mm256_setzero_ps();
-  for (; k0 + 8 <= K; k0 += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + k0);
-    for (int j = 0; j < COUNT; j++) {
-      const __m128i codes = _mm_loadl_epi64((const __m128i *)(w + j * K + k0));
-      a[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), xv, a[j]);
-    }
-  }
-  for (int j = 0; j < COUNT; j++) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a[j]), _mm256_extractf128_ps(a[j], 1));
-    s = _mm_hadd_ps(s, s);
-    out[j] = _mm_cvtss_f32(_mm_hadd_ps(s, s));
-  }
+  for (int j = 0; j < COUNT; j++) out[j] = cv_sum(a[j]);
 #else
   for (int j = 0; j < COUNT; j++) out[j] = 0.f;
 #endif
@@ -87,46 +102,23 @@ static inline __attribute__((always_inline)) void dot_codes_rows(const int8_t *w
     return;
   }
   int64_t k0 = 0;
-#if defined(__AVX512F__)
-  __m512 a[4][CODE_ROWS];
+#if defined(CODE_LANES)
+  cvec a[4][CODE_ROWS];
   for (int j = 0; j < COUNT; j++)
-    for (int m = 0; m < M; m++) a[j][m] = _mm512_setzero_ps();
-  for (; k0 + 16 <= K; k0 += 16) {
-    __m512 wv[4];
+    for (int m = 0; m < M; m++) a[j][m] = cv_zero();
+  for (; k0 + CODE_LANES <= K; k0 += CODE_LANES) {
+    cvec wv[4];
     for (int j = 0; j < COUNT; j++) {
       __builtin_prefetch(w + (COUNT + j) * K + k0);
-      const __m128i codes = _mm_loadu_si128((const __m128i *)(w + j * K + k0));
-      wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+      wv[j] = cv_codes(w + j * K + k0);
     }
     for (int m = 0; m < M; m++) {
-      const __m512 xv = _mm512_loadu_ps(x + m * K + k0);
-      for (int j = 0; j < COUNT; j++) a[j][m] = _mm512_fmadd_ps(wv[j], xv, a[j][m]);
+      const cvec xv = cv_load(x + m * K + k0);
+      for (int j = 0; j < COUNT; j++) a[j][m] = cv_fma(wv[j], xv, a[j][m]);
     }
   }
   for (int j = 0; j < COUNT; j++)
-    for (int m = 0; m < M; m++) out[j * M + m] = _mm512_reduce_add_ps(a[j][m]);
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 a[4][CODE_ROWS];
-  for (int j = 0; j < COUNT; j++)
-    for (int m = 0; m < M; m++) a[j][m] = _mm256_setzero_ps();
-  for (; k0 + 8 <= K; k0 += 8) {
-    __m256 wv[4];
-    for (int j = 0; j < COUNT; j++) {
-      __builtin_prefetch(w + (COUNT + j) * K + k0);
-      const __m128i codes = _mm_loadl_epi64((const __m128i *)(w + j * K + k0));
-      wv[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
-    }
-    for (int m = 0; m < M; m++) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k0);
-      for (int j = 0; j < COUNT; j++) a[j][m] = _mm256_fmadd_ps(wv[j], xv, a[j][m]);
-    }
-  }
-  for (int j = 0; j < COUNT; j++)
-    for (int m = 0; m < M; m++) {
-      __m128 s = _mm_add_ps(_mm256_castps256_ps128(a[j][m]), _mm256_extractf128_ps(a[j][m], 1));
-      s = _mm_hadd_ps(s, s);
-      out[j * M + m] = _mm_cvtss_f32(_mm_hadd_ps(s, s));
-    }
+    for (int m = 0; m < M; m++) out[j * M + m] = cv_sum(a[j][m]);
 #else
   for (int i = 0; i < COUNT * M; i++) out[i] = 0.f;
 #endif
