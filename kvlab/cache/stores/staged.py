@@ -3,11 +3,12 @@ tokens [0, nq) are held as codes in the contiguous slots, nq = max(0, (length - 
 // G) * G, and the rest exactly in a ring of ``residual + G + rollback`` slots per row
 (position p at slot p % ring; +1 trash slot; ``rollback`` slots more keep what a rolled back
 step encoded), so a group of G tokens is encoded once all its tokens are
-known and the ``residual`` newest stay exact. Decode reads the codes and the ring in place
-as two segments (scales folded per row in the kernel, never a decoded history); a
-multi-token step reads [codes decoded | ring | its own tokens exact] and encodes the groups
-it closes from the ring and its new rows. One trash group takes the writes of rows that
-close no group, so a static step writes the same shapes every step."""
+known and the ``residual`` newest stay exact. Decode, and a step of at most rollback + 1
+tokens, reads the codes and the ring in place as two segments (scales folded per row in
+the kernel, never a decoded history) and encodes the groups it closed from the ring after
+the layers, so a compiled decode step holds no encode; a longer step reads [codes decoded
+| ring | its own tokens exact] and encodes the groups it closes from the ring and its new
+rows. One trash group takes the encodes of rows that close no group."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ class StagedWrite:
     (B, M): the groups the step encodes (the trash group where a row encodes fewer);
     ``sources`` (B, M * G): their tokens' positions; ``ring_slots`` (B, T): each new token's
     ring slot (trash: padding, or encoded within a multi-token step); ``encodes``: some row
-    encodes; ``read``: code slots a multi-token step reads; ``ring_from`` (host): each row's
-    first position with an exact copy in the ring after the step."""
+    encodes; ``in_place``: every new token goes through the ring and the step reads in
+    place (its groups are encoded from the ring after the layers); ``read``: code slots a
+    multi-token step reads; ``ring_from`` (host): each row's first position with an exact
+    copy in the ring after the step."""
 
     rows: torch.Tensor
     start: torch.Tensor
@@ -42,6 +45,7 @@ class StagedWrite:
     sources: torch.Tensor
     ring_slots: torch.Tensor
     encodes: bool
+    in_place: bool
     read: int
     ring_from: list[int]
 
@@ -131,10 +135,7 @@ class StagedStore(ContiguousStore):
         rows = torch.arange(len(lengths), device=device)[:, None]
         host = [(n, self.codec.encoded(n), self.codec.encoded(n + k))  # host lengths, coded
                 for n, k in zip(lengths, info.num_new, strict=True)]  # fmt: skip
-        # a static store's decode step encodes (the trash group, at least) every step, so a
-        # compiled step does the same work each time; multi-token steps are never compiled
-        compiled = self.static and info.steps == 1
-        encodes = compiled or any(after > before for _, before, after in host)
+        encodes = any(after > before for _, before, after in host)
         read = 0 if in_place else self.codec.encoded(max(lengths))
         ring_from = self.ring_from if in_place else self._ring_from(host)
         return StagedWrite(
@@ -147,6 +148,7 @@ class StagedStore(ContiguousStore):
             sources,
             ring_slots,
             encodes,
+            in_place,
             read,
             ring_from,
         )
@@ -159,6 +161,12 @@ class StagedStore(ContiguousStore):
         return [max(low, after) if after > n else low for (n, _, after), low in pairs]
 
     def commit(self, where: StagedWrite) -> None:
+        """After the layers: a step read in place encodes the groups it closed from the ring
+        (no query of the step reads them as codes), so a compiled step, which ends before
+        this, holds no encode and does the same work every step."""
+        if where.in_place:
+            for layer in range(len(self.rings)):
+                self._encode_closed(where, layer, None, None)
         self.ring_from = where.ring_from
 
     def truncate(self, lengths: Sequence[int], kept: Sequence[int]) -> None:
@@ -191,10 +199,9 @@ class StagedStore(ContiguousStore):
 
     # ---- one layer -------------------------------------------------------------------------
     def write(self, where: StagedWrite, layer, k, v) -> None:
-        """Decode (or a step read in place): the new tokens into the ring, then the group
-        they close into codes (read from the ring; the step's code segment ends before it)."""
+        """Decode (or a step read in place): the new tokens into the ring; the groups they
+        close are encoded at :meth:`commit` (the step's code segment ends before them)."""
         self._write_ring(where, layer, k, v)
-        self._encode_closed(where, layer, None, None)
 
     def context(self, where: StagedWrite, layer, k, v, slots: int):
         keys, values = self.read(layer, where.read)
