@@ -30,7 +30,8 @@ class Store(ABC):
     repeats) copies them (:meth:`KVCache.fork`); not so where rows share pool blocks or are
     packed runs.
     ``static``: every step has the same shapes and does the same work (a compiled decode
-    step), so a store never skips work on a host-side condition."""
+    step), so a store never skips work on a host-side condition within the layers
+    (:meth:`commit` runs after them, outside the compiled step, and may)."""
 
     kind: ClassVar[str]
     pooled: ClassVar[bool] = False
