@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cache_contract import COMPOSED, LOSSY, prompts, recorded
-from test_decode_runtime import CASES, GEN, SETTINGS, D, H, contiguous_segment, rand, stored_case
+from test_decode_runtime import CASES, GEN, SETTINGS, D, G, H, contiguous_segment, rand, stored_case
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvlab.cache import build_cache
@@ -263,3 +263,24 @@ def test_a_compiled_step_on_the_gpu_backends_equals_eager(tiny_llama):
     eager, compiled = run(False), run(True)
     assert compiled[0] == eager[0]
     torch.testing.assert_close(compiled[1], eager[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["c", "gpu"])
+@pytest.mark.parametrize("case", ["fp32", "codes4"])
+def test_a_query_row_per_token_sees_its_row_up_to_itself(backend, case):
+    """``Segment.per_token`` (a short step read in place): three query tokens a row,
+    token t of row b bounded by start[b] + t + 1, clamped into the segment's own range
+    (row 1's segment ends before its step: every token sees all of it); each backend
+    equals the reference over the bounds written out by hand."""
+    if backend == "gpu" and case != "fp32" and not triton_interpreted():
+        pytest.skip("triton is not installed, or TRITON_INTERPRET=1 was not set")
+    keys, values = stored_case(case, 60 if case == "codes4" else 300)
+    lo, hi, start, steps = [0, 5], [50, 30], torch.tensor([47, 40]), 3
+    q = rand(len(lo) * steps, H, G, D)
+    segment = contiguous_segment(keys, values, lo, hi, q=q).per_token(start, steps)
+    by_hand = [(lo[b], min(hi[b], int(start[b]) + t + 1)) for b in range(2) for t in range(3)]
+    assert segment.lo.tolist() == [min(a, z) for a, z in by_hand]
+    assert segment.hi.tolist() == [z for _, z in by_hand]
+    assert segment.table.tolist() == [[0]] * 3 + [[1]] * 3
+    out = attend(backend, [segment])
+    torch.testing.assert_close(out, reference_attention([segment], D**-0.5), atol=1e-5, rtol=0)
