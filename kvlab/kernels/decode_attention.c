@@ -356,13 +356,13 @@ static int fill_rows(const Job *job, const Store *s, int b, int h, int64_t t, in
 static void prefetch_rows(const Job *job, const Store *s, int b, int h, int64_t t,
                           int64_t end) {
   if (s->format != FMT_F32 && s->format != FMT_BF16) return;
-  const int64_t row_bytes = (int64_t)job->D * (s->format == FMT_F32 ? 4 : 2);
-  const int64_t slot_bytes = s->s_slot * (s->format == FMT_F32 ? 4 : 2);
+  const int64_t element = s->format == FMT_F32 ? 4 : 2; /* bytes */
+  const int64_t row_bytes = job->D * element, slot_bytes = s->s_slot * element;
   int64_t block, slot;
   while (t < end) {
     const int run = next_run(job, b, t, end, &block, &slot);
     const int64_t at = block * s->s_block + h * s->s_head + slot * s->s_slot;
-    const char *p = (const char *)s->data + at * (s->format == FMT_F32 ? 4 : 2);
+    const char *p = (const char *)s->data + at * element;
     for (int i = 0; i < run; i++)
       for (int64_t byte = 0; byte < row_bytes; byte += 64)
         __builtin_prefetch(p + i * slot_bytes + byte);

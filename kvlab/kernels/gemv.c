@@ -13,10 +13,7 @@
 #include <string.h>
 
 #include "bf16.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 static inline const void *row_at(const void *p, int bf16, int64_t index) {
   return bf16 ? (const void *)((const uint16_t *)p + index)
@@ -31,37 +28,18 @@ static inline const void *row_at(const void *p, int bf16, int64_t index) {
  * (32 zmm / 16 ymm): AVX-512 R = 4 with M <= 6 (8 chains when M = 1); AVX2 R = 4 for
  * M <= 2, R = 2 for M <= 5. More rows of x are taken in chunks, re-reading the tile's
  * weights from L1. */
-#if defined(__AVX512F__)
-typedef __m512 vec;
-#define LANES 16
-#define MAX_TILE_M 6
-static inline vec vzero(void) { return _mm512_setzero_ps(); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+#ifdef LANES
+/* LANES fp32 (bf16 = 0) or bf16 (bf16 = 1) values from element k of p, as fp32. */
 static inline vec vload(const void *p, const int bf16, int64_t k) {
-  if (!bf16) return _mm512_loadu_ps((const float *)p + k);
-  const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + k));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  return bf16 ? vload_bf16((const uint16_t *)p + k) : vload_f32((const float *)p + k);
 }
+#endif
+#if defined(__AVX512F__)
+#define MAX_TILE_M 6
 #define TILE_R(M) 4
 #define TILE_M(R) 6
-#elif defined(__AVX2__) && defined(__FMA__)
-typedef __m256 vec;
-#define LANES 8
+#elif defined(LANES)
 #define MAX_TILE_M 5
-static inline vec vzero(void) { return _mm256_setzero_ps(); }
-static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float vsum(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_hadd_ps(s, s);
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(s);
-}
-static inline vec vload(const void *p, const int bf16, int64_t k) {
-  if (!bf16) return _mm256_loadu_ps((const float *)p + k);
-  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 #define TILE_R(M) ((M) <= 2 ? 4 : 2)
 #define TILE_M(R) ((R) == 4 ? 2 : 5)
 #else
@@ -110,7 +88,7 @@ static inline __attribute__((always_inline)) int64_t tile_dots(
     for (int m = 0; m < M; m++) acc[r * M + m] = vsum(a[r][m]);
   }
 #else
-  (void)w; (void)WB; (void)x; (void)XB; (void)x_stride; (void)R;
+  (void)w; (void)WB; (void)K; (void)x; (void)XB; (void)x_stride; (void)R;
   for (int i = 0; i < 4 * M; i++) acc[i] = 0.f;
 #endif
   return k0;

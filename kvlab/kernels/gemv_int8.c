@@ -14,35 +14,16 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "simd.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
-/* The widest fp32 vector the CPU has, and CODE_LANES int8 codes widened into one. */
+#ifdef LANES
+/* LANES int8 codes widened to fp32. */
+static inline vec vload_codes(const int8_t *p) {
 #if defined(__AVX512F__)
-#define CODE_LANES 16
-typedef __m512 cvec;
-static inline cvec cv_zero(void) { return _mm512_setzero_ps(); }
-static inline cvec cv_fma(cvec a, cvec b, cvec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline cvec cv_load(const float *p) { return _mm512_loadu_ps(p); }
-static inline float cv_sum(cvec a) { return _mm512_reduce_add_ps(a); }
-static inline cvec cv_codes(const int8_t *p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CODE_LANES 8
-typedef __m256 cvec;
-static inline cvec cv_zero(void) { return _mm256_setzero_ps(); }
-static inline cvec cv_fma(cvec a, cvec b, cvec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline cvec cv_load(const float *p) { return _mm256_loadu_ps(p); }
-static inline float cv_sum(cvec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-static inline cvec cv_codes(const int8_t *p) {
+#else
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#endif
 }
 #endif
 
@@ -52,31 +33,27 @@ static inline __attribute__((always_inline)) void dot_codes(const int8_t *w, int
                                                             float *out) {
   int64_t k0 = 0;
 #if defined(__AVX512F__)
-  __m512 a[4], b[4]; /* two chains a row: eight FMAs in flight cover the FMA latency */
-  for (int j = 0; j < COUNT; j++) a[j] = b[j] = _mm512_setzero_ps();
-  for (; k0 + 32 <= K; k0 += 32) {
-    const __m512 x0 = _mm512_loadu_ps(x + k0), x1 = _mm512_loadu_ps(x + k0 + 16);
+  vec a[4], b[4]; /* two chains a row: eight FMAs in flight cover the FMA latency */
+  for (int j = 0; j < COUNT; j++) a[j] = b[j] = vzero();
+  for (; k0 + 2 * LANES <= K; k0 += 2 * LANES) {
+    const vec x0 = vload_f32(x + k0), x1 = vload_f32(x + k0 + LANES);
     for (int j = 0; j < COUNT; j++) {
       __builtin_prefetch(w + (COUNT + j) * K + k0);
-      const __m256i codes = _mm256_loadu_si256((const __m256i *)(w + j * K + k0));
-      const __m128i low = _mm256_castsi256_si128(codes), high = _mm256_extracti128_si256(codes, 1);
-      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(low));
-      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(high));
-      a[j] = _mm512_fmadd_ps(w0, x0, a[j]);
-      b[j] = _mm512_fmadd_ps(w1, x1, b[j]);
+      a[j] = vfma(vload_codes(w + j * K + k0), x0, a[j]);
+      b[j] = vfma(vload_codes(w + j * K + k0 + LANES), x1, b[j]);
     }
   }
-  for (int j = 0; j < COUNT; j++) a[j] = _mm512_add_ps(a[j], b[j]);
-#elif defined(CODE_LANES)
-  cvec a[4];
-  for (int j = 0; j < COUNT; j++) a[j] = cv_zero();
+  for (int j = 0; j < COUNT; j++) a[j] = a[j] + b[j];
+#elif defined(LANES)
+  vec a[4];
+  for (int j = 0; j < COUNT; j++) a[j] = vzero();
 #endif
-#if defined(CODE_LANES)
-  for (; k0 + CODE_LANES <= K; k0 += CODE_LANES) {
-    const cvec xv = cv_load(x + k0);
-    for (int j = 0; j < COUNT; j++) a[j] = cv_fma(cv_codes(w + j * K + k0), xv, a[j]);
+#if defined(LANES)
+  for (; k0 + LANES <= K; k0 += LANES) {
+    const vec xv = vload_f32(x + k0);
+    for (int j = 0; j < COUNT; j++) a[j] = vfma(vload_codes(w + j * K + k0), xv, a[j]);
   }
-  for (int j = 0; j < COUNT; j++) out[j] = cv_sum(a[j]);
+  for (int j = 0; j < COUNT; j++) out[j] = vsum(a[j]);
 #else
   for (int j = 0; j < COUNT; j++) out[j] = 0.f;
 #endif
@@ -102,23 +79,23 @@ static inline __attribute__((always_inline)) void dot_codes_rows(const int8_t *w
     return;
   }
   int64_t k0 = 0;
-#if defined(CODE_LANES)
-  cvec a[4][CODE_ROWS];
+#if defined(LANES)
+  vec a[4][CODE_ROWS];
   for (int j = 0; j < COUNT; j++)
-    for (int m = 0; m < M; m++) a[j][m] = cv_zero();
-  for (; k0 + CODE_LANES <= K; k0 += CODE_LANES) {
-    cvec wv[4];
+    for (int m = 0; m < M; m++) a[j][m] = vzero();
+  for (; k0 + LANES <= K; k0 += LANES) {
+    vec wv[4];
     for (int j = 0; j < COUNT; j++) {
       __builtin_prefetch(w + (COUNT + j) * K + k0);
-      wv[j] = cv_codes(w + j * K + k0);
+      wv[j] = vload_codes(w + j * K + k0);
     }
     for (int m = 0; m < M; m++) {
-      const cvec xv = cv_load(x + m * K + k0);
-      for (int j = 0; j < COUNT; j++) a[j][m] = cv_fma(wv[j], xv, a[j][m]);
+      const vec xv = vload_f32(x + m * K + k0);
+      for (int j = 0; j < COUNT; j++) a[j][m] = vfma(wv[j], xv, a[j][m]);
     }
   }
   for (int j = 0; j < COUNT; j++)
-    for (int m = 0; m < M; m++) out[j * M + m] = cv_sum(a[j][m]);
+    for (int m = 0; m < M; m++) out[j * M + m] = vsum(a[j][m]);
 #else
   for (int i = 0; i < COUNT * M; i++) out[i] = 0.f;
 #endif
