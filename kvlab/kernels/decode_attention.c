@@ -3,7 +3,9 @@
  * table, in chunks whose partial softmax results are merged at the end (flash-decoding,
  * Dao et al. 2023). Quantized rows are dequantized one token at a time into a buffer that
  * stays in L1, as llama.cpp's CPU flash attention does: the history is never
- * materialised. Everything is computed in fp32.
+ * materialised. KIVI's layouts (keys in channel codes, values in token codes) are read
+ * without dequantizing where the CPU's vectors fit them: attention_codes.c folds their
+ * scales into the query and the softmax weights instead. Everything is computed in fp32.
  *
  * Addressing. Logical token t of row b (lo[b] <= t < hi[b]) sits at slot u = t % ring
  * (ring > 0) or u = t; its block is table[b * table_stride + u / block_size] and its slot
@@ -22,48 +24,11 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_D 256
-#define EMPTY (-1e30f) /* max of no scores (the build is -ffast-math: no infinities) */
+#include "attention_job.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
-
-enum {
-  FMT_F32 = 0, FMT_BF16 = 1, FMT_TOKEN_CODES = 2, FMT_CHANNEL_CODES = 3, FMT_FP8 = 4, FMT_FP4 = 5
-};
-
-typedef struct {
-  int32_t format, bits, group, scale_bf16;
-  const void *data;
-  int64_t s_block, s_head, s_slot;
-  const void *scale, *zero;
-  int64_t z_block, z_head, z_row;
-} Store;
-
-typedef struct {
-  const float *q; /* (B, H, G, D) contiguous */
-  Store k, v;
-  const int64_t *table;
-  int64_t table_stride, block_size, ring;
-  const int64_t *lo, *hi; /* (B,) */
-  int32_t B, H, G, D, chunk, n_chunks, partial_offset, partial_total;
-  float scale;
-  float *m, *l, *o; /* (B, H, P, G), (B, H, P, G), (B, H, P, G, D) with P = partial_total */
-} Job;
-
-static inline float bf16_to_f32(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float out;
-  memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-static inline float scalar_at(const void *base, int bf16, int64_t i) {
-  return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
-
-#define TILE 32
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* Decode fp4 bytes c[j..end) eight at a time (16 channels, out[2j..]) times `a`. AVX-512:
@@ -314,26 +279,6 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
   }
 }
 
-/* The next run of logical tokens t.. (< end) that share a block (and a key scale row):
- * sets block and slot, returns its length (<= TILE). */
-static int next_run(const Job *job, int b, int64_t t, int64_t end, int64_t *block,
-                    int64_t *slot) {
-  const int64_t u = job->ring > 0 ? t % job->ring : t;
-  const int64_t bs = job->block_size;
-  *block = job->table[b * job->table_stride + u / bs];
-  *slot = u % bs;
-  int64_t run = end - t;
-  if (run > bs - *slot) run = bs - *slot;
-  if (job->ring > 0 && run > job->ring - u) run = job->ring - u;
-  const Store *stores[2] = {&job->k, &job->v};
-  for (int i = 0; i < 2; i++) {
-    if (stores[i]->format != FMT_CHANNEL_CODES) continue;
-    const int64_t group = stores[i]->group;
-    if (run > group - *slot % group) run = group - *slot % group;
-  }
-  return (int)(run < TILE ? run : TILE);
-}
-
 /* Rows of logical tokens t.. (< end) into rows[0..], across runs and blocks, up to TILE
  * (decoded ones into tile); returns how many. */
 static int fill_rows(const Job *job, const Store *s, int b, int h, int64_t t, int64_t end,
@@ -563,18 +508,26 @@ static void attend_chunk(const Job *job, int b, int h, int c) {
   float scores[G * n];
   float tile[TILE * D];
   const float *rows[TILE];
-  for (int64_t t = t0; t < t1;) {
-    const int run = fill_rows(job, &job->k, b, h, t, t1, tile, rows);
-    prefetch_rows(job, &job->v, b, h, t, t + run);
-    prefetch_rows(job, &job->k, b, h, t + run, t + 2 * run < t1 ? t + 2 * run : t1);
-    key_scores(q, rows, run, G, D, job->scale, scores + (t - t0), n);
-    t += run;
+  if (kvlab_codes_keys_apply(job)) {
+    kvlab_codes_key_scores(job, b, h, t0, t1, q, scores, n);
+  } else {
+    for (int64_t t = t0; t < t1;) {
+      const int run = fill_rows(job, &job->k, b, h, t, t1, tile, rows);
+      prefetch_rows(job, &job->v, b, h, t, t + run);
+      prefetch_rows(job, &job->k, b, h, t + run, t + 2 * run < t1 ? t + 2 * run : t1);
+      key_scores(q, rows, run, G, D, job->scale, scores + (t - t0), n);
+      t += run;
+    }
   }
   for (int g = 0; g < G; g++) {
     float top = EMPTY, sum = 0.f, *sg = scores + g * n;
     for (int i = 0; i < n; i++) top = sg[i] > top ? sg[i] : top;
     for (int i = 0; i < n; i++) sum += (sg[i] = expf(sg[i] - top));
     m[g] = top, l[g] = sum;
+  }
+  if (kvlab_codes_values_apply(job)) {
+    kvlab_codes_add_values(job, b, h, t0, t1, scores, n, o);
+    return;
   }
   for (int64_t t = t0; t < t1;) {
     const int run = fill_rows(job, &job->v, b, h, t, t1, tile, rows);

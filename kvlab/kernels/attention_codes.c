@@ -1,0 +1,309 @@
+/* Decode attention straight from integer codes (KIVI, arXiv 2402.02750: keys per channel
+ * over groups of tokens, values per token in groups of channels), with the scales folded
+ * out of the rows so no row is dequantized:
+ *
+ *   keys:   q . (c * s + z) = (q * s) . c + q . z    (s, z: one scale row per key group)
+ *   values: sum_i p_i (c_i * a_i + z_i) = sum_i (p_i a_i) c_i + sum_i p_i z_i
+ *                                          (a_i, z_i: token i's scale and zero per group)
+ *
+ * so a key run costs one scaled query per scale row and each row only its codes widened to
+ * floats (shift, mask, convert) and multiplied in registers; the zero terms are one dot
+ * product per run (keys) and one sum per value group. The dequantize-into-L1 path of
+ * decode_attention.c spent ~100 instructions a row on what this does in ~40, and was
+ * compute-bound at ~4 GB/s (int4, 4096 tokens, AVX-512).
+ *
+ * Codes are planar uint32 words (see decode_attention.c): channel k * W + j is bits
+ * k * bits.. of word j, W = D * bits / 32. A vector of LANES consecutive channels c0.. is
+ * LANES words from c0 % W under one shift where W >= LANES, or the row's W words repeated
+ * under one shift per plane where W < LANES.
+ */
+#include <stdint.h>
+
+#include "attention_job.h"
+#include "simd.h"
+
+#if defined(LANES)
+#define MAX_VECS 16 /* vectors of a row (D / LANES) */
+
+#if LANES == 16
+typedef __m512i ivec;
+static inline ivec iset(int x) { return _mm512_set1_epi32(x); }
+static inline ivec iload(const uint32_t *p) { return _mm512_loadu_si512(p); }
+static inline ivec iload_lanes(const int32_t *p) { return _mm512_loadu_si512(p); }
+/* The row's W < LANES words repeated across the vector (W = 4 or 8). */
+static inline ivec repeat_words(const uint32_t *w, int W) {
+  return W == 8 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w))
+                : _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)w));
+}
+static inline vec widen(ivec words, ivec shift, ivec mask) {
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shift), mask));
+}
+/* The four sums of a0..a3, in that order. */
+static inline __m128 sum4(vec a0, vec a1, vec a2, vec a3) {
+  /* x: a0 then a1 folded to 256 bits; y: a2, a3; z: all four folded to 128 bits */
+  const __m512 x =
+      _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 y =
+      _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4E)); /* each 128-bit lane: one sum, four times */
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, z));
+}
+#define KEY_HEADS 4     /* query heads a key pass scores at once (4 rows each) */
+#define VALUE_ACCUMULATORS 24
+#else
+typedef __m256i ivec;
+static inline ivec iset(int x) { return _mm256_set1_epi32(x); }
+static inline ivec iload(const uint32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline ivec iload_lanes(const int32_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline ivec repeat_words(const uint32_t *w, int W) {
+  (void)W; /* 4: the only W below 8 lanes */
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)w));
+}
+static inline vec widen(ivec words, ivec shift, ivec mask) {
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shift), mask));
+}
+static inline __m128 sum4(vec a0, vec a1, vec a2, vec a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+#define KEY_HEADS 2
+#define VALUE_ACCUMULATORS 12
+#endif
+
+/* How a row's codes become vectors: vector v is channels v * LANES.., read from word
+ * offset[v] (W >= LANES) or from the repeated words (W < LANES), shifted by shift[v]. */
+typedef struct {
+  int C, W, repeat, offset[MAX_VECS];
+  int32_t shift[MAX_VECS][LANES];
+  ivec mask;
+} Unpack;
+
+/* Whether rows of `s` (integer codes) can be read as vectors of LANES channels. */
+static int unpackable(const Store *s, int D) {
+  if (s->format != FMT_CHANNEL_CODES && s->format != FMT_TOKEN_CODES) return 0;
+  if (32 % s->bits || D % LANES || D / LANES > MAX_VECS) return 0;
+  const int W = D * s->bits / 32;
+  return W >= LANES ? W % LANES == 0 : (W == 4 || W == 8) && LANES % W == 0;
+}
+
+static void unpack_plan(const Store *s, int D, Unpack *u) {
+  u->C = D / LANES, u->W = D * s->bits / 32, u->repeat = u->W < LANES;
+  u->mask = iset((int)((1u << s->bits) - 1u));
+  for (int v = 0; v < u->C; v++) {
+    u->offset[v] = u->repeat ? 0 : (v * LANES) % u->W;
+    for (int l = 0; l < LANES; l++) u->shift[v][l] = (v * LANES + l) / u->W * s->bits;
+  }
+}
+
+static inline vec codes_vec(const Unpack *u, const uint32_t *w, ivec repeated, int v) {
+  const ivec words = u->repeat ? repeated : iload(w + u->offset[v]);
+  return widen(words, iload_lanes(u->shift[v]), u->mask);
+}
+
+/* Scores of n rows (words w, slot stride ws) for query heads g0.. g0 + GH - 1 of qs (the
+ * scaled queries, G * D) plus bias[g]: GH * 4 accumulators in registers. */
+static inline __attribute__((always_inline)) void channel_scores(
+    const Unpack *u, const uint32_t *w, int64_t ws, int n, const float *qs, const float *bias,
+    int g0, const int GH, float *scores, int stride) {
+  const int C = u->C;
+  int i = 0;
+  for (; i + 4 <= n; i += 4) {
+    vec acc[KEY_HEADS][4];
+    ivec rep[4];
+    for (int r = 0; r < 4; r++) {
+      for (int g = 0; g < GH; g++) acc[g][r] = vzero();
+      rep[r] = u->repeat ? repeat_words(w + (i + r) * ws, u->W) : iset(0);
+    }
+    for (int v = 0; v < C; v++) {
+      vec qv[KEY_HEADS];
+      for (int g = 0; g < GH; g++) qv[g] = vload_f32(qs + ((g0 + g) * C + v) * LANES);
+      for (int r = 0; r < 4; r++) {
+        const vec c = codes_vec(u, w + (i + r) * ws, rep[r], v);
+        for (int g = 0; g < GH; g++) acc[g][r] = vfma(qv[g], c, acc[g][r]);
+      }
+    }
+    for (int g = 0; g < GH; g++) {
+      const __m128 s = sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      _mm_storeu_ps(scores + (g0 + g) * stride + i, _mm_add_ps(s, _mm_set1_ps(bias[g0 + g])));
+    }
+  }
+  for (; i < n; i++) {
+    const ivec rep = u->repeat ? repeat_words(w + i * ws, u->W) : iset(0);
+    vec acc[KEY_HEADS];
+    for (int g = 0; g < GH; g++) acc[g] = vzero();
+    for (int v = 0; v < C; v++) {
+      const vec c = codes_vec(u, w + i * ws, rep, v);
+      for (int g = 0; g < GH; g++)
+        acc[g] = vfma(vload_f32(qs + ((g0 + g) * C + v) * LANES), c, acc[g]);
+    }
+    for (int g = 0; g < GH; g++) scores[(g0 + g) * stride + i] = vsum(acc[g]) + bias[g0 + g];
+  }
+}
+
+/* qs[g] = scale * q_g * s and bias[g] = scale * q_g . z for the key scale row at z_at. */
+static void scale_queries(const Store *st, int64_t z_at, const float *q, int gn, int D,
+                          float scale, float *qs, float *bias) {
+  for (int g = 0; g < gn; g++) {
+    vec dot = vzero();
+    for (int d = 0; d < D; d += LANES) {
+      const vec qd = vload_f32(q + g * D + d) * vset1(scale);
+      const vec s = st->scale_bf16 ? vload_bf16((const uint16_t *)st->scale + z_at + d)
+                                   : vload_f32((const float *)st->scale + z_at + d);
+      const vec z = st->scale_bf16 ? vload_bf16((const uint16_t *)st->zero + z_at + d)
+                                   : vload_f32((const float *)st->zero + z_at + d);
+      vstore(qs + g * D + d, qd * s);
+      dot = vfma(qd, z, dot);
+    }
+    bias[g] = vsum(dot);
+  }
+}
+
+int kvlab_codes_keys_apply(const Job *job) {
+  return job->k.format == FMT_CHANNEL_CODES && unpackable(&job->k, job->D);
+}
+
+/* scores[g * n + t - t0] = scale * q_g . key t for t0 <= t < t1 of row b, head h, keys in
+ * channel codes (each run from next_run lies within one scale row). */
+void kvlab_codes_key_scores(const Job *job, int b, int h, int64_t t0, int64_t t1,
+                            const float *q, float *scores, int n) {
+  const Store *s = &job->k;
+  const int G = job->G, D = job->D;
+  Unpack u;
+  unpack_plan(s, D, &u);
+  float qs[4 * MAX_D], bias[4];
+  for (int64_t t = t0; t < t1;) {
+    int64_t block, slot;
+    const int run = next_run(job, b, t, t1, &block, &slot);
+    const int64_t z_at = block * s->z_block + h * s->z_head + (slot / s->group) * s->z_row;
+    const uint32_t *w = (const uint32_t *)s->data + block * s->s_block + h * s->s_head +
+                        slot * s->s_slot;
+    for (int g0 = 0; g0 < G; g0 += 4) { /* four query heads' scaled queries at a time */
+      const int gn = G - g0 < 4 ? G - g0 : 4;
+      scale_queries(s, z_at, q + g0 * D, gn, D, job->scale, qs, bias);
+      float *out = scores + (int64_t)g0 * n + (t - t0);
+      for (int k = 0; k < gn; k += KEY_HEADS) {
+        const int gh = gn - k < KEY_HEADS ? gn - k : KEY_HEADS;
+        switch (gh) {
+          case 1: channel_scores(&u, w, s->s_slot, run, qs, bias, k, 1, out, n); break;
+#if KEY_HEADS >= 4
+          case 3: channel_scores(&u, w, s->s_slot, run, qs, bias, k, 3, out, n); break;
+          case 4: channel_scores(&u, w, s->s_slot, run, qs, bias, k, 4, out, n); break;
+#endif
+          default: channel_scores(&u, w, s->s_slot, run, qs, bias, k, 2, out, n); break;
+        }
+      }
+    }
+    t += run;
+  }
+}
+
+/* acc[g][v] += (p_g a) c over n rows of token codes, sums[g][group] += p_g z: G heads and
+ * C = D / LANES vectors in registers, each row read once. */
+static inline __attribute__((always_inline)) void token_values(
+    const Job *job, const Unpack *u, int64_t block, int h, int64_t slot, int n,
+    const float *p, int stride, const int G, const int C, float *o, float *sums) {
+  const Store *s = &job->v;
+  const int groups = job->D / s->group, per_group = s->group / LANES;
+  const uint32_t *w = (const uint32_t *)s->data + block * s->s_block + h * s->s_head +
+                      slot * s->s_slot;
+  vec acc[4][MAX_VECS];
+  for (int g = 0; g < G; g++)
+    for (int v = 0; v < C; v++) acc[g][v] = vload_f32(o + (g * C + v) * LANES);
+  for (int i = 0; i < n; i++) {
+    const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
+    const uint32_t *wi = w + i * s->s_slot;
+    const ivec rep = u->repeat ? repeat_words(wi, u->W) : iset(0);
+    float weight[4][MAX_D / LANES];
+    for (int k = 0; k < groups; k++) {
+      const float a = scalar_at(s->scale, s->scale_bf16, z_at + k);
+      const float z = scalar_at(s->zero, s->scale_bf16, z_at + k);
+      for (int g = 0; g < G; g++) {
+        weight[g][k] = p[g * stride + i] * a;
+        sums[g * groups + k] += p[g * stride + i] * z;
+      }
+    }
+    for (int v = 0; v < C; v++) {
+      const vec c = codes_vec(u, wi, rep, v);
+      for (int g = 0; g < G; g++) {
+        acc[g][v] = vfma(vset1(weight[g][v / per_group]), c, acc[g][v]);
+      }
+    }
+  }
+  for (int g = 0; g < G; g++)
+    for (int v = 0; v < C; v++) vstore(o + (g * C + v) * LANES, acc[g][v]);
+}
+
+int kvlab_codes_values_apply(const Job *job) {
+  const Store *s = &job->v;
+  if (s->format != FMT_TOKEN_CODES || !unpackable(s, job->D) || s->group % LANES) return 0;
+  const int C = job->D / LANES;
+  return (C == 4 || C == 8) && job->G <= 4 && job->G * C <= VALUE_ACCUMULATORS;
+}
+
+#define VALUES_CASE(GG, CC)                                                            \
+  if (G == GG && C == CC) {                                                            \
+    token_values(job, &u, block, h, slot, run, p + (t - t0), n, GG, CC, o, sums);      \
+    t += run;                                                                          \
+    continue;                                                                          \
+  }
+
+/* o[g] = sum_t p[g * n + t - t0] * value t for t0 <= t < t1 of row b, head h, values in
+ * token codes (kvlab_codes_values_apply). */
+void kvlab_codes_add_values(const Job *job, int b, int h, int64_t t0, int64_t t1,
+                            const float *p, int n, float *o) {
+  const Store *s = &job->v;
+  const int G = job->G, D = job->D, C = D / LANES, groups = D / s->group;
+  Unpack u;
+  unpack_plan(s, D, &u);
+  float sums[4 * MAX_D];
+  memset(sums, 0, sizeof(float) * G * groups);
+  for (int64_t t = t0; t < t1;) {
+    int64_t block, slot;
+    const int run = next_run(job, b, t, t1, &block, &slot);
+    VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4)
+    VALUES_CASE(1, 8)
+#if VALUE_ACCUMULATORS >= 16
+    VALUES_CASE(2, 8)
+#endif
+#if VALUE_ACCUMULATORS >= 24
+    VALUES_CASE(3, 8)
+#endif
+    return; /* not reached: kvlab_codes_values_apply admits only the cases above */
+  }
+  for (int g = 0; g < G; g++)
+    for (int d = 0; d < D; d++) o[g * D + d] += sums[g * groups + d / s->group];
+}
+
+#else /* no vectors: decode_attention.c dequantizes rows as before */
+/* qs[g] = scale * q_g * s and bias[g] = scale * q_g . z for the key scale row at z_at. */
+static void scale_queries(const Store *st, int64_t z_at, const float *q, int gn, int D,
+                          float scale, float *qs, float *bias) {
+  for (int g = 0; g < gn; g++) {
+    vec dot = vzero();
+    for (int d = 0; d < D; d += LANES) {
+      const vec qd = vload_f32(q + g * D + d) * vset1(scale);
+      const vec s = st->scale_bf16 ? vload_bf16((const uint16_t *)st->scale + z_at + d)
+                                   : vload_f32((const float *)st->scale + z_at + d);
+      const vec z = st->scale_bf16 ? vload_bf16((const uint16_t *)st->zero + z_at + d)
+                                   : vload_f32((const float *)st->zero + z_at + d);
+      vstore(qs + g * D + d, qd * s);
+      dot = vfma(qd, z, dot);
+    }
+    bias[g] = vsum(dot);
+  }
+}
+
+int kvlab_codes_keys_apply(const Job *job) { (void)job; return 0; }
+int kvlab_codes_values_apply(const Job *job) { (void)job; return 0; }
+void kvlab_codes_key_scores(const Job *job, int b, int h, int64_t t0, int64_t t1,
+                            const float *q, float *scores, int n) {
+  (void)job, (void)b, (void)h, (void)t0, (void)t1, (void)q, (void)scores, (void)n;
+}
+void kvlab_codes_add_values(const Job *job, int b, int h, int64_t t0, int64_t t1,
+                            const float *p, int n, float *o) {
+  (void)job, (void)b, (void)h, (void)t0, (void)t1, (void)p, (void)n, (void)o;
+}
+#endif
