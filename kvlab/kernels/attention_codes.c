@@ -38,19 +38,6 @@ static inline ivec repeat_words(const uint32_t *w, int W) {
 static inline vec widen(ivec words, ivec shift, ivec mask) {
   return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shift), mask));
 }
-/* The four sums of a0..a3, in that order. */
-static inline __m128 sum4(vec a0, vec a1, vec a2, vec a3) {
-  /* x: a0 then a1 folded to 256 bits; y: a2, a3; z: all four folded to 128 bits */
-  const __m512 x =
-      _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
-  const __m512 y =
-      _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
-  __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));
-  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4E)); /* each 128-bit lane: one sum, four times */
-  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, z));
-}
 #define KEY_HEADS 4     /* query heads a key pass scores at once (4 rows each) */
 #define VALUE_ACCUMULATORS 24
 #else
@@ -64,10 +51,6 @@ static inline ivec repeat_words(const uint32_t *w, int W) {
 }
 static inline vec widen(ivec words, ivec shift, ivec mask) {
   return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(words, shift), mask));
-}
-static inline __m128 sum4(vec a0, vec a1, vec a2, vec a3) {
-  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 #define KEY_HEADS 2
 #define VALUE_ACCUMULATORS 12
@@ -126,7 +109,7 @@ static inline __attribute__((always_inline)) void channel_scores(
       }
     }
     for (int g = 0; g < GH; g++) {
-      const __m128 s = sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      const __m128 s = vsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
       _mm_storeu_ps(scores + (g0 + g) * stride + i, _mm_add_ps(s, _mm_set1_ps(bias[g0 + g])));
     }
   }
@@ -180,6 +163,8 @@ void kvlab_codes_key_scores(const Job *job, int b, int h, int64_t t0, int64_t t1
     const int64_t z_at = block * s->z_block + h * s->z_head + (slot / s->group) * s->z_row;
     const uint32_t *w = (const uint32_t *)s->data + block * s->s_block + h * s->s_head +
                         slot * s->s_slot;
+    kvlab_prefetch_rows(job, &job->v, b, h, t, t + run);
+    kvlab_prefetch_rows(job, s, b, h, t + run, t + 2 * run < t1 ? t + 2 * run : t1);
     for (int g0 = 0; g0 < G; g0 += 4) { /* four query heads' scaled queries at a time */
       const int gn = G - g0 < 4 ? G - g0 : 4;
       scale_queries(s, z_at, q + g0 * D, gn, D, job->scale, qs, bias);

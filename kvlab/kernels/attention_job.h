@@ -67,6 +67,10 @@ static inline int next_run(const Job *job, int b, int64_t t, int64_t end, int64_
 }
 
 
+/* decode_attention.c: the rows (and scales) of tokens t.. (< end) asked for ahead of use. */
+void kvlab_prefetch_rows(const Job *job, const Store *s, int b, int h, int64_t t,
+                         int64_t end);
+
 /* attention_codes.c: keys in channel codes and values in token codes read without
  * dequantizing rows, where the CPU's vectors fit their layout (the *_apply functions). */
 int kvlab_codes_keys_apply(const Job *job);

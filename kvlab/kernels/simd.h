@@ -1,7 +1,7 @@
 /* The widest fp32 vector the CPU has, for kvlab's linear and attention kernels: ``vec`` of
  * LANES floats (16 on AVX-512, 8 on AVX2 + FMA; LANES undefined without either), its zero,
- * fused multiply-add, broadcast, horizontal sum, store, and loads of fp32 or bf16 (widened)
- * values. */
+ * fused multiply-add, broadcast, horizontal sums (of one vector; of four, as one __m128),
+ * store, and loads of fp32 or bf16 (widened) values. */
 #ifndef KVLAB_SIMD_H
 #define KVLAB_SIMD_H
 
@@ -18,6 +18,19 @@ static inline vec vzero(void) { return _mm512_setzero_ps(); }
 static inline vec vset1(float x) { return _mm512_set1_ps(x); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+/* The four sums of a0..a3, in that order. */
+static inline __m128 vsum4(vec a0, vec a1, vec a2, vec a3) {
+  /* x: a0 then a1 folded to 256 bits; y: a2, a3; z: all four folded to 128 bits */
+  const __m512 x =
+      _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 y =
+      _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  __m512 z = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0xB1));
+  z = _mm512_add_ps(z, _mm512_permute_ps(z, 0x4E)); /* each 128-bit lane: one sum, four times */
+  const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, z));
+}
 static inline vec vload_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline void vstore(float *p, vec a) { _mm512_storeu_ps(p, a); }
 static inline vec vload_bf16(const uint16_t *p) {
@@ -34,6 +47,11 @@ static inline float vsum(vec a) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   s = _mm_hadd_ps(s, s);
   return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+/* The four sums of a0..a3, in that order. */
+static inline __m128 vsum4(vec a0, vec a1, vec a2, vec a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 static inline vec vload_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline void vstore(float *p, vec a) { _mm256_storeu_ps(p, a); }
