@@ -138,27 +138,30 @@ def test_the_avx2_build_equals_the_reference_too(tmp_path):
 
 
 @needs_kernel
+@pytest.mark.parametrize("key_axis", ["channel", "token"])
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize(
     ("group", "dim", "value_group", "scale_dtype"),
     [(1, 64, 32, torch.float32), (2, 128, 32, torch.bfloat16), (4, 64, 64, torch.bfloat16),
      (5, 64, 16, torch.float32), (9, 128, 128, torch.float32), (3, 32, 16, torch.float32)],
 )  # fmt: skip
-def test_codes_read_without_dequantizing_equal_the_reference(bits, group, dim, value_group,
-                                                             scale_dtype):  # fmt: skip
-    """attention_codes.c folds key scales into the query and value scales into the
-    weights. Its cases: query groups in one pass of registers (1-4) or several (5, 9),
-    words repeated across a vector (W < lanes) or read in place, value groups a whole number
-    of vectors or not (then rows are dequantized as before), bf16 scales, key groups of 30
-    tokens that split the runs into 30 (two rows past a block of four), and bounds 3..10
-    and 0..299 inside groups."""
+def test_codes_read_without_dequantizing_equal_the_reference(key_axis, bits, group, dim,
+                                                             value_group, scale_dtype):  # fmt: skip
+    """attention_codes.c folds channel-code key scales into the query, token-code key
+    scales into the codes in registers and value scales into the weights. Its cases: query
+    groups in one pass of registers (1-4) or several (5, 9), words repeated across a vector
+    (W < lanes) or read in place, token groups a whole number of vectors or not (then rows
+    are dequantized as before), bf16 scales, channel key groups of 30 tokens that split the
+    runs into 30 (two rows past a block of four), and bounds 3..10 and 0..299 inside
+    groups."""
 
     def encoded(codec, x):
         return [p.to(scale_dtype) if p.is_floating_point() else p for p in codec.encode(x)]
 
-    k_parts = encoded(ChannelCodes(bits, 30), rand(B, H, 300, dim))
+    key_codec = ChannelCodes(bits, 30) if key_axis == "channel" else TokenCodes(bits, value_group)
+    k_parts = encoded(key_codec, rand(B, H, 300, dim))
     v_parts = encoded(TokenCodes(bits, value_group), rand(B, H, 300, dim))
-    keys = Stored(k_parts[0], "channel_codes", bits, 30, *k_parts[1:])
+    keys = Stored(k_parts[0], f"{key_axis}_codes", bits, key_codec.group, *k_parts[1:])
     values = Stored(v_parts[0], "token_codes", bits, value_group, *v_parts[1:])
     segment = contiguous_segment(keys, values, [0, 3], [299, 10], q=rand(B, H, group, dim))
     assert _kernel_applies(segment)

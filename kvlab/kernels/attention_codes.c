@@ -6,7 +6,9 @@
  *   values: sum_i p_i (c_i * a_i + z_i) = sum_i (p_i a_i) c_i + sum_i p_i z_i
  *                                          (a_i, z_i: token i's scale and zero per group)
  *
- * so a key run costs one scaled query per scale row and each row only its codes widened to
+ * Keys in token codes (HF's QuantizedCache, kv_bits storage) scale their codes by the
+ * token's group scale in registers, and add sum_groups z * (the group's query sum).
+ * So a key run costs one scaled query per scale row and each row only its codes widened to
  * floats (shift, mask, convert) and multiplied in registers; the zero terms are one dot
  * product per run (keys) and one sum per value group. The dequantize-into-L1 path of
  * decode_attention.c spent ~100 instructions a row on what this does in ~40, and was
@@ -86,11 +88,14 @@ static inline vec codes_vec(const Unpack *u, const uint32_t *w, ivec repeated, i
   return widen(words, iload_lanes(u->shift[v]), u->mask);
 }
 
-/* Scores of n rows (words w, slot stride ws) for query heads g0.. g0 + GH - 1 of qs (the
- * scaled queries, G * D) plus bias[g]: GH * 4 accumulators in registers. */
-static inline __attribute__((always_inline)) void channel_scores(
+/* Scores of n rows (words w, slot stride ws) for query heads g0.. g0 + GH - 1 of qs (scaled
+ * queries, D each): GH * 4 accumulators in registers. Channel codes (TOKEN = 0): qs carries
+ * the key scales, and bias[g] is added to every row. Token codes (TOKEN = 1): row i's codes
+ * are scaled by rs[i * groups + their group] in registers, and rb[g * TILE + i] added. */
+static inline __attribute__((always_inline)) void code_scores(
     const Unpack *u, const uint32_t *w, int64_t ws, int n, const float *qs, const float *bias,
-    int g0, const int GH, float *scores, int stride) {
+    const int TOKEN, const float *rs, const float *rb, int per_group, int groups, int g0,
+    const int GH, float *scores, int stride) {
   const int C = u->C;
   int i = 0;
   for (; i + 4 <= n; i += 4) {
@@ -104,13 +109,16 @@ static inline __attribute__((always_inline)) void channel_scores(
       vec qv[KEY_HEADS];
       for (int g = 0; g < GH; g++) qv[g] = vload_f32(qs + ((g0 + g) * C + v) * LANES);
       for (int r = 0; r < 4; r++) {
-        const vec c = codes_vec(u, w + (i + r) * ws, rep[r], v);
+        vec c = codes_vec(u, w + (i + r) * ws, rep[r], v);
+        if (TOKEN) c = c * vset1(rs[(i + r) * groups + v / per_group]);
         for (int g = 0; g < GH; g++) acc[g][r] = vfma(qv[g], c, acc[g][r]);
       }
     }
     for (int g = 0; g < GH; g++) {
       const __m128 s = vsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-      _mm_storeu_ps(scores + (g0 + g) * stride + i, _mm_add_ps(s, _mm_set1_ps(bias[g0 + g])));
+      const __m128 add =
+          TOKEN ? _mm_loadu_ps(rb + (g0 + g) * TILE + i) : _mm_set1_ps(bias[g0 + g]);
+      _mm_storeu_ps(scores + (g0 + g) * stride + i, _mm_add_ps(s, add));
     }
   }
   for (; i < n; i++) {
@@ -118,11 +126,14 @@ static inline __attribute__((always_inline)) void channel_scores(
     vec acc[KEY_HEADS];
     for (int g = 0; g < GH; g++) acc[g] = vzero();
     for (int v = 0; v < C; v++) {
-      const vec c = codes_vec(u, w + i * ws, rep, v);
+      vec c = codes_vec(u, w + i * ws, rep, v);
+      if (TOKEN) c = c * vset1(rs[i * groups + v / per_group]);
       for (int g = 0; g < GH; g++)
         acc[g] = vfma(vload_f32(qs + ((g0 + g) * C + v) * LANES), c, acc[g]);
     }
-    for (int g = 0; g < GH; g++) scores[(g0 + g) * stride + i] = vsum(acc[g]) + bias[g0 + g];
+    for (int g = 0; g < GH; g++)
+      scores[(g0 + g) * stride + i] =
+          vsum(acc[g]) + (TOKEN ? rb[(g0 + g) * TILE + i] : bias[g0 + g]);
   }
 }
 
@@ -145,39 +156,83 @@ static void scale_queries(const Store *st, int64_t z_at, const float *q, int gn,
 }
 
 int kvlab_codes_keys_apply(const Job *job) {
-  return job->k.format == FMT_CHANNEL_CODES && unpackable(&job->k, job->D);
+  const Store *s = &job->k;
+  if (!unpackable(s, job->D)) return 0;
+  return s->format == FMT_CHANNEL_CODES || s->group % LANES == 0;
+}
+
+#define SCORES_CASES(TOKEN)                                                                 \
+  switch (gh) {                                                                             \
+    case 1: code_scores(&u, w, s->s_slot, run, qs, bias, TOKEN, rs, rb, per_group, groups,  \
+                        k, 1, out, n); break;                                               \
+    KEY_CASES_3_4(TOKEN)                                                                    \
+    default: code_scores(&u, w, s->s_slot, run, qs, bias, TOKEN, rs, rb, per_group, groups, \
+                         k, 2, out, n); break;                                              \
+  }
+#if KEY_HEADS >= 4
+#define KEY_CASES_3_4(TOKEN)                                                                \
+  case 3: code_scores(&u, w, s->s_slot, run, qs, bias, TOKEN, rs, rb, per_group, groups,    \
+                      k, 3, out, n); break;                                                 \
+  case 4: code_scores(&u, w, s->s_slot, run, qs, bias, TOKEN, rs, rb, per_group, groups,    \
+                      k, 4, out, n); break;
+#else
+#define KEY_CASES_3_4(TOKEN)
+#endif
+
+/* Token-code keys of a run: rs (row i, group) their scales, rb (head g, row i) each
+ * row's zero terms, sum over groups of zero * the group's query sum (qsum, G * groups). */
+static void token_key_terms(const Store *s, int64_t z_at, int run, int gn, int groups,
+                            const float *qsum, float *rs, float *rb) {
+  for (int i = 0; i < run; i++) {
+    for (int g = 0; g < gn; g++) rb[g * TILE + i] = 0.f;
+    for (int k = 0; k < groups; k++) {
+      rs[i * groups + k] = scalar_at(s->scale, s->scale_bf16, z_at + i * s->z_row + k);
+      const float z = scalar_at(s->zero, s->scale_bf16, z_at + i * s->z_row + k);
+      for (int g = 0; g < gn; g++) rb[g * TILE + i] += z * qsum[g * groups + k];
+    }
+  }
 }
 
 /* scores[g * n + t - t0] = scale * q_g . key t for t0 <= t < t1 of row b, head h, keys in
- * channel codes (each run from next_run lies within one scale row). */
+ * channel codes (each run from next_run lies within one scale row) or token codes. */
 void kvlab_codes_key_scores(const Job *job, int b, int h, int64_t t0, int64_t t1,
                             const float *q, float *scores, int n) {
   const Store *s = &job->k;
-  const int G = job->G, D = job->D;
+  const int G = job->G, D = job->D, token = s->format == FMT_TOKEN_CODES;
+  const int groups = token ? D / s->group : 1, per_group = token ? s->group / LANES : 1;
   Unpack u;
   unpack_plan(s, D, &u);
-  float qs[4 * MAX_D], bias[4];
+  float qs[4 * MAX_D], bias[4], qsum[4 * MAX_D], rs[TILE * MAX_D / LANES], rb[4 * TILE];
   for (int64_t t = t0; t < t1;) {
     int64_t block, slot;
     const int run = next_run(job, b, t, t1, &block, &slot);
-    const int64_t z_at = block * s->z_block + h * s->z_head + (slot / s->group) * s->z_row;
+    const int64_t z_at = block * s->z_block + h * s->z_head +
+                         (token ? slot : slot / s->group) * s->z_row;
     const uint32_t *w = (const uint32_t *)s->data + block * s->s_block + h * s->s_head +
                         slot * s->s_slot;
     kvlab_prefetch_rows(job, &job->v, b, h, t, t + run);
     kvlab_prefetch_rows(job, s, b, h, t + run, t + 2 * run < t1 ? t + 2 * run : t1);
-    for (int g0 = 0; g0 < G; g0 += 4) { /* four query heads' scaled queries at a time */
+    for (int g0 = 0; g0 < G; g0 += 4) { /* four query heads at a time */
       const int gn = G - g0 < 4 ? G - g0 : 4;
-      scale_queries(s, z_at, q + g0 * D, gn, D, job->scale, qs, bias);
       float *out = scores + (int64_t)g0 * n + (t - t0);
+      if (token) {
+        for (int g = 0; g < gn; g++)
+          for (int k = 0; k < groups; k++) {
+            float sum = 0.f;
+            for (int d = k * s->group; d < (k + 1) * s->group; d++)
+              sum += (qs[g * D + d] = q[(g0 + g) * D + d] * job->scale);
+            qsum[g * groups + k] = sum;
+          }
+        token_key_terms(s, z_at, run, gn, groups, qsum, rs, rb);
+      } else {
+        scale_queries(s, z_at, q + g0 * D, gn, D, job->scale, qs, bias);
+      }
       for (int k = 0; k < gn; k += KEY_HEADS) {
         const int gh = gn - k < KEY_HEADS ? gn - k : KEY_HEADS;
-        switch (gh) {
-          case 1: channel_scores(&u, w, s->s_slot, run, qs, bias, k, 1, out, n); break;
-#if KEY_HEADS >= 4
-          case 3: channel_scores(&u, w, s->s_slot, run, qs, bias, k, 3, out, n); break;
-          case 4: channel_scores(&u, w, s->s_slot, run, qs, bias, k, 4, out, n); break;
-#endif
-          default: channel_scores(&u, w, s->s_slot, run, qs, bias, k, 2, out, n); break;
+        if (token) {
+          SCORES_CASES(1)
+        } else {
+          SCORES_CASES(0)
         }
       }
     }
