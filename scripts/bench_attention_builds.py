@@ -1,0 +1,131 @@
+"""Two builds of kvlab's C kernels side by side in one process, on the decode attention of a
+SmolLM2-135M-shaped cache (30 layers, 3 KV heads of 64 channels, 3 query heads each): the
+builds take turns round after round, so a slow spell of a shared machine hits both, and the
+ratio B/A is what to read. Also checks that both give the same output. Not a test.
+
+    # the committed kernels (A) against the working tree's (B), every format at 4096 tokens
+    python scripts/bench_attention_builds.py --a HEAD --tokens 4096
+
+A and B are git revisions or folders of kernel sources (``*.c`` and ``*.h``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvlab.kernels import attention_c, build
+from kvlab.kernels.int_codes import ChannelCodes, TokenCodes
+from kvlab.kernels.segments import Segment, Stored
+from kvlab.tracking import environment
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNELS = "kvlab/kernels"
+CASES = ("fp32", "bf16", "kivi8", "kivi4", "tokens4")  # kivi: channel keys, token values
+
+
+def sources(spec: str, into: Path) -> Path:
+    """A folder of kernel sources: ``spec`` itself, or its files at git revision ``spec``."""
+    if Path(spec).is_dir():
+        return Path(spec)
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{spec}:{KERNELS}"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    into.mkdir(parents=True)
+    for name in names:
+        if name.endswith((".c", ".h")):
+            text = subprocess.run(["git", "show", f"{spec}:{KERNELS}/{name}"], cwd=ROOT,
+                                  check=True, capture_output=True).stdout  # fmt: skip
+            (into / name).write_bytes(text)
+    return into
+
+
+def compiled(folder: Path, out: Path) -> ctypes.CDLL:
+    """The kernels of ``folder`` built as kvlab builds them, loaded."""
+    saved = build.SOURCES, build.HEADERS
+    build.SOURCES, build.HEADERS = sorted(folder.glob("*.c")), sorted(folder.glob("*.h"))
+    try:
+        build._compile(build._compiler(), out)
+    finally:
+        build.SOURCES, build.HEADERS = saved
+    return ctypes.CDLL(str(out))
+
+
+def layer(case: str, tokens: int) -> Segment:
+    k, v, q = torch.randn(1, 3, tokens, 64), torch.randn(1, 3, tokens, 64), torch.randn(1, 3, 3, 64)
+    if case in ("fp32", "bf16"):
+        dtype = torch.float32 if case == "fp32" else torch.bfloat16
+        keys, values = Stored(k.to(dtype)), Stored(v.to(dtype))
+    else:
+        bits = int(case[-1])
+        axis = "token" if case.startswith("tokens") else "channel"
+        key_codec = TokenCodes(bits, 32) if axis == "token" else ChannelCodes(bits, 32)
+        keys = Stored(*_first(key_codec.encode(k), f"{axis}_codes", bits, 32))
+        values = Stored(*_first(TokenCodes(bits, 32).encode(v), "token_codes", bits, 32))
+    table, lo, hi = torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0]), torch.tensor([tokens])
+    return Segment(q, keys, values, table, lo, hi)
+
+
+def _first(parts, fmt: str, bits: int, group: int) -> tuple:
+    words, scale, zero = parts
+    return words, fmt, bits, group, scale, zero
+
+
+def step_seconds(layers: list[Segment]) -> float:
+    start = time.perf_counter()
+    for segment in layers:
+        attention_c.c_attention([segment], 0.125, torch.float32)
+    return time.perf_counter() - start
+
+
+def compare(libraries: dict[str, ctypes.CDLL], case: str, args) -> str:
+    layers = [layer(case, args.tokens) for _ in range(30)]
+    times: dict[str, list[float]] = {name: [] for name in libraries}
+    outputs = {}
+    original = attention_c.library
+    try:
+        for round_ in range(args.warmup + args.rounds):
+            for name, library in libraries.items():
+                attention_c.library = lambda library=library: library
+                seconds = step_seconds(layers)
+                if round_ >= args.warmup:
+                    times[name].append(seconds)
+                outputs[name] = attention_c.c_attention([layers[0]], 0.125, torch.float32)
+    finally:
+        attention_c.library = original
+    a, b = (statistics.median(times[name]) * 1e3 for name in ("A", "B"))
+    diff = (outputs["A"] - outputs["B"]).abs().max().item()
+    return f"| {case} | {args.tokens} | {a:.2f} | {b:.2f} | {b / a:.2f} | {diff:.1e} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--a", default="HEAD", help="git revision or folder (default HEAD)")
+    parser.add_argument("--b", default=str(ROOT / KERNELS), help="default: the working tree")
+    parser.add_argument("--cases", default=",".join(CASES), type=lambda s: s.split(","))
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {"A": sources(args.a, Path(tmp) / "a"), "B": sources(args.b, Path(tmp) / "b")}
+        libraries = {name: compiled(folder, Path(tmp) / f"{name}.so")
+                     for name, folder in folders.items()}  # fmt: skip
+        env = environment()
+        print(f"decode attention, 30 layers x 3 KV heads x 64, A = {args.a}, B = {args.b}; "
+              f"{env['cpu']}, {torch.get_num_threads()} threads, torch {env['torch']}; "
+              f"medians of {args.rounds} rounds, builds in turns\n")  # fmt: skip
+        print("| case | tokens | A ms | B ms | B / A | max diff |\n|---|---:|---:|---:|---:|---:|")
+        for case in args.cases:
+            print(compare(libraries, case, args), flush=True)
+
+
+if __name__ == "__main__":
+    main()
