@@ -108,6 +108,22 @@ def test_the_kernel_decodes_every_finite_fp8_code_exactly(variant):
 
 @pytest.mark.slow
 @needs_kernel
+def test_the_kernels_build_without_vector_extensions(tmp_path):
+    """A CPU without AVX2 gets the kernels' scalar paths (and attention_codes.c's stubs):
+    every source compiles, warning-free, with AVX2, FMA and AVX-512 turned off."""
+    from kvlab.kernels.build import SOURCES, _compiler, _flags
+
+    if os.uname().machine != "x86_64":
+        pytest.skip("the flags name x86 extensions")
+    for source in SOURCES:
+        command = [_compiler(), *_flags(source), "-mno-avx2", "-mno-fma", "-mno-avx512f"]
+        command += ["-Wall", "-Werror", "-c", str(source), "-o", str(tmp_path / "out.o")]
+        done = subprocess.run(command, capture_output=True, text=True)
+        assert done.returncode == 0, f"{source.name}: {done.stderr[-2000:]}"
+
+
+@pytest.mark.slow
+@needs_kernel
 def test_the_avx2_build_equals_the_reference_too(tmp_path):
     """On an AVX-512 CPU the kernel's AVX2 paths never run: build the kernels without
     AVX-512 (a compiler wrapper adding -mno-avx512f; the build is keyed by the compiler)

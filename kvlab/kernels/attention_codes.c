@@ -318,24 +318,6 @@ void kvlab_codes_add_values(const Job *job, int b, int h, int64_t t0, int64_t t1
 }
 
 #else /* no vectors: decode_attention.c dequantizes rows as before */
-/* qs[g] = scale * q_g * s and bias[g] = scale * q_g . z for the key scale row at z_at. */
-static void scale_queries(const Store *st, int64_t z_at, const float *q, int gn, int D,
-                          float scale, float *qs, float *bias) {
-  for (int g = 0; g < gn; g++) {
-    vec dot = vzero();
-    for (int d = 0; d < D; d += LANES) {
-      const vec qd = vload_f32(q + g * D + d) * vset1(scale);
-      const vec s = st->scale_bf16 ? vload_bf16((const uint16_t *)st->scale + z_at + d)
-                                   : vload_f32((const float *)st->scale + z_at + d);
-      const vec z = st->scale_bf16 ? vload_bf16((const uint16_t *)st->zero + z_at + d)
-                                   : vload_f32((const float *)st->zero + z_at + d);
-      vstore(qs + g * D + d, qd * s);
-      dot = vfma(qd, z, dot);
-    }
-    bias[g] = vsum(dot);
-  }
-}
-
 int kvlab_codes_keys_apply(const Job *job) { (void)job; return 0; }
 int kvlab_codes_values_apply(const Job *job) { (void)job; return 0; }
 void kvlab_codes_key_scores(const Job *job, int b, int h, int64_t t0, int64_t t1,
