@@ -3,9 +3,10 @@
  * table, in chunks whose partial softmax results are merged at the end (flash-decoding,
  * Dao et al. 2023). Quantized rows are dequantized one token at a time into a buffer that
  * stays in L1, as llama.cpp's CPU flash attention does: the history is never
- * materialised. KIVI's layouts (keys in channel codes, values in token codes) are read
- * without dequantizing where the CPU's vectors fit them: attention_codes.c folds their
- * scales into the query and the softmax weights instead. Everything is computed in fp32.
+ * materialised. Integer codes (keys in channel or token codes, values in token codes) are
+ * read without dequantizing where the CPU's vectors fit them: attention_codes.c folds
+ * their scales into the query, the codes in registers and the softmax weights instead.
+ * Everything is computed in fp32.
  *
  * Addressing. Logical token t of row b (lo[b] <= t < hi[b]) sits at slot u = t % ring
  * (ring > 0) or u = t; its block is table[b * table_stride + u / block_size] and its slot
