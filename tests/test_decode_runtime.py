@@ -161,7 +161,7 @@ def test_the_avx2_build_equals_the_reference_too(tmp_path):
     [(1, 64, 32, torch.float32), (2, 128, 32, torch.bfloat16), (4, 64, 64, torch.bfloat16),
      (5, 64, 16, torch.float32), (9, 128, 128, torch.float32), (3, 32, 16, torch.float32)],
 )  # fmt: skip
-def test_codes_read_without_dequantizing_equal_the_reference(key_axis, bits, group, dim,
+def test_kernel_reads_codes_without_dequantizing_as_the_reference(key_axis, bits, group, dim,
                                                              value_group, scale_dtype):  # fmt: skip
     """attention_codes.c folds channel-code key scales into the query, token-code key
     scales into the codes in registers and value scales into the weights. Its cases: query
