@@ -144,12 +144,8 @@ static void scale_queries(const Store *st, int64_t z_at, const float *q, int gn,
     vec dot = vzero();
     for (int d = 0; d < D; d += LANES) {
       const vec qd = vload_f32(q + g * D + d) * vset1(scale);
-      const vec s = st->scale_bf16 ? vload_bf16((const uint16_t *)st->scale + z_at + d)
-                                   : vload_f32((const float *)st->scale + z_at + d);
-      const vec z = st->scale_bf16 ? vload_bf16((const uint16_t *)st->zero + z_at + d)
-                                   : vload_f32((const float *)st->zero + z_at + d);
-      vstore(qs + g * D + d, qd * s);
-      dot = vfma(qd, z, dot);
+      vstore(qs + g * D + d, qd * vload(st->scale, st->scale_bf16, z_at + d));
+      dot = vfma(qd, vload(st->zero, st->scale_bf16, z_at + d), dot);
     }
     bias[g] = vsum(dot);
   }
@@ -163,17 +159,17 @@ int kvlab_codes_keys_apply(const Job *job) {
 
 #define SCORES_CASES(TOKEN)                                                                 \
   switch (gh) {                                                                             \
-    case 1: code_scores(&u, w, s->s_slot, run, qs, bias, TOKEN, rs, rb, per_group, groups,  \
+    case 1: code_scores(&u, w, s->s_slot, run, heads, bias, TOKEN, rs, rb, per_group, groups,  \
                         k, 1, out, n); break;                                               \
     KEY_CASES_3_4(TOKEN)                                                                    \
-    default: code_scores(&u, w, s->s_slot, run, qs, bias, TOKEN, rs, rb, per_group, groups, \
+    default: code_scores(&u, w, s->s_slot, run, heads, bias, TOKEN, rs, rb, per_group, groups, \
                          k, 2, out, n); break;                                              \
   }
 #if KEY_HEADS >= 4
 #define KEY_CASES_3_4(TOKEN)                                                                \
-  case 3: code_scores(&u, w, s->s_slot, run, qs, bias, TOKEN, rs, rb, per_group, groups,    \
+  case 3: code_scores(&u, w, s->s_slot, run, heads, bias, TOKEN, rs, rb, per_group, groups,    \
                       k, 3, out, n); break;                                                 \
-  case 4: code_scores(&u, w, s->s_slot, run, qs, bias, TOKEN, rs, rb, per_group, groups,    \
+  case 4: code_scores(&u, w, s->s_slot, run, heads, bias, TOKEN, rs, rb, per_group, groups,    \
                       k, 4, out, n); break;
 #else
 #define KEY_CASES_3_4(TOKEN)
@@ -202,7 +198,15 @@ void kvlab_codes_key_scores(const Job *job, int b, int h, int64_t t0, int64_t t1
   const int groups = token ? D / s->group : 1, per_group = token ? s->group / LANES : 1;
   Unpack u;
   unpack_plan(s, D, &u);
-  float qs[4 * MAX_D], bias[4], qsum[4 * MAX_D], rs[TILE * MAX_D / LANES], rb[4 * TILE];
+  float qs[4 * MAX_D], bias[4], rs[TILE * MAX_D / LANES], rb[4 * TILE];
+  float q_scaled[token ? G * D : 1], qsum[token ? G * groups : 1]; /* token codes: per chunk */
+  for (int g = 0; token && g < G; g++)
+    for (int k = 0; k < groups; k++) {
+      float sum = 0.f;
+      for (int d = k * s->group; d < (k + 1) * s->group; d++)
+        sum += (q_scaled[g * D + d] = q[g * D + d] * job->scale);
+      qsum[g * groups + k] = sum;
+    }
   for (int64_t t = t0; t < t1;) {
     int64_t block, slot;
     const int run = next_run(job, b, t, t1, &block, &slot);
@@ -216,17 +220,11 @@ void kvlab_codes_key_scores(const Job *job, int b, int h, int64_t t0, int64_t t1
       const int gn = G - g0 < 4 ? G - g0 : 4;
       float *out = scores + (int64_t)g0 * n + (t - t0);
       if (token) {
-        for (int g = 0; g < gn; g++)
-          for (int k = 0; k < groups; k++) {
-            float sum = 0.f;
-            for (int d = k * s->group; d < (k + 1) * s->group; d++)
-              sum += (qs[g * D + d] = q[(g0 + g) * D + d] * job->scale);
-            qsum[g * groups + k] = sum;
-          }
-        token_key_terms(s, z_at, run, gn, groups, qsum, rs, rb);
+        token_key_terms(s, z_at, run, gn, groups, qsum + g0 * groups, rs, rb);
       } else {
         scale_queries(s, z_at, q + g0 * D, gn, D, job->scale, qs, bias);
       }
+      const float *heads = token ? q_scaled + g0 * D : qs; /* the block's scaled queries */
       for (int k = 0; k < gn; k += KEY_HEADS) {
         const int gh = gn - k < KEY_HEADS ? gn - k : KEY_HEADS;
         if (token) {

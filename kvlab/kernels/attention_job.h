@@ -66,13 +66,12 @@ static inline int next_run(const Job *job, int b, int64_t t, int64_t end, int64_
   return (int)(run < TILE ? run : TILE);
 }
 
-
 /* decode_attention.c: the rows (and scales) of tokens t.. (< end) asked for ahead of use. */
 void kvlab_prefetch_rows(const Job *job, const Store *s, int b, int h, int64_t t,
                          int64_t end);
 
-/* attention_codes.c: keys in channel codes and values in token codes read without
- * dequantizing rows, where the CPU's vectors fit their layout (the *_apply functions). */
+/* attention_codes.c: keys in channel or token codes and values in token codes read
+ * without dequantizing rows, where the CPU's vectors fit their layout (*_apply). */
 int kvlab_codes_keys_apply(const Job *job);
 void kvlab_codes_key_scores(const Job *job, int b, int h, int64_t t0, int64_t t1,
                             const float *q, float *scores, int n);

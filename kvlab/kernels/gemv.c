@@ -28,12 +28,6 @@ static inline const void *row_at(const void *p, int bf16, int64_t index) {
  * (32 zmm / 16 ymm): AVX-512 R = 4 with M <= 6 (8 chains when M = 1); AVX2 R = 4 for
  * M <= 2, R = 2 for M <= 5. More rows of x are taken in chunks, re-reading the tile's
  * weights from L1. */
-#ifdef LANES
-/* LANES fp32 (bf16 = 0) or bf16 (bf16 = 1) values from element k of p, as fp32. */
-static inline vec vload(const void *p, const int bf16, int64_t k) {
-  return bf16 ? vload_bf16((const uint16_t *)p + k) : vload_f32((const float *)p + k);
-}
-#endif
 #if defined(__AVX512F__)
 #define MAX_TILE_M 6
 #define TILE_R(M) 4

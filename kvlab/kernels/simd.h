@@ -61,4 +61,11 @@ static inline vec vload_bf16(const uint16_t *p) {
 }
 #endif
 
+#ifdef LANES
+/* LANES fp32 (bf16 = 0) or bf16 (bf16 = 1) values from element k of p, as fp32. */
+static inline vec vload(const void *p, const int bf16, int64_t k) {
+  return bf16 ? vload_bf16((const uint16_t *)p + k) : vload_f32((const float *)p + k);
+}
+#endif
+
 #endif
