@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from kvlab.kernels.build import library
+from kvlab.kernels.build import INT, POINTER, kernel, library
 from kvlab.kernels.segments import FORMATS, TABLES, Segment, Stored
 
 CHUNK = 256  # tokens per partial result
@@ -18,10 +18,24 @@ MAX_HEAD_DIM = 256
 
 def c_attention(segments: list[Segment], scale: float, out_dtype: torch.dtype) -> torch.Tensor:
     """(B, H_kv, G, D) in ``out_dtype``: one softmax over every segment, in one C call."""
-    args = _flatten(segments) + (scale, out_dtype == torch.bfloat16)
+    bf16 = out_dtype == torch.bfloat16
     if torch.compiler.is_compiling():
-        return torch.ops.kvlab.decode_attention(*args)
-    return _decode_attention_impl(*args)  # eager: no dispatcher round trip
+        return torch.ops.kvlab.decode_attention(*_flatten(segments), scale, bf16)
+    return _attend([_item(s) for s in segments], scale, bf16)  # eager: no dispatcher trip
+
+
+def _item(s: Segment) -> tuple:
+    """One segment as the C call takes it: (q, k_data, k_scale, k_zero, v_data, v_scale,
+    v_zero, table, lo, hi, config) with config its 7 ints (see :func:`_config`)."""
+    k, v = s.keys, s.values
+    return (s.q, k.data, k.scale, k.zero, v.data, v.scale, v.zero, s.table, s.lo, s.hi,
+            _config(s))  # fmt: skip
+
+
+def _config(s: Segment) -> list[int]:
+    """Keys' format, bits and group, the values' three, the ring: the kernel's ints."""
+    k, v = s.keys, s.values
+    return [FORMATS[k.format], k.bits, k.group, FORMATS[v.format], v.bits, v.group, s.ring]
 
 
 class _Store(ctypes.Structure):
@@ -95,18 +109,10 @@ def _store_applies(st: Stored) -> bool:
 
 
 def _flatten(segments: list[Segment]) -> tuple:
-    """The segments as the custom op's flat lists (one entry per segment)."""
-    pick = lambda f: [f(s) for s in segments]  # noqa: E731
-    config = []
-    for s in segments:
-        k, v = s.keys, s.values
-        config += [FORMATS[k.format], k.bits, k.group, FORMATS[v.format], v.bits, v.group, s.ring]
-    return (
-        pick(lambda s: s.q), pick(lambda s: s.keys.data), pick(lambda s: s.keys.scale),
-        pick(lambda s: s.keys.zero), pick(lambda s: s.values.data),
-        pick(lambda s: s.values.scale), pick(lambda s: s.values.zero), pick(lambda s: s.table),
-        pick(lambda s: s.lo), pick(lambda s: s.hi), config,
-    )  # fmt: skip
+    """The segments as the custom op's flat lists: one list per field of :func:`_item`,
+    configs concatenated."""
+    fields = list(zip(*(_item(s) for s in segments), strict=True))
+    return (*map(list, fields[:-1]), [n for config in fields[-1] for n in config])
 
 
 def _c_store(data, fmt, bits, group, scale_t, zero_t) -> _Store:
@@ -148,28 +154,34 @@ def _(qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, co
 def _decode_attention_impl(
     qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, config, scale, bf16
 ) -> torch.Tensor:
+    """The custom op's flat lists back as per-segment items, then :func:`_attend`."""
+    configs = [config[i : i + 7] for i in range(0, len(config), 7)]
+    fields = (qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, configs)
+    return _attend(list(zip(*fields, strict=True)), scale, bf16)
+
+
+def _attend(items: list[tuple], scale: float, bf16: bool) -> torch.Tensor:
     """One C call: every segment's partials into one buffer, then their merge."""
-    batch, heads, group, dim = qs[0].shape
-    chunks = [
-        _n_chunks(table, data.shape[2], config[7 * i + 6])
-        for i, (table, data) in enumerate(zip(tables, k_data, strict=True))
-    ]
-    rows = batch * heads * sum(chunks) * group
+    batch, heads, group, dim = items[0][0].shape
+    chunks = [_n_chunks(item[7], item[1].shape[2], item[10][6]) for item in items]
+    rows, total = batch * heads * sum(chunks) * group, sum(chunks)
     work = torch.empty(rows * (dim + 2), dtype=torch.float32)  # maxima, sums, outputs
-    jobs, offset, queries = (_Job * len(qs))(), 0, [q.float().contiguous() for q in qs]
-    for i, job in enumerate(jobs):
-        fmt = config[7 * i : 7 * i + 7]
-        job.k = _c_store(k_data[i], fmt[0], fmt[1], fmt[2], k_scale[i], k_zero[i])
-        job.v = _c_store(v_data[i], fmt[3], fmt[4], fmt[5], v_scale[i], v_zero[i])
-        job.q, job.table = queries[i].data_ptr(), tables[i].data_ptr()
-        job.lo, job.hi = los[i].data_ptr(), his[i].data_ptr()
-        job.table_stride, job.block_size, job.ring = tables[i].stride(0), k_data[i].shape[2], fmt[6]
+    jobs, offset = (_Job * len(items))(), 0
+    queries = [item[0].float().contiguous() for item in items]
+    for job, item, query, n_chunks in zip(jobs, items, queries, chunks, strict=True):
+        _, kd, ks, kz, vd, vs, vz, table, lo, hi, fmt = item
+        job.k, job.v = _c_store(kd, *fmt[0:3], ks, kz), _c_store(vd, *fmt[3:6], vs, vz)
+        job.q, job.table = query.data_ptr(), table.data_ptr()
+        job.lo, job.hi = lo.data_ptr(), hi.data_ptr()
+        job.table_stride, job.block_size, job.ring = table.stride(0), kd.shape[2], fmt[6]
         job.B, job.H, job.G, job.D, job.scale = batch, heads, group, dim, scale
-        job.chunk, job.n_chunks, job.partial_offset = CHUNK, chunks[i], offset
-        job.partial_total = sum(chunks)
+        job.chunk, job.n_chunks, job.partial_offset = CHUNK, n_chunks, offset
+        job.partial_total = total
         job.m = work.data_ptr()
         job.l, job.o = job.m + 4 * rows, job.m + 8 * rows
-        offset += chunks[i]
+        offset += n_chunks
     out = torch.empty(batch, heads, group, dim, dtype=torch.bfloat16 if bf16 else torch.float32)
-    library().kvlab_decode_attention(jobs, len(jobs), ctypes.c_void_p(out.data_ptr()), int(bf16))
+    kernel("kvlab_decode_attention", POINTER, INT, POINTER, INT)(
+        ctypes.addressof(jobs), len(items), out.data_ptr(), int(bf16)
+    )
     return out

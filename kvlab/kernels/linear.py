@@ -11,13 +11,11 @@ compiled decode step calls it without a graph break.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.kernels.build import library
+from kvlab.kernels.build import INT, INT64, POINTER, kernel
 
 # rows up to which the kernel beats MKL: SmolLM2-135M's decode linears (30 layers + head),
 # one process, AMD EPYC 2 threads, 2026-12-01: M=1 44 ms vs MKL 73, M=8 61 vs 151,
@@ -55,6 +53,13 @@ def _small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _small_linear_impl(x, weight, bias)
 
 
+# (x, x_bf16, x_stride, w, w_bf16, bias, bias_bf16, y, y_bf16, M, N, K)
+_GEMV_ARGS = (POINTER, INT, INT64, POINTER, INT, POINTER, INT, POINTER, INT, INT64, INT64, INT64)
+# (x, x_bf16, x_stride, codes, scale, scale_bf16, bias, bias_bf16, y, y_bf16, M, N, K)
+_GEMV_INT8_ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, POINTER, INT, POINTER, INT,
+                   INT64, INT64, INT64)  # fmt: skip
+
+
 def _bf16(t: torch.Tensor | None) -> int:
     return int(t is not None and t.dtype == torch.bfloat16)
 
@@ -63,12 +68,10 @@ def _small_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, out_features = x.shape[0], weight.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype)
-    library().kvlab_gemv(
-        ctypes.c_void_p(x.data_ptr()), _bf16(x), ctypes.c_int64(x.stride(0)),
-        ctypes.c_void_p(weight.data_ptr()), _bf16(weight),
-        ctypes.c_void_p(None if bias is None else bias.data_ptr()), _bf16(bias),
-        ctypes.c_void_p(out.data_ptr()), _bf16(out), ctypes.c_int64(rows),
-        ctypes.c_int64(out_features), ctypes.c_int64(weight.shape[1]),
+    kernel("kvlab_gemv", *_GEMV_ARGS)(
+        x.data_ptr(), _bf16(x), x.stride(0), weight.data_ptr(), _bf16(weight),
+        None if bias is None else bias.data_ptr(), _bf16(bias), out.data_ptr(), _bf16(out),
+        rows, out_features, weight.shape[1],
     )  # fmt: skip
     return out
 
@@ -104,11 +107,9 @@ def _int8_linear_impl(x, codes, scale, bias) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     rows, out_features = x.shape[0], codes.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype)
-    library().kvlab_gemv_int8(
-        ctypes.c_void_p(x.data_ptr()), _bf16(x), ctypes.c_int64(x.stride(0)),
-        ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scale.data_ptr()), _bf16(scale),
-        ctypes.c_void_p(None if bias is None else bias.data_ptr()), _bf16(bias),
-        ctypes.c_void_p(out.data_ptr()), _bf16(out), ctypes.c_int64(rows),
-        ctypes.c_int64(out_features), ctypes.c_int64(codes.shape[1]),
+    kernel("kvlab_gemv_int8", *_GEMV_INT8_ARGS)(
+        x.data_ptr(), _bf16(x), x.stride(0), codes.data_ptr(), scale.data_ptr(), _bf16(scale),
+        None if bias is None else bias.data_ptr(), _bf16(bias), out.data_ptr(), _bf16(out),
+        rows, out_features, codes.shape[1],
     )  # fmt: skip
     return out

@@ -5,11 +5,12 @@ ops, which inductor fuses itself."""
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
-from kvlab.kernels.build import library
+from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
+
+# (x, stride, weight, out, bf16, rows, dim, eps)
+_RMS_NORM_ARGS = (POINTER, INT64, POINTER, POINTER, INT, INT64, INT64, FLOAT)
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -27,10 +28,8 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     dim = x.shape[-1]
     flat = x.reshape(-1, dim)  # a view where rows are evenly strided, else a contiguous copy
     out = torch.empty(flat.shape, dtype=x.dtype)
-    library().kvlab_rms_norm(
-        ctypes.c_void_p(flat.data_ptr()), ctypes.c_int64(flat.stride(0)),
-        ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-        int(x.dtype == torch.bfloat16), ctypes.c_int64(flat.shape[0]), ctypes.c_int64(dim),
-        ctypes.c_float(eps),
+    kernel("kvlab_rms_norm", *_RMS_NORM_ARGS)(
+        flat.data_ptr(), flat.stride(0), weight.data_ptr(), out.data_ptr(),
+        int(x.dtype == torch.bfloat16), flat.shape[0], dim, eps,
     )  # fmt: skip
     return out.view(x.shape)
