@@ -17,6 +17,7 @@ from torch import nn
 from kvlab.cache.base import CacheSpec, KVCache, Step, StepInfo
 from kvlab.kernels.norm import fused_rms_norm
 from kvlab.models.config import DecoderConfig
+from kvlab.models.fused_layer import FusedDecode, fused_plan, weights_changed
 from kvlab.models.rope import RotaryTables, inverse_frequencies
 
 
@@ -87,12 +88,21 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.fused: FusedDecode | None = None  # the one-token decode step in C, planned on use
 
     def forward(
         self, x: torch.Tensor, rope: RotaryTables, cache: KVCache, step: Step
     ) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and x.shape[1] == 1:
+            fused = fused_plan(self)
+            if fused is not None and fused.takes(x, rope.cos):
+                return fused(x, rope, cache, step)
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _apply(self, fn, recurse=True):  # .to(), .float(), ...: the weights may move
+        weights_changed()
+        return super()._apply(fn, recurse)
 
 
 class Decoder(nn.Module):

@@ -1,0 +1,92 @@
+/* A pre-norm decoder layer's decode step (Llama: RMSNorm, RoPE, SwiGLU; Touvron et al.,
+ * arXiv 2302.13971) as three calls around attention and the SwiGLU activation, instead of
+ * the ~40 torch ops and kernel calls of the op-by-op layer: a decode step of a 30-layer
+ * model paid ~3 ms of Python and dispatch for them on these CPUs, more than its attention.
+ * The products are kvlab_gemv's, the norms kvlab_rms_norm's; rotation and residual adds are
+ * rounded as torch rounds them in the model's dtype (fp32 or bf16), so the layer's outputs
+ * are the op-by-op layer's (built without fast-math: build.py's EXACT; ISO C contracts no
+ * multiply-add). Activations, norm weights and rotary tables share one dtype (bf16 = 1:
+ * bf16), every activation row is contiguous and M rows of one token each are decoded. */
+#include <stdint.h>
+
+#include "bf16.h"
+
+/* A linear layer as kvlab_gemv reads it: weight (out_features, in_features), bias or NULL. */
+typedef struct {
+  const void *weight;
+  int32_t weight_bf16;
+  int32_t bias_bf16;
+  const void *bias;
+  int64_t out_features, in_features;
+} Linear;
+
+void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
+                const void *bias, int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N,
+                int64_t K);
+void kvlab_rms_norm(const void *x, int64_t stride, const void *weight, void *out, int bf16,
+                    int64_t rows, int64_t dim, float eps);
+
+static void linear(const Linear *l, const void *x, int bf16, void *y, int64_t M) {
+  kvlab_gemv(x, bf16, l->in_features, l->weight, l->weight_bf16, l->bias, l->bias_bf16, y,
+             bf16, M, l->out_features, l->in_features);
+}
+
+static float rounded(float value, int bf16) {
+  return bf16 ? bf16_value(to_bf16(value)) : value;
+}
+
+/* out (M, heads, dim) = the first `heads` heads of each row of qkv (M, N) rotated as
+ * RotaryTables.rotate: x * cos + roll(x, dim / 2) * sin, sin signed (M, dim) per row, each
+ * product and the sum rounded to the dtype. */
+static void rotate(const void *qkv, int64_t N, const void *cos, const void *sin, int bf16,
+                   int64_t M, int64_t heads, int64_t dim, void *out) {
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t h = 0; h < heads; h++) {
+      const int64_t in = m * N + h * dim, at = (m * heads + h) * dim;
+      for (int64_t d = 0; d < dim; d++) {
+        const float x = value_at(qkv, bf16, in + d);
+        const float turned = value_at(qkv, bf16, in + (d + dim / 2) % dim);
+        const float a = rounded(x * value_at(cos, bf16, m * dim + d), bf16);
+        const float b = rounded(turned * value_at(sin, bf16, m * dim + d), bf16);
+        store(out, bf16, at + d, a + b);
+      }
+    }
+}
+
+/* y (M, n) = x + delta, rounded to the dtype. */
+static void add(const void *x, const void *delta, int bf16, int64_t M, int64_t n, void *y) {
+  for (int64_t i = 0; i < M * n; i++)
+    store(y, bf16, i, value_at(x, bf16, i) + value_at(delta, bf16, i));
+}
+
+/* Before attention: normed = rms_norm(x) (M, hidden); qkv = qkv_proj(normed) (M, N);
+ * rotated (M, heads, dim) = the first `heads` heads of qkv (queries, then keys) rotated. */
+void kvlab_layer_attention_in(const void *x, int bf16, int64_t M, const void *norm_weight,
+                              float eps, const Linear *qkv_proj, const void *cos,
+                              const void *sin, int64_t heads, int64_t dim, void *normed,
+                              void *qkv, void *rotated) {
+  const int64_t hidden = qkv_proj->in_features;
+  kvlab_rms_norm(x, hidden, norm_weight, normed, bf16, M, hidden, eps);
+  linear(qkv_proj, normed, bf16, qkv, M);
+  rotate(qkv, qkv_proj->out_features, cos, sin, bf16, M, heads, dim, rotated);
+}
+
+/* After attention: mid = x + o_proj(attention) (M, hidden); gate_up =
+ * gate_up_proj(rms_norm(mid)); scratch: (M, hidden) twice. */
+void kvlab_layer_mlp_in(const void *attention, const void *x, int bf16, int64_t M,
+                        const Linear *o_proj, const void *norm_weight, float eps,
+                        const Linear *gate_up_proj, void *mid, void *gate_up, void *scratch) {
+  const int64_t hidden = o_proj->out_features;
+  void *normed = (char *)scratch + M * hidden * (bf16 ? 2 : 4);
+  linear(o_proj, attention, bf16, scratch, M);
+  add(x, scratch, bf16, M, hidden, mid);
+  kvlab_rms_norm(mid, hidden, norm_weight, normed, bf16, M, hidden, eps);
+  linear(gate_up_proj, normed, bf16, gate_up, M);
+}
+
+/* The layer's output: y = mid + down_proj(activation) (M, hidden); scratch: (M, hidden). */
+void kvlab_layer_out(const void *activation, const void *mid, int bf16, int64_t M,
+                     const Linear *down_proj, void *scratch, void *y) {
+  linear(down_proj, activation, bf16, scratch, M);
+  add(mid, scratch, bf16, M, down_proj->out_features, y);
+}

@@ -1,0 +1,141 @@
+"""A decoder layer's one-token decode step through ``decode_layer.c``: norm, QKV product and
+RoPE in one C call, attention through the cache strategy as ever, then output product,
+residual, norm and gate/up product in a second call, the SwiGLU activation in torch, down
+product and residual in a third. The op-by-op layer pays ~40 torch ops and wrapper calls
+a layer (~100 us of Python and dispatch on these CPUs: ~3 ms a step of a 30-layer model);
+the values are the same (the C code rounds as those ops round, see the C file).
+
+It serves layers whose four linears run kvlab's matrix-vector kernel at this row count
+(:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16), without q/k norms, on CPU
+tensors in eager mode; everything else (compiled steps, prefill, quantized weights, other
+devices) takes the op-by-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
+from kvlab.kernels.linear import DecodeLinear
+
+_GENERATION = [0]  # bumped whenever a layer's weights may have moved (see weights_changed)
+
+
+def weights_changed(*_) -> None:
+    """Drop every layer's fused plan: its pointers are taken again on its next step. Called
+    when any module or parameter is assigned anywhere (a quantizer's swap; torch's global
+    registration hooks) and when a layer is moved or cast (``DecoderLayer._apply``)."""
+    _GENERATION[0] += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(weights_changed)
+torch.nn.modules.module.register_module_parameter_registration_hook(weights_changed)
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("weight", ctypes.c_void_p), ("weight_bf16", ctypes.c_int32),
+        ("bias_bf16", ctypes.c_int32), ("bias", ctypes.c_void_p),
+        ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+def _linear(layer: DecodeLinear) -> _Linear:
+    bias = layer.bias
+    return _Linear(
+        layer.weight.data_ptr(), int(layer.weight.dtype == torch.bfloat16),
+        int(bias is not None and bias.dtype == torch.bfloat16),
+        None if bias is None else bias.data_ptr(), layer.out_features, layer.in_features,
+    )  # fmt: skip
+
+
+def fused_plan(layer) -> FusedDecode | None:
+    """``layer``'s plan, made on first use and again after :func:`weights_changed`; None
+    where the layer cannot take the fused path."""
+    plan = layer.fused
+    if plan is None or plan.generation != _GENERATION[0]:
+        plan = FusedDecode(layer)
+        layer.fused = plan
+    return plan if plan.applies else None
+
+
+class FusedDecode:
+    """The pointers and shapes one layer's fused decode step reads."""
+
+    def __init__(self, layer):
+        self.generation = _GENERATION[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        dtype = norms[0].weight.dtype
+        self.applies = (
+            library() is not None
+            and attn.q_norm is None
+            and all(type(lin) is DecodeLinear for lin in linears)
+            and dtype in (torch.float32, torch.bfloat16)
+            and all(n.weight.dtype == dtype and n.weight.device.type == "cpu" for n in norms)
+        )
+        if not self.applies:
+            return
+        self.dtype, self.bf16 = dtype, int(dtype == torch.bfloat16)
+        self.rows = (max(lin.kernel_rows[0] for lin in linears),
+                     min(lin.kernel_rows[1] for lin in linears))  # fmt: skip
+        self.layer, self.norms = attn.layer, [n.weight for n in norms]
+        self.eps = [n.eps for n in norms]
+        self.heads, self.kv_heads, self.dim = attn.heads, attn.kv_heads, attn.head_dim
+        self.hidden, self.inner = attn.o_proj.out_features, mlp.inner
+        self.linears = [_linear(lin) for lin in linears]  # kept alive: C reads them
+        self.addresses = [ctypes.addressof(lin) for lin in self.linears]
+        self.attention_in = kernel("kvlab_layer_attention_in", POINTER, INT, INT64, POINTER,
+                                   FLOAT, POINTER, POINTER, POINTER, INT64, INT64, POINTER,
+                                   POINTER, POINTER)  # fmt: skip
+        self.mlp_in = kernel("kvlab_layer_mlp_in", POINTER, POINTER, INT, INT64, POINTER,
+                             POINTER, FLOAT, POINTER, POINTER, POINTER, POINTER)  # fmt: skip
+        self.out = kernel("kvlab_layer_out", POINTER, POINTER, INT, INT64, POINTER, POINTER,
+                          POINTER)  # fmt: skip
+
+    def takes(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether this step's x (B, 1, hidden) and rotary table fit the fused path."""
+        first, last = self.rows
+        return (
+            x.dtype == self.dtype
+            and x.device.type == "cpu"
+            and first <= x.shape[0] <= last
+            and x.is_contiguous()
+            and cos.dtype == self.dtype
+            and cos.is_contiguous()
+        )
+
+    def __call__(self, x: torch.Tensor, rope, cache, step) -> torch.Tensor:
+        """The layer's output (B, 1, hidden) for x (B, 1, hidden)."""
+        batch, dtype, bf16, hidden = x.shape[0], self.dtype, self.bf16, self.hidden
+        heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
+        qkv = torch.empty(batch, 1, (heads + 2 * kv_heads) * dim, dtype=dtype)
+        rotated = torch.empty(batch, 1, heads + kv_heads, dim, dtype=dtype)
+        scratch = torch.empty(2 * batch * hidden, dtype=dtype)
+        self.attention_in(
+            x.data_ptr(), bf16, batch, self.norms[0].data_ptr(), self.eps[0],
+            self.addresses[0], rope.cos.data_ptr(), rope.sin.data_ptr(), heads + kv_heads, dim,
+            scratch.data_ptr(), qkv.data_ptr(), rotated.data_ptr(),
+        )  # fmt: skip
+        q, k = rotated.transpose(1, 2).split_with_sizes([heads, kv_heads], 1)  # (B, H|H_kv, 1, D)
+        k_raw = qkv[..., heads * dim : (heads + kv_heads) * dim].view(batch, 1, kv_heads, dim)
+        v = qkv[..., (heads + kv_heads) * dim :].view(batch, 1, kv_heads, dim)
+        out = cache.attend(step, self.layer, q, k, v.transpose(1, 2), k_raw.transpose(1, 2))
+        attention = out.transpose(1, 2).reshape(batch, heads * dim).contiguous()  # (B, H * D)
+        mid = torch.empty(batch, 1, hidden, dtype=dtype)
+        gate_up = torch.empty(batch, 2 * self.inner, dtype=dtype)
+        self.mlp_in(
+            attention.data_ptr(), x.data_ptr(), bf16, batch, self.addresses[1],
+            self.norms[1].data_ptr(), self.eps[1], self.addresses[2], mid.data_ptr(),
+            gate_up.data_ptr(), scratch.data_ptr(),
+        )  # fmt: skip
+        gate, up = gate_up.split_with_sizes([self.inner, self.inner], 1)
+        activation = F.silu(gate) * up  # (B, inner)
+        y = torch.empty(batch, 1, hidden, dtype=dtype)
+        self.out(activation.data_ptr(), mid.data_ptr(), bf16, batch, self.addresses[3],
+                 scratch.data_ptr(), y.data_ptr())  # fmt: skip
+        return y

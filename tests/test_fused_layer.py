@@ -1,0 +1,72 @@
+"""The fused decode layer (``decode_layer.c``) against the op-by-op layer it replaces: the
+same logits, bit for bit, over a generation of several rows on every family whose layers
+it serves (biases, tied heads, scaled RoPE), in fp32 and bf16; and the layers it must not
+serve take the op-by-op path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvlab import load_model
+from kvlab.cache import build_cache
+from kvlab.engine import Engine, GenerationConfig
+from kvlab.kernels import kernel_available
+from kvlab.kernels.linear import DecodeLinear
+from kvlab.models import fused_layer, llama
+
+needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler for the kernel")
+PROMPTS = [[5, 17, 3, 99, 42, 7], [8, 1, 200], [64, 65, 66, 67, 68]]
+
+
+def with_decode_linears(path, dtype: torch.dtype) -> nn.Module:
+    """The tiny checkpoint at ``path`` in ``dtype``, every linear on kvlab's kernel."""
+    model, _ = load_model(str(path), dtype=dtype, cpu_prepack=False)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, DecodeLinear(child))
+    return model
+
+
+def decode_logits(model, steps: int = 6) -> list[torch.Tensor]:
+    seen = []
+    engine = Engine(model, build_cache("full", model.cache_spec()))
+    gen = GenerationConfig(steps, stop_on_eos=False)
+    engine.generate(PROMPTS, gen, on_logits=lambda logits, rows: seen.append(logits.clone()))
+    return seen
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "llama3_scaled", "llama2_linear", "qwen2", "smollm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_layer_kernel_gives_the_op_by_op_logits(family, dtype, tiny_checkpoints, monkeypatch):
+    model = with_decode_linears(tiny_checkpoints[family], dtype)
+    with torch.inference_mode():
+        fused = decode_logits(model)
+        assert all(layer.fused is not None and layer.fused.applies for layer in model.layers)
+        monkeypatch.setattr(llama, "fused_plan", lambda layer: None)
+        reference = decode_logits(model)
+    assert len(fused) == len(reference) == 6
+    for got, want in zip(fused, reference, strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_fused_layer_kernel_serves_only_layers_it_can(tiny_checkpoints):
+    """q/k norms (Qwen3) and layers not on kvlab's kernel keep the op-by-op path; a plan is
+    taken again once a layer's weights change."""
+    qwen3 = with_decode_linears(tiny_checkpoints["qwen3"], torch.float32)
+    plain, _ = load_model(str(tiny_checkpoints["llama"]), cpu_prepack=False)
+    model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
+    with torch.inference_mode():
+        for unserved in (qwen3, plain):
+            decode_logits(unserved, steps=2)
+            assert not any(layer.fused.applies for layer in unserved.layers)
+        decode_logits(model, steps=2)
+        before = model.layers[0].fused
+        model.layers[0].mlp.down_proj = DecodeLinear(nn.Linear(128, 64))
+        assert fused_layer.fused_plan(model.layers[0]) is not before
+        model.layers[0].mlp.down_proj = nn.Linear(128, 64)
+        assert fused_layer.fused_plan(model.layers[0]) is None
