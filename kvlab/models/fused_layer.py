@@ -5,10 +5,10 @@ product and residual in a third. The op-by-op layer pays ~40 torch ops and wrapp
 a layer (~100 us of Python and dispatch on these CPUs: ~3 ms a step of a 30-layer model);
 the values are the same (the C code rounds as those ops round, see the C file).
 
-It serves layers whose four linears run kvlab's matrix-vector kernel at this row count
-(:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16), without q/k norms, on CPU
-tensors in eager mode; everything else (compiled steps, prefill, quantized weights, other
-devices) takes the op-by-op path.
+It serves layers whose four linears run a kvlab matrix-vector kernel at this row count
+(:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16; ``Int8Linear`` where kvlab's
+int8 kernel was chosen), without q/k norms, on CPU tensors in eager mode; everything else
+(compiled steps, prefill, other weight formats, other devices) takes the op-by-op path.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import ctypes
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
-from kvlab.kernels.linear import DecodeLinear
+from kvlab.kernels.linear import MAX_ROWS, DecodeLinear
+from kvlab.quant.rtn import Int8Linear
 
 _GENERATION = [0]  # bumped whenever a layer's weights may have moved (see weights_changed)
 
@@ -40,16 +42,39 @@ class _Linear(ctypes.Structure):
         ("weight", ctypes.c_void_p), ("weight_bf16", ctypes.c_int32),
         ("bias_bf16", ctypes.c_int32), ("bias", ctypes.c_void_p),
         ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
+        ("int8", ctypes.c_int32), ("scale_bf16", ctypes.c_int32), ("scale", ctypes.c_void_p),
     ]  # fmt: skip
 
 
-def _linear(layer: DecodeLinear) -> _Linear:
+def _bf16(t: torch.Tensor | None) -> int:
+    return int(t is not None and t.dtype == torch.bfloat16)
+
+
+def _linear(layer: nn.Module) -> _Linear:
     bias = layer.bias
-    return _Linear(
-        layer.weight.data_ptr(), int(layer.weight.dtype == torch.bfloat16),
-        int(bias is not None and bias.dtype == torch.bfloat16),
-        None if bias is None else bias.data_ptr(), layer.out_features, layer.in_features,
+    fields = dict(
+        bias_bf16=_bf16(bias), bias=None if bias is None else bias.data_ptr(),
+        out_features=layer.out_features, in_features=layer.in_features,
     )  # fmt: skip
+    if type(layer) is DecodeLinear:
+        return _Linear(weight=layer.weight.data_ptr(), weight_bf16=_bf16(layer.weight), **fields)
+    scale = layer.scale
+    return _Linear(weight=layer.qweight.data_ptr(), int8=1, scale_bf16=_bf16(scale),
+                   scale=scale.data_ptr(), **fields)  # fmt: skip
+
+
+def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
+    """The row counts (first, last) for which ``layer`` runs a kvlab kernel the fused layer
+    can call, with ``dtype`` activations: a :class:`DecodeLinear`'s, or an ``Int8Linear``'s
+    (int8 codes computing in ``dtype``) where kvlab's int8 kernel was chosen; else None."""
+    if type(layer) is DecodeLinear:
+        return layer.kernel_rows
+    if type(layer) is not Int8Linear or layer.compute_dtype not in (None, dtype):
+        return None
+    if layer.scale.dtype != dtype or layer.qweight.device.type != "cpu":
+        return None
+    one, few = layer.decode_kernel == "kvlab", layer.few_rows_kernel == "kvlab"
+    return ((1 if one else 2), (MAX_ROWS if few else 1)) if one or few else None
 
 
 def fused_plan(layer) -> FusedDecode | None:
@@ -71,18 +96,18 @@ class FusedDecode:
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         dtype = norms[0].weight.dtype
+        rows = [kernel_rows(lin, dtype) for lin in linears]
         self.applies = (
             library() is not None
             and attn.q_norm is None
-            and all(type(lin) is DecodeLinear for lin in linears)
+            and None not in rows
             and dtype in (torch.float32, torch.bfloat16)
             and all(n.weight.dtype == dtype and n.weight.device.type == "cpu" for n in norms)
         )
         if not self.applies:
             return
         self.dtype, self.bf16 = dtype, int(dtype == torch.bfloat16)
-        self.rows = (max(lin.kernel_rows[0] for lin in linears),
-                     min(lin.kernel_rows[1] for lin in linears))  # fmt: skip
+        self.rows = (max(first for first, _ in rows), min(last for _, last in rows))
         self.layer, self.norms = attn.layer, [n.weight for n in norms]
         self.eps = [n.eps for n in norms]
         self.heads, self.kv_heads, self.dim = attn.heads, attn.kv_heads, attn.head_dim
