@@ -69,15 +69,22 @@ def kernel_available() -> bool:
 
 def c_kernel_applies(s: Segment) -> bool:
     """The C kernel serves CPU tensors of fp32/bf16 (codes: int32 words) with head_dim <=
-    256, contiguous last axes and int64 tables."""
-    stores = (s.keys, s.values)
+    256, contiguous last axes and int64 tables. (Called for every layer of a decode step:
+    plain conditions, no generators.)"""
     return (
         s.q.device.type == "cpu"
         and s.q.shape[-1] <= MAX_HEAD_DIM
-        and all(_store_applies(st) for st in stores)
-        and all(t.dtype == torch.int64 and t.is_contiguous() for t in (s.table, s.lo, s.hi))
+        and _store_applies(s.keys)
+        and _store_applies(s.values)
+        and _index_applies(s.table)
+        and _index_applies(s.lo)
+        and _index_applies(s.hi)
         and kernel_available()
     )
+
+
+def _index_applies(t: torch.Tensor) -> bool:
+    return t.dtype == torch.int64 and t.is_contiguous()
 
 
 def _store_applies(st: Stored) -> bool:

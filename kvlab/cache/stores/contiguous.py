@@ -99,8 +99,10 @@ class ContiguousStore(Store):
         self, where: ContiguousWrite, layer, queries, lo, hi, ring=0, slots=slice(None)
     ) -> Segment:
         """``slots``: the range of slots the segment addresses (a view: no copy)."""
-        keys = self.key_codec.stored([p[:, :, slots] for p in self.keys[layer]])
-        values = self.value_codec.stored([p[:, :, slots] for p in self.values[layer]])
+        keys, values = self.keys[layer], self.values[layer]
+        if slots != slice(None):
+            keys, values = [p[:, :, slots] for p in keys], [p[:, :, slots] for p in values]
+        keys, values = self.key_codec.stored(keys), self.value_codec.stored(values)
         return Segment(queries, keys, values, where.rows, lo, hi, ring)
 
     def read(self, layer, slots):
