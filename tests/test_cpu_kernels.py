@@ -257,6 +257,72 @@ def test_int8_linear_equals_the_dequantized_linear(dtype, rows, out_features, bi
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
+@pytest.mark.parametrize(("x_dtype", "scale_dtype"), [(torch.float32, torch.float32),
+                                                      (torch.bfloat16, torch.bfloat16),
+                                                      (torch.float32, torch.bfloat16)])  # fmt: skip
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "group"),
+    [(96, 256, 32), (48, 192, 64), (32, 128, 128), (16, 8, 4)],
+)
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_linear_kernel_equals_the_dequantized_linear(
+    x_dtype, scale_dtype, rows, out_features, in_features, group, symmetric
+):
+    """kvlab's int4 kernel (blocks of 16 outputs; chunks of every size up to 4 rows of x on
+    AVX-512, 2 on AVX2; vdpbf16ps for bf16 rows where the CPU has AVX512-BF16) against the
+    dequantized weight in fp32, in the rows' dtype; the blocks unpack to the codes."""
+    from kvlab.kernels.linear import int4_linear
+    from kvlab.quant.packing import block_int4, unblock_int4
+    from kvlab.quant.rtn import dequantize_int4, quantize_int4
+
+    generator = torch.Generator().manual_seed(rows * out_features + group)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    codes, scale, offset = quantize_int4(weight, group, symmetric)
+    scale, offset = scale.to(scale_dtype), offset.to(scale_dtype)
+    blocks, scale_offset = block_int4(codes, scale, offset)
+    unblocked = unblock_int4(blocks, scale_offset)
+    assert all(torch.equal(a, b) for a, b in zip(unblocked, (codes, scale, offset), strict=True))
+    x = torch.randn(rows, in_features, generator=generator).to(x_dtype)
+    want = x.float() @ dequantize_int4(codes, scale.float(), offset.float(), group).T
+    got = int4_linear(x, blocks, scale_offset, group)
+    assert got.dtype == x_dtype
+    # fp32: the offset term (offset - 8 scale) * sum x cancels part of scale * sum code x
+    tolerance = 1e-4 if x_dtype == torch.float32 else 1e-2  # bf16: output rounding
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_int4_layers_take_the_layout_the_timing_chose(monkeypatch):
+    """kvlab's blocks where its kernel was chosen (kept unless PyTorch's is MARGIN faster),
+    else PyTorch's layout; both compute the same decode rows and prefill rows."""
+    from kvlab.models import cpu_kernels
+    from kvlab.quant import rtn
+
+    choice = cpu_kernels.int4_kernel()
+    assert choice["kernel"] in choice["applicable"]
+    if len(choice["applicable"]) == 2 and "forced" not in choice:
+        times = choice["decode_ms"]
+        plain_wins = times["plain"] < (1 - cpu_kernels.MARGIN) * times["kvlab"]
+        assert choice["kernel"] == ("plain" if plain_wins else "kvlab")
+    codes, scale, offset = rtn.quantize_int4(torch.randn(64, 128), 32, False)
+    want = {"kvlab": "kvlab", "plain": "aten"}[choice["kernel"]]
+    assert rtn.Int4Linear(codes, scale, offset, None).layout == want
+    layers = {}
+    for kernel in ("kvlab", "plain"):
+        monkeypatch.setattr(rtn, "int4_kernel", lambda kernel=kernel: {"kernel": kernel})
+        layers[kernel] = rtn.Int4Linear(codes, scale, offset, None)
+    if not kernel_available():
+        return
+    assert (layers["kvlab"].layout, layers["plain"].layout) == ("kvlab", "aten")
+    dense = rtn.dequantize_int4(codes, scale, offset, 32)
+    for rows in (1, 3, 40):  # decode rows through the kernels, prefill rows dequantized
+        x = torch.randn(rows, 1, 128)
+        want = x @ dense.T
+        for layer in layers.values():  # bf16 compute: within 2% of the output's scale
+            assert (layer(x) - want).abs().max() <= 2e-2 * want.abs().max()
+
+
 def test_int8_layers_run_the_kernel_the_timing_chose():
     from kvlab.models.cpu_kernels import int8_kernel
     from kvlab.quant.rtn import Int8Linear

@@ -141,6 +141,7 @@ def test_the_avx2_build_equals_the_reference_too(tmp_path):
         for test in (
             "test_decode_linear_equals_linear",
             "test_int8_linear_equals_the_dequantized_linear",
+            "test_int4_linear_kernel_equals_the_dequantized_linear",
         )
     ]
     linears.append(str(Path(__file__).with_name("test_fused_layer.py")))

@@ -15,19 +15,26 @@ from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import kernel_available
 from kvlab.kernels.linear import DecodeLinear
 from kvlab.models import fused_layer, llama
-from kvlab.quant import quantize_
+from kvlab.quant import quantize_, rtn
 from kvlab.quant.rtn import Int8Linear
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler for the kernel")
 PROMPTS = [[5, 17, 3, 99, 42, 7], [8, 1, 200], [64, 65, 66, 67, 68]]
 
 
-def with_decode_linears(path, dtype: torch.dtype, int8: str | None = None) -> nn.Module:
-    """The tiny checkpoint at ``path`` in ``dtype``, every linear on a kvlab kernel: int8
-    weights computing in ``int8`` (``rtn`` with that ``compute_dtype``), else fp."""
+def with_decode_linears(
+    path, dtype: torch.dtype, bits: int | None = None, compute: str = "input"
+) -> nn.Module:
+    """The tiny checkpoint at ``path`` in ``dtype``, every linear on a kvlab kernel: int8 or
+    int4 (``bits``; asymmetric groups of 32) weights computing in ``compute``, else fp."""
     model, _ = load_model(str(path), dtype=dtype, cpu_prepack=False)
-    if int8 is not None:
-        quantize_(model, "rtn", {"bits": 8, "compute_dtype": int8})
+    if bits is not None:
+        options = {"bits": bits, "compute_dtype": compute}
+        if bits == 4:
+            options |= {"group_size": 32, "symmetric": False}
+        with pytest.MonkeyPatch.context() as patch:  # kvlab's int4 blocks, whatever was timed
+            patch.setattr(rtn, "int4_kernel", lambda: {"kernel": "kvlab"})
+            quantize_(model, "rtn", options)
         for layer in model.modules():
             if type(layer) is Int8Linear:
                 layer.decode_kernel = layer.few_rows_kernel = "kvlab"
@@ -49,12 +56,12 @@ def decode_logits(model, steps: int = 6) -> list[torch.Tensor]:
 @needs_kernel
 @pytest.mark.parametrize("family", ["llama", "llama3_scaled", "llama2_linear", "qwen2", "smollm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("weights", ["fp", "int8"])
+@pytest.mark.parametrize("bits", [None, 8, 4], ids=["fp", "int8", "int4"])
 def test_fused_layer_kernel_gives_the_op_by_op_logits(
-    family, dtype, weights, tiny_checkpoints, monkeypatch
+    family, dtype, bits, tiny_checkpoints, monkeypatch
 ):
-    int8 = "input" if weights == "int8" else None
-    model = with_decode_linears(tiny_checkpoints[family], dtype, int8)
+    compute = "bfloat16" if dtype == torch.bfloat16 else "input"  # scales in the model dtype
+    model = with_decode_linears(tiny_checkpoints[family], dtype, bits, compute)
     with torch.inference_mode():
         fused = decode_logits(model)
         assert all(layer.fused is not None and layer.fused.applies for layer in model.layers)
@@ -67,12 +74,12 @@ def test_fused_layer_kernel_gives_the_op_by_op_logits(
 
 @needs_kernel
 def test_fused_layer_kernel_serves_only_layers_it_can(tiny_checkpoints):
-    """q/k norms (Qwen3), layers not on kvlab's kernels and int8 layers computing in another
-    dtype than the model's keep the op-by-op path; a plan is taken again once a layer's
+    """q/k norms (Qwen3), layers not on kvlab's kernels and quantized layers computing in
+    another dtype than the model's keep the op-by-op path; a plan is taken again once a layer's
     weights change."""
     qwen3 = with_decode_linears(tiny_checkpoints["qwen3"], torch.float32)
     plain, _ = load_model(str(tiny_checkpoints["llama"]), cpu_prepack=False)
-    bf16_int8 = with_decode_linears(tiny_checkpoints["llama"], torch.float32, "bfloat16")
+    bf16_int8 = with_decode_linears(tiny_checkpoints["llama"], torch.float32, 8, "bfloat16")
     model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
     with torch.inference_mode():
         for unserved in (qwen3, plain, bf16_int8):

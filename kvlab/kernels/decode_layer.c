@@ -11,18 +11,21 @@
 
 #include "bf16.h"
 
-/* A linear layer: weight (out_features, in_features), bias (out_features,) or NULL. INT8 = 0:
- * an fp32 or bf16 weight (kvlab_gemv; the bias added before rounding, as F.linear);
- * INT8 = 1: int8 codes with a scale per output (kvlab_gemv_int8; the bias added to the
- * rounded product, as kvlab.quant.rtn.Int8Linear does). */
+/* A linear layer: weight (out_features, in_features), bias (out_features,) or NULL. KIND
+ * FP: an fp32 or bf16 weight (kvlab_gemv; the bias added before rounding, as F.linear);
+ * INT8: int8 codes with a scale per output (kvlab_gemv_int8); INT4: int4 codes in blocks
+ * with their scales and offsets (kvlab_gemv_int4, groups of `group` inputs). Quantized
+ * layers add the bias to the rounded product, as kvlab.quant.rtn's layers do. */
+enum { FP = 0, INT8 = 1, INT4 = 2 };
 typedef struct {
   const void *weight;
   int32_t weight_bf16;
   int32_t bias_bf16;
   const void *bias;
   int64_t out_features, in_features;
-  int32_t int8, scale_bf16;
+  int32_t kind, scale_bf16;
   const void *scale;
+  int64_t group;
 } Linear;
 
 void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
@@ -31,16 +34,23 @@ void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int 
 void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, const void *bias, int bias_bf16,
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
+void kvlab_gemv_int4(const void *x, int x_bf16, int64_t x_stride, const uint8_t *codes,
+                     const void *so, int so_bf16, int64_t G, const void *bias, int bias_bf16,
+                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
 void kvlab_rms_norm(const void *x, int64_t stride, const void *weight, void *out, int bf16,
                     int64_t rows, int64_t dim, float eps);
 
 static void linear(const Linear *l, const void *x, int bf16, void *y, int64_t M) {
   const int64_t N = l->out_features, K = l->in_features;
-  if (!l->int8) {
+  if (l->kind == FP) {
     kvlab_gemv(x, bf16, K, l->weight, l->weight_bf16, l->bias, l->bias_bf16, y, bf16, M, N, K);
     return;
   }
-  kvlab_gemv_int8(x, bf16, K, l->weight, l->scale, l->scale_bf16, NULL, 0, y, bf16, M, N, K);
+  if (l->kind == INT8)
+    kvlab_gemv_int8(x, bf16, K, l->weight, l->scale, l->scale_bf16, NULL, 0, y, bf16, M, N, K);
+  else
+    kvlab_gemv_int4(x, bf16, K, l->weight, l->scale, l->scale_bf16, l->group, NULL, 0, y, bf16,
+                    M, N, K);
   if (l->bias)
     for (int64_t i = 0; i < M * N; i++)
       store(y, bf16, i, value_at(y, bf16, i) + value_at(l->bias, l->bias_bf16, i % N));

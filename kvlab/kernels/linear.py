@@ -113,3 +113,45 @@ def _int8_linear_impl(x, codes, scale, bias) -> torch.Tensor:
         rows, out_features, codes.shape[1],
     )  # fmt: skip
     return out
+
+
+def int4_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale_offset: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x (M, K) @ W^T through ``gemv_int4.c``, W = (codes - 8) * scale + offset per group of
+    ``group_size`` input channels, both in blocks of 16 outputs
+    (:func:`kvlab.quant.rtn.block_int4`): codes (N/16, K/2, 16), scale_offset
+    (N/16, K/G, 2, 16); in x's dtype (fp32 accumulation). A custom op when compiling, a direct
+    call in eager."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kvlab.int4_linear(x, codes, scale_offset, group_size)
+    return _int4_linear_impl(x, codes, scale_offset, group_size)
+
+
+@torch.library.custom_op("kvlab::int4_linear", mutates_args=())
+def _int4_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale_offset: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    return _int4_linear_impl(x, codes, scale_offset, group_size)
+
+
+@_int4_linear.register_fake
+def _(x, codes, scale_offset, group_size):
+    return x.new_empty(x.shape[0], codes.shape[0] * codes.shape[2])
+
+
+# (x, x_bf16, x_stride, codes, scale_offset, so_bf16, G, bias, bias_bf16, y, y_bf16, M, N, K)
+_GEMV_INT4_ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER,
+                   INT, INT64, INT64, INT64)  # fmt: skip
+
+
+def _int4_linear_impl(x, codes, scale_offset, group_size) -> torch.Tensor:
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, out_features = x.shape[0], codes.shape[0] * codes.shape[2]
+    out = torch.empty(rows, out_features, dtype=x.dtype)
+    kernel("kvlab_gemv_int4", *_GEMV_INT4_ARGS)(
+        x.data_ptr(), _bf16(x), x.stride(0), codes.data_ptr(), scale_offset.data_ptr(),
+        _bf16(scale_offset), group_size, None, 0, out.data_ptr(), _bf16(out), rows,
+        out_features, codes.shape[1] * 2,
+    )  # fmt: skip
+    return out

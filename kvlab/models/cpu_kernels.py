@@ -36,6 +36,7 @@ from torch import nn
 from kvlab.kernels.build import cpu_identity, library, library_identity
 from kvlab.kernels.linear import MAX_ROWS, DecodeLinear
 from kvlab.paths import cache_dir
+from kvlab.quant.packing import block_int4
 
 KERNELS = ("plain", "onednn", "kvlab")
 MARGIN = 0.05  # a candidate replaces the plain layer only when this much faster
@@ -121,6 +122,18 @@ def linear_kernel(dtype: torch.dtype) -> dict:
 
 
 @functools.cache
+def int4_kernel() -> dict:
+    """The kernel this CPU runs grouped int4 weights with for decode rows, as
+    :func:`linear_kernel` decides: ``plain`` (PyTorch's ``_weight_int4pack_mm_for_cpu``) or
+    ``kvlab`` (``gemv_int4.c``), timed on a stack of int4 weights (groups of 32, bf16 rows,
+    scales and offsets, as ``quant=rtn_int4_g32_asym`` runs them). kvlab's kernel is kept
+    unless PyTorch's is ``MARGIN`` faster: it also lets a decoder layer's decode step run
+    in C (:mod:`kvlab.models.fused_layer`), which saves more than the timed stack shows."""
+    applicable = ["plain"] + (["kvlab"] if "kvlab" in applicable_kernels(torch.int8) else [])
+    return _choose("int4", applicable, _time_int4_kernels, default="kvlab")
+
+
+@functools.cache
 def int8_kernel() -> dict:
     """The kernel this CPU runs int8 weights (one scale per output channel) with for decode
     rows, as :func:`linear_kernel` decides: ``plain`` (PyTorch's ``_weight_int8pack_mm``)
@@ -128,7 +141,7 @@ def int8_kernel() -> dict:
     return _choose("int8", applicable_kernels(torch.int8), _time_int8_kernels)
 
 
-def _choose(name: str, applicable: list[str], timer) -> dict:
+def _choose(name: str, applicable: list[str], timer, default: str = "plain") -> dict:
     """The choice among ``applicable`` kernels for weights ``name``: forced, the only one,
     cached, or timed by ``timer(kernels) -> {kernel: ms}`` (see the module docstring)."""
     forced = os.environ.get("KVLAB_CPU_LINEAR")
@@ -142,12 +155,12 @@ def _choose(name: str, applicable: list[str], timer) -> dict:
         choice = {"kernel": "plain", "applicable": applicable, "decode_ms": {}}
         choice |= {"few_rows_kernel": "plain", "few_rows_ms": {}}
     else:
-        choice = _timed_choice(name, applicable, timer)
+        choice = _timed_choice(name, applicable, timer, default)
     _CHOSEN[name] = choice
     return choice
 
 
-def _timed_choice(name: str, applicable: list[str], timer) -> dict:
+def _timed_choice(name: str, applicable: list[str], timer, default: str) -> dict:
     path = _choice_path(name, applicable)
     cached = json.loads(path.read_text()) if path.exists() else None
     if cached is not None and cached.get("timings", 1) >= RETIMINGS:
@@ -160,7 +173,7 @@ def _timed_choice(name: str, applicable: list[str], timer) -> dict:
         times = _best(times, cached["decode_ms"])
         few_times = _best(few_times, cached.get("few_rows_ms", {}))
         timings += cached.get("timings", 1)
-    kernel = _fastest(times)
+    kernel = _fastest(times, default if default in times else "plain")
     choice = {"kernel": kernel, "applicable": applicable, "decode_ms": times}
     choice |= {"few_rows_kernel": _few_rows_kernel(kernel, few_times), "few_rows_ms": few_times}
     choice["timings"] = timings
@@ -173,10 +186,10 @@ def _best(times: dict[str, float], cached: dict[str, float]) -> dict[str, float]
     return {kernel: min(t, cached.get(kernel, t)) for kernel, t in times.items()}
 
 
-def _fastest(times: dict[str, float]) -> str:
-    """The fastest kernel where it beats ``plain`` by ``MARGIN``, else ``plain``."""
+def _fastest(times: dict[str, float], default: str = "plain") -> str:
+    """The fastest kernel where it beats ``default`` by ``MARGIN``, else ``default``."""
     best = min(times, key=times.get)
-    return best if times[best] < (1 - MARGIN) * times["plain"] else "plain"
+    return best if times[best] < (1 - MARGIN) * times[default] else default
 
 
 def _few_rows_kernel(one_row: str, few_times: dict[str, float]) -> str:
@@ -229,6 +242,31 @@ def _time_int8_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
 
     def stack_pass(kernel: str):
         return lambda: [run[kernel](x[codes.shape[1]], codes, scale) for codes, scale in weights]
+
+    return _time_passes({kernel: stack_pass(kernel) for kernel in kernels})
+
+
+def _time_int4_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
+    """:func:`_time_kernels` for int4 weights in groups of 32 (bf16 rows, scales and
+    offsets): PyTorch's kernel against kvlab's, each on its own layout of the same codes."""
+    from kvlab.kernels.linear import int4_linear
+
+    group, bf16 = 32, torch.bfloat16
+    layers = []
+    for n, k in _timed_shapes():
+        codes, scale = torch.full((n, k), 9, dtype=torch.uint8), torch.full((k // group, n), 0.01)
+        aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        blocks, planes = block_int4(codes, scale.to(bf16), scale.to(bf16))
+        layers.append((aten, torch.stack((scale, scale), -1).to(bf16), blocks, planes))
+    x = {k: torch.full((rows, k), 0.01, dtype=bf16) for k in {s[1] for s in TIMED_SHAPES}}
+    run = {
+        "plain": lambda a, so, _, __: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x[so.shape[0] * group], a, group, so),
+        "kvlab": lambda _, so, b, planes: int4_linear(x[so.shape[0] * group], b, planes, group),
+    }  # fmt: skip
+
+    def stack_pass(kernel: str):
+        return lambda: [run[kernel](*layer) for layer in layers]
 
     return _time_passes({kernel: stack_pass(kernel) for kernel in kernels})
 

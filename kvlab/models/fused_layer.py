@@ -6,9 +6,10 @@ a layer (~100 us of Python and dispatch on these CPUs: ~3 ms a step of a 30-laye
 the values are the same (the C code rounds as those ops round, see the C file).
 
 It serves layers whose four linears run a kvlab matrix-vector kernel at this row count
-(:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16; ``Int8Linear`` where kvlab's
-int8 kernel was chosen), without q/k norms, on CPU tensors in eager mode; everything else
-(compiled steps, prefill, other weight formats, other devices) takes the op-by-op path.
+(:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16; ``Int8Linear`` and
+``Int4Linear`` where kvlab's int8 / int4 kernel was chosen), without q/k norms, on CPU
+tensors in eager mode; everything else (compiled steps, prefill, other weight formats,
+other devices) takes the op-by-op path.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 
 from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
 from kvlab.kernels.linear import MAX_ROWS, DecodeLinear
-from kvlab.quant.rtn import Int8Linear
+from kvlab.quant.rtn import Int4Linear, Int8Linear
 
 _GENERATION = [0]  # bumped whenever a layer's weights may have moved (see weights_changed)
 
@@ -42,8 +43,10 @@ class _Linear(ctypes.Structure):
         ("weight", ctypes.c_void_p), ("weight_bf16", ctypes.c_int32),
         ("bias_bf16", ctypes.c_int32), ("bias", ctypes.c_void_p),
         ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
-        ("int8", ctypes.c_int32), ("scale_bf16", ctypes.c_int32), ("scale", ctypes.c_void_p),
+        ("kind", ctypes.c_int32), ("scale_bf16", ctypes.c_int32), ("scale", ctypes.c_void_p),
+        ("group", ctypes.c_int64),
     ]  # fmt: skip
+    FP, INT8, INT4 = 0, 1, 2
 
 
 def _bf16(t: torch.Tensor | None) -> int:
@@ -58,19 +61,28 @@ def _linear(layer: nn.Module) -> _Linear:
     )  # fmt: skip
     if type(layer) is DecodeLinear:
         return _Linear(weight=layer.weight.data_ptr(), weight_bf16=_bf16(layer.weight), **fields)
+    if type(layer) is Int4Linear:
+        scale_offset = layer.scale_offset
+        return _Linear(weight=layer.packed.data_ptr(), kind=_Linear.INT4,
+                       scale_bf16=_bf16(scale_offset), scale=scale_offset.data_ptr(),
+                       group=layer.group_size, **fields)  # fmt: skip
     scale = layer.scale
-    return _Linear(weight=layer.qweight.data_ptr(), int8=1, scale_bf16=_bf16(scale),
+    return _Linear(weight=layer.qweight.data_ptr(), kind=_Linear.INT8, scale_bf16=_bf16(scale),
                    scale=scale.data_ptr(), **fields)  # fmt: skip
 
 
 def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
     """The row counts (first, last) for which ``layer`` runs a kvlab kernel the fused layer
-    can call, with ``dtype`` activations: a :class:`DecodeLinear`'s, or an ``Int8Linear``'s
-    (int8 codes computing in ``dtype``) where kvlab's int8 kernel was chosen; else None."""
+    can call, with ``dtype`` activations: a :class:`DecodeLinear`'s; an ``Int4Linear``'s in
+    kvlab's layout and an ``Int8Linear``'s where kvlab's int8 kernel was chosen, computing
+    in ``dtype``; else None."""
     if type(layer) is DecodeLinear:
         return layer.kernel_rows
-    if type(layer) is not Int8Linear or layer.compute_dtype not in (None, dtype):
+    if type(layer) not in (Int4Linear, Int8Linear) or layer.compute_dtype not in (None, dtype):
         return None
+    if type(layer) is Int4Linear:
+        fits = layer.layout == "kvlab" and layer.input_perm is None
+        return (1, MAX_ROWS) if fits and layer.scale_offset.dtype == dtype else None
     if layer.scale.dtype != dtype or layer.qweight.device.type != "cpu":
         return None
     one, few = layer.decode_kernel == "kvlab", layer.few_rows_kernel == "kvlab"

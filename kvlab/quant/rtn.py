@@ -3,9 +3,11 @@ in groups along the input dimension (symmetric or asymmetric), stored really pac
 
 Int4 follows torchao's int4 weight-only layout: ``w = (q - 8) * scale + offset`` with a
 float offset per group (symmetric: offset 0), which also represents GPTQ's integer zero
-points (see :mod:`kvlab.quant.gptq`). On the CPU the layers run PyTorch's packed-weight
-kernels (``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``); they are fast in bf16
-only, hence ``compute_dtype`` (bf16 by default, as torchao's int4 weight-only requires).
+points (see :mod:`kvlab.quant.gptq`). On the CPU the layers run kvlab's matrix-vector
+kernels for decode rows or PyTorch's packed-weight kernels (``_weight_int4pack_mm_for_cpu``,
+``_weight_int8pack_mm``), whichever measured faster here; they are fast in bf16 (kvlab's
+int4 kernel multiplies bf16 rows by vdpbf16ps where the CPU has it), hence
+``compute_dtype`` (bf16 by default, as torchao's int4 weight-only requires).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.kernels.linear import MAX_ROWS, int8_linear
-from kvlab.models.cpu_kernels import int8_kernel
+from kvlab.kernels.linear import MAX_ROWS, int4_linear, int8_linear
+from kvlab.models.cpu_kernels import int4_kernel, int8_kernel
 from kvlab.quant.base import QuantOptions, register_quantizer, replace_linears
-from kvlab.quant.packing import pack, unpack
+from kvlab.quant.packing import block_int4, pack, unblock_int4, unpack
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 COMPUTE_DTYPES = ("bfloat16", "input")
@@ -88,10 +90,12 @@ def dequantize_int4(
 
 
 class Int4Linear(nn.Module):
-    """Linear layer over packed int4 weights (two codes per byte). On the CPU the codes are
-    kept in the layout of PyTorch's int4 kernel; elsewhere (or ``cpu_kernel=False``) in
-    row-packed form, dequantized per call. ``input_perm`` reorders input channels first
-    (GPTQ act-order checkpoints)."""
+    """Linear layer over packed int4 weights (two codes per byte), in one of three layouts
+    (``layout``): on the CPU, the blocks of kvlab's int4 kernel (``kvlab``: decode rows
+    through ``gemv_int4.c``, more rows dequantized into one product) or the layout of
+    PyTorch's int4 kernel (``aten``), whichever :func:`int4_kernel` measured faster here;
+    elsewhere (or ``cpu_kernel=False``) row-packed (``rows``), dequantized per call.
+    ``input_perm`` reorders input channels first (GPTQ act-order checkpoints)."""
 
     def __init__(
         self,
@@ -107,35 +111,57 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = codes.shape
         self.group_size = self.in_features // scale.shape[0]
         self.compute_dtype = compute_dtype  # None: the input's dtype
-        self.cpu_kernel = cpu_kernel and codes.device.type == "cpu"
-        if self.cpu_kernel:
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-        else:
-            packed = pack(codes, 4)  # (N, K/2)
-        self.register_buffer("packed", packed)
         dtype = compute_dtype or scale.dtype
-        # (K/G, N, 2): scale and offset side by side, as the kernel takes them
-        self.register_buffer("scale_offset", torch.stack((scale, offset), -1).to(dtype))
+        self.layout = _int4_layout(codes, self.group_size, cpu_kernel)
+        if self.layout == "kvlab":
+            packed, scale_offset = block_int4(codes, scale.to(dtype), offset.to(dtype))
+        else:
+            if self.layout == "aten":
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    codes.to(torch.int32), 1
+                )
+            else:
+                packed = pack(codes, 4)  # (N, K/2)
+            # (K/G, N, 2): scale and offset side by side, as PyTorch's kernel takes them
+            scale_offset = torch.stack((scale, offset), -1).to(dtype)
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_offset", scale_offset)
         self.register_buffer("input_perm", input_perm)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The (N, K) weight this layer multiplies by (row-packed layout only)."""
-        scale, offset = self.scale_offset.to(dtype).unbind(-1)
-        return dequantize_int4(unpack(self.packed, 4), scale, offset, self.group_size)
+        """The (N, K) weight this layer multiplies by (``rows`` and ``kvlab`` layouts)."""
+        if self.layout == "kvlab":
+            codes, scale, offset = unblock_int4(self.packed, self.scale_offset.to(dtype))
+        else:
+            codes = unpack(self.packed, 4)
+            scale, offset = self.scale_offset.to(dtype).unbind(-1)
+        return dequantize_int4(codes, scale, offset, self.group_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
         dtype = self.compute_dtype or x.dtype
         flat = x.reshape(-1, self.in_features).to(dtype).contiguous()  # (M, K): the kernel's
-        if self.cpu_kernel:
+        if self.layout == "kvlab" and len(flat) <= MAX_ROWS and flat.device.type == "cpu":
+            out = int4_linear(flat, self.packed, self.scale_offset.to(dtype), self.group_size)
+        elif self.layout == "aten":
             sz = self.scale_offset.to(dtype)
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, sz)
         else:
             out = F.linear(flat, self.dequantized_weight(dtype))
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+def _int4_layout(codes: torch.Tensor, group_size: int, cpu_kernel: bool) -> str:
+    """``kvlab`` or ``aten`` on the CPU (as :func:`int4_kernel` chose; ``aten`` where kvlab's
+    blocks do not fit the shape: 16 outputs a block, groups of whole channel pairs), else
+    ``rows``."""
+    if not cpu_kernel or codes.device.type != "cpu":
+        return "rows"
+    fits = codes.shape[0] % 16 == 0 and group_size % 4 == 0
+    return "kvlab" if fits and int4_kernel()["kernel"] == "kvlab" else "aten"
 
 
 class Int8Linear(nn.Module):
