@@ -1,9 +1,12 @@
 """Where a decode step's time goes: torch.profiler over the decode steps of one generation on
 the default model (after a warm-up run), ops grouped by name, self time per step, for each
 weight format asked (the weights of scripts/bench_vs_llamacpp.py). Not a test: read the
-shares.
+shares. ``--python-only``: the step's wall time, unprofiled, with every kvlab C kernel it
+calls made a no-op (libc's ``labs``): what the Python and torch ops around the kernels cost
+a step (the outputs are garbage then; only the time counts).
 
     python scripts/profile_decode_step.py --weights fp32,bf16,int8,int4 --depth 1024
+    python scripts/profile_decode_step.py --weights fp32 --python-only
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def label_kvlab_kernels() -> None:
     from torch.profiler import record_function
 
     from kvlab.kernels import attention_c, linear
+    from kvlab.models import fused_layer
 
     def labelled(module, name: str, label: str) -> None:
         inner = getattr(module, name)
@@ -38,7 +42,56 @@ def label_kvlab_kernels() -> None:
 
     labelled(linear, "_small_linear_impl", "kvlab::small_linear (C, ctypes)")
     labelled(linear, "_int8_linear_impl", "kvlab::int8_linear (C, ctypes)")
-    labelled(attention_c, "_decode_attention_impl", "kvlab::decode_attention (C, ctypes)")
+    labelled(linear, "_int4_linear_impl", "kvlab::int4_linear (C, ctypes)")
+    labelled(attention_c, "_attend", "kvlab::decode_attention (C, ctypes)")
+    declared = fused_layer.kernel  # the fused layer's three calls, by the C function's name
+
+    def labelled_kernel(name: str, *argtypes):
+        function = declared(name, *argtypes)
+
+        def call(*args):
+            with record_function(f"kvlab::{name.removeprefix('kvlab_')} (C, ctypes)"):
+                return function(*args)
+
+        return call
+
+    fused_layer.kernel = labelled_kernel
+
+
+STUBBED = ("kvlab_gemv", "kvlab_gemv_int8", "kvlab_gemv_int4", "kvlab_rms_norm",
+           "kvlab_decode_attention", "kvlab_layer_attention_in", "kvlab_layer_mlp_in",
+           "kvlab_layer_out")  # fmt: skip
+
+
+def python_only_ms(name: str, prompt: list[int], args, rounds: int = 5) -> tuple[float, float]:
+    """(real, stubbed) median ms a decode step, the kernels real then made no-ops (each a
+    function of its own: ``kernel()`` declares argument types on it; extra arguments to a C
+    function are harmless in the x86-64 calling convention)."""
+    import ctypes
+
+    from kvlab.kernels import build
+    from kvlab.models import fused_layer
+
+    model = load_weights(WEIGHTS[name])
+    engine = Engine(model, cache_factory(args.cache, model, {})(static=False), compile=False)
+    gen = GenerationConfig(args.steps + 1, stop_on_eos=False)
+    engine.generate([prompt], gen)  # warm-up
+
+    def median_step() -> float:
+        times = []
+        for _ in range(rounds):
+            run = engine.stream([prompt], gen)
+            for _ in run:
+                pass
+            times.append(sum(run.stats.step_s) * 1e3 / args.steps)
+        return sorted(times)[rounds // 2]
+
+    real = median_step()
+    for kernel in STUBBED:
+        setattr(build.library(), kernel, ctypes.CDLL(None).labs)
+    build.kernel.cache_clear()
+    fused_layer.weights_changed()  # the layers' plans take the no-ops
+    return real, median_step()
 
 
 def profile_steps(name: str, prompt: list[int], args) -> tuple[dict[str, list[float]], float]:
@@ -70,8 +123,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--python-only", action="store_true")
     args = parser.parse_args()
     prompt = wikitext_prompt(args.depth)
+    if args.python_only:  # one weight format: the no-ops stay in the process
+        if len(args.weights) != 1:
+            parser.error(f"--python-only takes one weight format, got {','.join(args.weights)}")
+        real, stubbed = python_only_ms(args.weights[0], prompt, args)
+        print(f"{args.weights[0]} cache={args.cache} depth {args.depth}: {real:.2f} ms a step, "
+              f"{stubbed:.2f} ms with every C kernel a no-op")  # fmt: skip
+        return
     label_kvlab_kernels()
     env = environment()
     print(f"decode-step profile, SmolLM2-135M, cache={args.cache}, depth {args.depth}, "
