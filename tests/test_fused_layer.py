@@ -5,6 +5,9 @@ serve take the op-by-op path."""
 
 from __future__ import annotations
 
+import copy as copy_module
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -91,3 +94,18 @@ def test_fused_layer_kernel_serves_only_layers_it_can(tiny_checkpoints):
         assert fused_layer.fused_plan(model.layers[0]) is not before
         model.layers[0].mlp.down_proj = nn.Linear(128, 64)
         assert fused_layer.fused_plan(model.layers[0]) is None
+
+
+@needs_kernel
+def test_a_copied_model_plans_its_own_fused_layers(tiny_checkpoints):
+    """Plans hold pointers into their model's weights: a deep copy or a pickle of a model
+    that has decoded carries none, and decodes with plans of its own weights."""
+    model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
+    with torch.inference_mode():
+        want = decode_logits(model, steps=3)
+        for copy in (copy_module.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert all(layer.fused is None for layer in copy.layers)
+            got = decode_logits(copy, steps=3)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            ours = {layer.fused.linears[0].weight for layer in model.layers}
+            assert not ours & {layer.fused.linears[0].weight for layer in copy.layers}

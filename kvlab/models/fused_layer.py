@@ -99,8 +99,16 @@ def fused_plan(layer) -> FusedDecode | None:
     return plan if plan.applies else None
 
 
+def _unplanned() -> None:
+    return None
+
+
 class FusedDecode:
-    """The pointers and shapes one layer's fused decode step reads."""
+    """The pointers and shapes one layer's fused decode step reads. A copied or pickled
+    model gets no plan (its own weights are elsewhere): it plans again on first use."""
+
+    def __reduce__(self):
+        return _unplanned, ()
 
     def __init__(self, layer):
         self.generation = _GENERATION[0]
