@@ -439,3 +439,29 @@ def test_loading_the_kernels_keeps_subnormals():
     library()
     tiny = torch.tensor([1e-40]) * torch.tensor([1.0])
     assert tiny.item() != 0.0
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 17])
+def test_indexer_kernel_chooses_the_entries_torch_top_k_chooses(dtype, dim):
+    """indexer.c's top-k (compressed attention's CSA indexer) keeps, for every (row, KV
+    head), the set torch's masked top-k keeps over fp32 scores of the same values, in entry
+    order; rows that see fewer entries than k keep all they see, a row that sees none
+    keeps nothing."""
+    from kvlab.kernels.indexer import top_k_table
+
+    batch, heads, group, slots, top_k = 4, 3, 3, 200, 16
+    queries = rand(batch, heads, group, dim, dtype=dtype)
+    keys = rand(batch, heads, slots, dim, dtype=dtype)
+    seen = torch.tensor([200, 150, 9, 0])
+    base = (torch.arange(batch * heads) * slots)[:, None]
+    table = top_k_table(queries, keys, seen, base, top_k)
+    scores = queries.float().sum(dim=2, keepdim=True) @ keys.float().transpose(-1, -2)
+    hidden = torch.arange(slots)[None, None] >= seen[:, None, None]
+    want = scores.squeeze(2).masked_fill(hidden, float("-inf")).topk(top_k, dim=-1).indices
+    for pair in range(batch * heads):
+        count = min(int(seen[pair // heads]), top_k)
+        got = table[pair, :count] - base[pair]
+        assert torch.equal(got, got.sort().values)  # entry order
+        assert set(got.tolist()) == set(want.flatten(0, 1)[pair, :count].tolist())

@@ -17,6 +17,7 @@ from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import parts_bytes
 from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.kernels import Segment
+from kvlab.kernels.indexer import top_k_table
 
 
 class EntryStore(ContiguousStore):
@@ -32,10 +33,12 @@ class EntryStore(ContiguousStore):
 
 @dataclass
 class TopK:
-    """A decode step's per-(row, KV head) tables over single entries: the ``hidden``
-    entries (B, 1, N + 1), each pair's first entry in the flattened store (B * H_kv, 1)
-    and its bounds (lo, hi) (B * H_kv,) (one table per head, Segment.per_head's layout)."""
+    """A decode step's per-(row, KV head) tables over single entries: the entries each row
+    sees (B,) (the ``hidden`` ones (B, 1, N + 1) are the others), each pair's first entry
+    in the flattened store (B * H_kv, 1) and its bounds (lo, hi) (B * H_kv,) (one table
+    per head, Segment.per_head's layout)."""
 
+    seen: torch.Tensor
     hidden: torch.Tensor
     base: torch.Tensor
     lo: torch.Tensor
@@ -122,14 +125,23 @@ class PooledLayer:
 
     def top_k_segment(self, queries, top_k: int, index: TopK) -> Segment:
         """Each (row, KV head) over the ``top_k`` visible entries its query heads score
-        highest (q . k summed over the group, as ``top_k_mask``), one entry per block."""
-        keys = self.entries.decoded(self.entries.keys[0], self.entries.key_codec, self.slots)
-        summed = queries.sum(dim=2, keepdim=True)  # (B, H_kv, 1, D)
-        scores = (summed @ keys.transpose(-1, -2)).squeeze(2)  # (B, H_kv, N + 1)
-        chosen = scores.masked_fill_(index.hidden, float("-inf")).topk(top_k, dim=-1).indices
+        highest (q . k summed over the group, as ``top_k_mask``), one entry per block: in
+        one C pass over the entries' keys where they are stored as floats
+        (:func:`~kvlab.kernels.indexer.top_k_table`), else scored and chosen in torch."""
+        stored = self._stored(lambda part: part)[0]
+        table = None
+        if stored.format == "fp":
+            table = top_k_table(queries, stored.data, index.seen, index.base, top_k)
+        if table is None:
+            store = self.entries
+            keys = store.decoded(store.keys[0], store.key_codec, self.slots)
+            summed = queries.sum(dim=2, keepdim=True)  # (B, H_kv, 1, D)
+            scores = (summed @ keys.transpose(-1, -2)).squeeze(2)  # (B, H_kv, N + 1)
+            scores = scores.masked_fill_(index.hidden, float("-inf"))
+            table = index.base + scores.topk(top_k, dim=-1).indices.flatten(0, 1)
         single = self._stored(lambda part: part.view(-1, 1, 1, part.shape[-1]))
         one_head = queries.reshape(-1, 1, *queries.shape[2:])
-        return Segment(one_head, *single, index.base + chosen.flatten(0, 1), index.lo, index.hi)
+        return Segment(one_head, *single, table, index.lo, index.hi)
 
     def _stored(self, view):
         store = self.entries
@@ -142,7 +154,7 @@ class PooledLayer:
         hidden = (torch.arange(slots, device=seen.device) >= seen[:, None])[:, None]
         pairs = torch.arange(seen.shape[0] * heads, device=seen.device)[:, None]
         hi = seen.clamp(max=top_k).repeat_interleave(heads)
-        return TopK(hidden, pairs * slots, origin.repeat_interleave(heads), hi)
+        return TopK(seen, hidden, pairs * slots, origin.repeat_interleave(heads), hi)
 
 
 def memory_lines(layers: list[PooledLayer]) -> dict[str, int]:

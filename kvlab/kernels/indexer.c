@@ -1,0 +1,92 @@
+/* Top-k entry selection for compressed sparse attention (DeepSeek-V4's indexer, CSA): each
+ * (row, KV head) pair scores its visible entries by q . k with its query heads' queries
+ * summed, and keeps the top_k highest, in one pass over the entries' keys: no score tensor,
+ * no masked fill, no sort. The scores are fp32 dot products; the k-th highest is found by
+ * quickselect and the chosen entries are written in entry order (ties at the threshold to
+ * the lowest entries), which is the order decode attention then reads them in. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "simd.h"
+
+/* The k-th highest (k >= 1) of n scores, reordering `work` (a copy). */
+static float kth_highest(float *work, int64_t n, int64_t k) {
+  int64_t lo = 0, hi = n - 1, want = k - 1; /* descending order: index k - 1 */
+  while (lo < hi) {
+    const float pivot = work[lo + (hi - lo) / 2];
+    int64_t i = lo, j = hi;
+    while (i <= j) {
+      while (work[i] > pivot) i++;
+      while (work[j] < pivot) j--;
+      if (i <= j) {
+        const float t = work[i];
+        work[i++] = work[j];
+        work[j--] = t;
+      }
+    }
+    if (want <= j)
+      hi = j;
+    else if (want >= i)
+      lo = i;
+    else
+      return work[want];
+  }
+  return work[want];
+}
+
+/* q . key over D channels, q in fp32, key fp32 or bf16. */
+static float dot(const float *q, const void *key, int bf16, int64_t D) {
+  int64_t d = 0;
+  float sum = 0.f;
+#ifdef LANES
+  vec acc = vzero();
+  for (; d + LANES <= D; d += LANES) acc = vfma(vload_f32(q + d), vload(key, bf16, d), acc);
+  sum = vsum(acc);
+#endif
+  for (; d < D; d++) sum += q[d] * value_at(key, bf16, d);
+  return sum;
+}
+
+/* q: (R, G, D) queries of R = B * H (row, KV head) pairs, fp32 or bf16, contiguous; keys:
+ * pair r's entry j at element (r / H) * s_row + (r % H) * s_head + j * s_slot, fp32 or
+ * bf16, channels contiguous; seen: (B,) visible entries of each row (the first seen[b]);
+ * base: (R,) each pair's first entry in the flattened store. out: (R, top_k) table entries
+ * base[r] + j of the chosen entries, the first min(seen, top_k) filled. */
+void kvlab_top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_t G, int64_t D,
+                         const void *keys, int k_bf16, int64_t s_row, int64_t s_head,
+                         int64_t s_slot, const int64_t *seen, const int64_t *base,
+                         int64_t top_k, int64_t *out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < R; r++) {
+    const int64_t n = seen[r / H], k = n < top_k ? n : top_k;
+    float summed[D > 0 ? D : 1]; /* the pair's queries summed in head order, as torch sums */
+    for (int64_t d = 0; d < D; d++) {
+      float sum = value_at(q, q_bf16, r * G * D + d);
+      for (int64_t g = 1; g < G; g++) sum += value_at(q, q_bf16, (r * G + g) * D + d);
+      summed[d] = sum;
+    }
+    const int64_t at = r / H * s_row + r % H * s_head;
+    float *scores = malloc(sizeof(float) * 2 * (n > 0 ? n : 1)), *work = scores + n;
+    for (int64_t j = 0; j < n; j++) {
+      const int64_t element = at + j * s_slot;
+      const void *key = k_bf16 ? (const void *)((const uint16_t *)keys + element)
+                               : (const void *)((const float *)keys + element);
+      scores[j] = dot(summed, key, k_bf16, D);
+    }
+    int64_t *table = out + r * top_k, written = 0;
+    if (k > 0) {
+      memcpy(work, scores, sizeof(float) * n);
+      const float threshold = kth_highest(work, n, k);
+      int64_t above = 0;
+      for (int64_t j = 0; j < n; j++) above += scores[j] > threshold;
+      int64_t ties = k - above; /* entries equal to the threshold to keep */
+      for (int64_t j = 0; j < n && written < k; j++)
+        if (scores[j] > threshold || (scores[j] == threshold && ties-- > 0))
+          table[written++] = base[r] + j;
+    }
+    for (; written < top_k; written++) table[written] = base[r]; /* past hi: never read */
+    free(scores);
+  }
+}
