@@ -133,6 +133,9 @@ class FusedDecode:
         self.heads, self.kv_heads, self.dim = attn.heads, attn.kv_heads, attn.head_dim
         self.hidden, self.inner = attn.o_proj.out_features, mlp.inner
         self.linears = [_linear(lin) for lin in linears]  # kept alive: C reads them
+        # the tensors they point into, kept alive too: a weight swapped without a hook
+        # (``param.data = ...``) leaves a stale plan, never a dangling pointer
+        self.held = [t for lin in linears for t in (*lin.parameters(), *lin.buffers())]
         self.addresses = [ctypes.addressof(lin) for lin in self.linears]
         self.attention_in = kernel("kvlab_layer_attention_in", POINTER, INT, INT64, POINTER,
                                    FLOAT, POINTER, POINTER, POINTER, INT64, INT64, POINTER,
