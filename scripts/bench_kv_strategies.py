@@ -260,7 +260,7 @@ def main() -> None:
     rows += hf_rows(prompt, args) if with_hf else []
     if not args.skip_batch and (not args.only or "paged" in args.only):
         batch_throughput(model, tokenizer, args)
-    print_table(rows, decode_roof(model), args)
+    print_table(rows, decode_roof(model, refresh=True), args)  # read in this run
 
 
 if __name__ == "__main__":

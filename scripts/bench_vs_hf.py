@@ -86,7 +86,7 @@ def main() -> None:
         f"\nmodel={args.model} dtype={args.dtype} prompt_len={args.prompt_len} "
         f"new_tokens={args.new_tokens} threads={torch.get_num_threads()} repeats={args.repeats}"
     )
-    roof = decode_roof(model)
+    roof = decode_roof(model, refresh=True)  # read in this run
     kv_read = 2 * model.config.num_layers * model.config.num_kv_heads * model.config.head_dim
     kv_read *= (args.prompt_len + args.new_tokens // 2) * dtype.itemsize
     print(f"{roof}; roof ITL here {roof.itl_s(kv_read) * 1e3:.2f} ms")

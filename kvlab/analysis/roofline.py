@@ -167,9 +167,12 @@ class DecodeRoof:
         )
 
 
-def decode_roof(model: torch.nn.Module) -> DecodeRoof:
+def decode_roof(model: torch.nn.Module, refresh: bool = False) -> DecodeRoof:
     """Bytes a decode step reads from the model's own tensors: all it holds, except that
-    only one row of the embedding table is read (unless a plain tied head reads it all)."""
+    only one row of the embedding table is read (unless a plain tied head reads it all).
+    ``refresh``: measure the bandwidth now rather than take the cached one (benchmarks do:
+    a shared machine's read bandwidth moves; one Zen4 VM read 44 to 75 GB/s within
+    minutes, and a cached 40 GB/s from hours before made decode look nearer its roof)."""
     from kvlab.engine.metrics import weight_bytes
 
     embedding = model.embed_tokens.weight
@@ -179,5 +182,5 @@ def decode_roof(model: torch.nn.Module) -> DecodeRoof:
     read = (
         held if head_reads_embedding else held - embedding.numel() * embedding.element_size() + row
     )
-    peaks = cached_peaks(device=str(embedding.device))
+    peaks = cached_peaks(refresh=refresh, device=str(embedding.device))
     return DecodeRoof(read, peaks.bandwidth, peaks.machine, peaks.bandwidth_bytes)
