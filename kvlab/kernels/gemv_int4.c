@@ -28,8 +28,8 @@
 #define INT4_ROWS 1
 #endif
 
-/* What every block reads: its codes (N/16, K/2, 16), scale and offset planes (K/G, N)
- * each, x (M, K) widened to fp32 (and as given, where bf16) and each row's group sums. */
+/* What every block reads: its codes (N/16, K/2, 16), its scales and offsets (N/16, K/G, 2,
+ * 16), x (M, K) widened to fp32 (and as given, where bf16) and each row's group sums. */
 typedef struct {
   const uint8_t *codes;
   const void *so; /* (N/16, K/G, 2, 16): each block's scales then offsets, group by group */
@@ -187,8 +187,9 @@ static inline void tile(const Int4 *w, int64_t b, int64_t m0, const int M, float
     TILE(MM);         \
     break;
 
-/* x: (M, K), rows x_stride apart, fp32 or bf16; codes: (N/16, K/2, 16) bytes; scale,
- * offset: (K/G, N) each, fp32 or bf16; bias (N,) or NULL; y: (M, N), fp32 or bf16. */
+/* x: (M, K), rows x_stride apart, fp32 or bf16; codes: (N/16, K/2, 16) bytes; so: scales
+ * and offsets (N/16, K/G, 2, 16), fp32 or bf16; bias (N,) or NULL; y: (M, N), fp32 or
+ * bf16. */
 void kvlab_gemv_int4(const void *x, int x_bf16, int64_t x_stride, const uint8_t *codes,
                      const void *so, int so_bf16, int64_t G,
                      const void *bias, int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N,

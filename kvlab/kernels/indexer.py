@@ -34,7 +34,7 @@ def top_k_table(
         return None
     batch, heads, group, dim = queries.shape
     q = queries.contiguous()
-    seen, base = seen.contiguous(), base.reshape(-1).contiguous()
+    seen, base = seen.to(torch.int64).contiguous(), base.reshape(-1).to(torch.int64).contiguous()
     out = torch.empty(batch * heads, top_k, dtype=torch.int64)
     kernel("kvlab_top_k_entries", *_ARGS)(
         q.data_ptr(), int(q.dtype == torch.bfloat16), batch * heads, heads, group, dim,

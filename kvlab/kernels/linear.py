@@ -60,7 +60,7 @@ _GEMV_INT8_ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, POINTER, INT, POI
                    INT64, INT64, INT64)  # fmt: skip
 
 
-def _bf16(t: torch.Tensor | None) -> int:
+def is_bf16(t: torch.Tensor | None) -> int:
     return int(t is not None and t.dtype == torch.bfloat16)
 
 
@@ -69,8 +69,8 @@ def _small_linear_impl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     rows, out_features = x.shape[0], weight.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype)
     kernel("kvlab_gemv", *_GEMV_ARGS)(
-        x.data_ptr(), _bf16(x), x.stride(0), weight.data_ptr(), _bf16(weight),
-        None if bias is None else bias.data_ptr(), _bf16(bias), out.data_ptr(), _bf16(out),
+        x.data_ptr(), is_bf16(x), x.stride(0), weight.data_ptr(), is_bf16(weight),
+        None if bias is None else bias.data_ptr(), is_bf16(bias), out.data_ptr(), is_bf16(out),
         rows, out_features, weight.shape[1],
     )  # fmt: skip
     return out
@@ -108,8 +108,8 @@ def _int8_linear_impl(x, codes, scale, bias) -> torch.Tensor:
     rows, out_features = x.shape[0], codes.shape[0]
     out = torch.empty(rows, out_features, dtype=x.dtype)
     kernel("kvlab_gemv_int8", *_GEMV_INT8_ARGS)(
-        x.data_ptr(), _bf16(x), x.stride(0), codes.data_ptr(), scale.data_ptr(), _bf16(scale),
-        None if bias is None else bias.data_ptr(), _bf16(bias), out.data_ptr(), _bf16(out),
+        x.data_ptr(), is_bf16(x), x.stride(0), codes.data_ptr(), scale.data_ptr(), is_bf16(scale),
+        None if bias is None else bias.data_ptr(), is_bf16(bias), out.data_ptr(), is_bf16(out),
         rows, out_features, codes.shape[1],
     )  # fmt: skip
     return out
@@ -150,8 +150,8 @@ def _int4_linear_impl(x, codes, scale_offset, group_size) -> torch.Tensor:
     rows, out_features = x.shape[0], codes.shape[0] * codes.shape[2]
     out = torch.empty(rows, out_features, dtype=x.dtype)
     kernel("kvlab_gemv_int4", *_GEMV_INT4_ARGS)(
-        x.data_ptr(), _bf16(x), x.stride(0), codes.data_ptr(), scale_offset.data_ptr(),
-        _bf16(scale_offset), group_size, None, 0, out.data_ptr(), _bf16(out), rows,
+        x.data_ptr(), is_bf16(x), x.stride(0), codes.data_ptr(), scale_offset.data_ptr(),
+        is_bf16(scale_offset), group_size, None, 0, out.data_ptr(), is_bf16(out), rows,
         out_features, codes.shape[1] * 2,
     )  # fmt: skip
     return out

@@ -129,7 +129,7 @@ def int4_kernel() -> dict:
     scales and offsets, as ``quant=rtn_int4_g32_asym`` runs them). kvlab's kernel is kept
     unless PyTorch's is ``MARGIN`` faster: it also lets a decoder layer's decode step run
     in C (:mod:`kvlab.models.fused_layer`), which saves more than the timed stack shows."""
-    applicable = ["plain"] + (["kvlab"] if "kvlab" in applicable_kernels(torch.int8) else [])
+    applicable = applicable_kernels(torch.int8)  # the same candidates as int8 weights
     return _choose("int4", applicable, _time_int4_kernels, default="kvlab")
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
-from kvlab.kernels.linear import MAX_ROWS, DecodeLinear
+from kvlab.kernels.linear import MAX_ROWS, DecodeLinear, is_bf16
 from kvlab.quant.rtn import Int4Linear, Int8Linear
 
 _GENERATION = [0]  # bumped whenever a layer's weights may have moved (see weights_changed)
@@ -49,25 +49,21 @@ class _Linear(ctypes.Structure):
     FP, INT8, INT4 = 0, 1, 2
 
 
-def _bf16(t: torch.Tensor | None) -> int:
-    return int(t is not None and t.dtype == torch.bfloat16)
-
-
 def _linear(layer: nn.Module) -> _Linear:
     bias = layer.bias
     fields = dict(
-        bias_bf16=_bf16(bias), bias=None if bias is None else bias.data_ptr(),
+        bias_bf16=is_bf16(bias), bias=None if bias is None else bias.data_ptr(),
         out_features=layer.out_features, in_features=layer.in_features,
     )  # fmt: skip
     if type(layer) is DecodeLinear:
-        return _Linear(weight=layer.weight.data_ptr(), weight_bf16=_bf16(layer.weight), **fields)
+        return _Linear(weight=layer.weight.data_ptr(), weight_bf16=is_bf16(layer.weight), **fields)
     if type(layer) is Int4Linear:
         scale_offset = layer.scale_offset
         return _Linear(weight=layer.packed.data_ptr(), kind=_Linear.INT4,
-                       scale_bf16=_bf16(scale_offset), scale=scale_offset.data_ptr(),
+                       scale_bf16=is_bf16(scale_offset), scale=scale_offset.data_ptr(),
                        group=layer.group_size, **fields)  # fmt: skip
     scale = layer.scale
-    return _Linear(weight=layer.qweight.data_ptr(), kind=_Linear.INT8, scale_bf16=_bf16(scale),
+    return _Linear(weight=layer.qweight.data_ptr(), kind=_Linear.INT8, scale_bf16=is_bf16(scale),
                    scale=scale.data_ptr(), **fields)  # fmt: skip
 
 
