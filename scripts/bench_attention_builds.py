@@ -77,6 +77,13 @@ def _first(parts, fmt: str, bits: int, group: int) -> tuple:
     return words, fmt, bits, group, scale, zero
 
 
+def use_library(library: ctypes.CDLL) -> None:
+    """Every kernel call from now on goes to ``library`` (the callers look their functions
+    up through ``build.kernel``, whose declared functions are dropped)."""
+    build.library = lambda: library
+    build.kernel.cache_clear()
+
+
 def step_seconds(layers: list[Segment]) -> float:
     start = time.perf_counter()
     for segment in layers:
@@ -88,17 +95,18 @@ def compare(libraries: dict[str, ctypes.CDLL], case: str, args) -> str:
     layers = [layer(case, args.tokens) for _ in range(30)]
     times: dict[str, list[float]] = {name: [] for name in libraries}
     outputs = {}
-    original = attention_c.library
+    original = build.library
     try:
         for round_ in range(args.warmup + args.rounds):
             for name, library in libraries.items():
-                attention_c.library = lambda library=library: library
+                use_library(library)
                 seconds = step_seconds(layers)
                 if round_ >= args.warmup:
                     times[name].append(seconds)
                 outputs[name] = attention_c.c_attention([layers[0]], 0.125, torch.float32)
     finally:
-        attention_c.library = original
+        build.library = original
+        build.kernel.cache_clear()
     a, b = (statistics.median(times[name]) * 1e3 for name in ("A", "B"))
     diff = (outputs["A"] - outputs["B"]).abs().max().item()
     return f"| {case} | {args.tokens} | {a:.2f} | {b:.2f} | {b / a:.2f} | {diff:.1e} |"
