@@ -238,36 +238,58 @@ void kvlab_codes_key_scores(const Job *job, int b, int h, int64_t t0, int64_t t1
   }
 }
 
+/* A run's value weights, before its rows are read: wts[g][k][i] = p_g,i a_i,k (row i's
+ * scale of channel group k folded into head g's softmax weight) and sums[g][k] += sum_i
+ * p_g,i z_i,k (the zeros' share, added to the output once). Loops over the run's rows, so
+ * the compiler vectorizes them; the row loop then only unpacks codes and multiplies. */
+static inline __attribute__((always_inline)) void value_weights(
+    const Store *s, int64_t z_at, int n, const float *p, int stride, const int G, int groups,
+    float wts[][MAX_VECS][TILE], float *sums) {
+  for (int k = 0; k < groups; k++) {
+    float a[TILE], z[TILE];
+    for (int i = 0; i < n; i++) {
+      a[i] = scalar_at(s->scale, s->scale_bf16, z_at + i * s->z_row + k);
+      z[i] = scalar_at(s->zero, s->scale_bf16, z_at + i * s->z_row + k);
+    }
+    for (int g = 0; g < G; g++) {
+      float zero_share = 0.f;
+      for (int i = 0; i < n; i++) {
+        wts[g][k][i] = p[g * stride + i] * a[i];
+        zero_share += p[g * stride + i] * z[i];
+      }
+      sums[g * groups + k] += zero_share;
+    }
+  }
+}
+
 /* acc[g][v] += (p_g a) c over n rows of token codes, sums[g][group] += p_g z: G heads and
- * C = D / LANES vectors in registers, each row read once. */
+ * C = D / LANES vectors in registers, each row read once; REPEAT: the row's W < LANES
+ * words are repeated across a vector (unpack_plan). */
 static inline __attribute__((always_inline)) void token_values(
     const Job *job, const Unpack *u, int64_t block, int h, int64_t slot, int n,
-    const float *p, int stride, const int G, const int C, float *o, float *sums) {
+    const float *p, int stride, const int G, const int C, const int REPEAT, float *o,
+    float *sums) {
   const Store *s = &job->v;
   const int groups = job->D / s->group, per_group = s->group / LANES;
   const uint32_t *w = (const uint32_t *)s->data + block * s->s_block + h * s->s_head +
                       slot * s->s_slot;
+  float wts[4][MAX_VECS][TILE];
+  value_weights(s, block * s->z_block + h * s->z_head + slot * s->z_row, n, p, stride, G,
+                groups, wts, sums);
+  ivec shift[MAX_VECS];
+  int offset[MAX_VECS];
+  for (int v = 0; v < C; v++) shift[v] = iload_lanes(u->shift[v]), offset[v] = u->offset[v];
+  const ivec mask = u->mask;
   vec acc[4][MAX_VECS];
   for (int g = 0; g < G; g++)
     for (int v = 0; v < C; v++) acc[g][v] = vload_f32(o + (g * C + v) * LANES);
   for (int i = 0; i < n; i++) {
-    const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
     const uint32_t *wi = w + i * s->s_slot;
-    const ivec rep = u->repeat ? repeat_words(wi, u->W) : iset(0);
-    float weight[4][MAX_D / LANES];
-    for (int k = 0; k < groups; k++) {
-      const float a = scalar_at(s->scale, s->scale_bf16, z_at + k);
-      const float z = scalar_at(s->zero, s->scale_bf16, z_at + k);
-      for (int g = 0; g < G; g++) {
-        weight[g][k] = p[g * stride + i] * a;
-        sums[g * groups + k] += p[g * stride + i] * z;
-      }
-    }
+    const ivec rep = REPEAT ? repeat_words(wi, u->W) : iset(0);
     for (int v = 0; v < C; v++) {
-      const vec c = codes_vec(u, wi, rep, v);
-      for (int g = 0; g < G; g++) {
-        acc[g][v] = vfma(vset1(weight[g][v / per_group]), c, acc[g][v]);
-      }
+      const vec c = widen(REPEAT ? rep : iload(wi + offset[v]), shift[v], mask);
+      for (int g = 0; g < G; g++)
+        acc[g][v] = vfma(vset1(wts[g][v / per_group][i]), c, acc[g][v]);
     }
   }
   for (int g = 0; g < G; g++)
@@ -281,11 +303,14 @@ int kvlab_codes_values_apply(const Job *job) {
   return (C == 4 || C == 8) && job->G <= 4 && job->G * C <= VALUE_ACCUMULATORS;
 }
 
-#define VALUES_CASE(GG, CC)                                                            \
-  if (G == GG && C == CC) {                                                            \
-    token_values(job, &u, block, h, slot, run, p + (t - t0), n, GG, CC, o, sums);      \
-    t += run;                                                                          \
-    continue;                                                                          \
+#define VALUES_CASE(GG, CC)                                                                \
+  if (G == GG && C == CC) {                                                                \
+    if (u.repeat)                                                                          \
+      token_values(job, &u, block, h, slot, run, p + (t - t0), n, GG, CC, 1, o, sums);     \
+    else                                                                                   \
+      token_values(job, &u, block, h, slot, run, p + (t - t0), n, GG, CC, 0, o, sums);     \
+    t += run;                                                                              \
+    continue;                                                                              \
   }
 
 /* o[g] = sum_t p[g * n + t - t0] * value t for t0 <= t < t1 of row b, head h, values in
@@ -311,8 +336,10 @@ void kvlab_codes_add_values(const Job *job, int b, int h, int64_t t0, int64_t t1
 #endif
     return; /* not reached: kvlab_codes_values_apply admits only the cases above */
   }
-  for (int g = 0; g < G; g++)
-    for (int d = 0; d < D; d++) o[g * D + d] += sums[g * groups + d / s->group];
+  for (int g = 0; g < G; g++) /* (no division per channel: a chunk's dozens of them cost
+                                  a sixth of its value pass) */
+    for (int k = 0; k < groups; k++)
+      for (int d = k * s->group; d < (k + 1) * s->group; d++) o[g * D + d] += sums[g * groups + k];
 }
 
 #else /* no vectors: decode_attention.c dequantizes rows as before */
