@@ -28,6 +28,27 @@ def test_peaks_come_from_real_kernels():
     assert peaks.bandwidth > 1e8 and peaks.bandwidth_bytes == 64 * 2**20
 
 
+def test_cached_peaks_are_measured_again_on_another_cpu(monkeypatch, tmp_path):
+    """The cache is keyed by the CPU's model and flags, not its name alone: an AVX2-only
+    EPYC and a Zen4 are both "AMD EPYC", and a shared cache dir must not hand one the
+    other's bandwidth."""
+    from kvlab.analysis import roofline
+
+    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+    reads = []
+
+    def measured(**_):
+        reads.append(1)
+        return measure_peaks(matmul_size=64, bandwidth_bytes=2**20, repeats=1)
+
+    monkeypatch.setattr(roofline, "measure_peaks", measured)
+    first = roofline.cached_peaks()
+    assert roofline.cached_peaks() == first and len(reads) == 1  # the same CPU: cached
+    monkeypatch.setattr("kvlab.kernels.build.cpu_identity", lambda: "model name : other")
+    roofline.cached_peaks()
+    assert len(reads) == 2
+
+
 @pytest.mark.slow
 def test_diagnose_explains_a_real_run(monkeypatch, tmp_path):
     from kvlab.analysis import diagnose as module

@@ -5,6 +5,7 @@ decode near the bandwidth roof."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -84,15 +85,26 @@ def cached_peaks(refresh: bool = False, device: str = "cpu") -> Peaks:
     ``$KVLAB_CACHE`` (a CUDA run is placed on the GPU's roofs, not the host CPU's)."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     path = cache_dir() / f"roofline-{kind}.json"
-    machine = _machine(device)
+    machine, identity = _machine(device), _identity(device)
     if path.exists() and not refresh:
         stored = json.loads(path.read_text())
-        if stored.get("machine") == machine:
+        if stored.pop("identity", None) == identity and stored.get("machine") == machine:
             return Peaks(**stored)
     peaks = measure_peaks(device=device)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(asdict(peaks), indent=2))
+    path.write_text(json.dumps({**asdict(peaks), "identity": identity}, indent=2))
     return peaks
+
+
+def _identity(device: str) -> str:
+    """What a cached measurement must have been made on: the GPU's name, or a digest of the
+    CPU's model name and feature flags (``_machine``'s "AMD EPYC" names an AVX2-only EPYC
+    and a Zen4 alike, and a cache dir may be shared between them)."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    from kvlab.kernels.build import cpu_identity
+
+    return hashlib.sha256(cpu_identity().encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
