@@ -48,11 +48,11 @@ def with_decode_linears(
     return model
 
 
-def decode_logits(model, steps: int = 6) -> list[torch.Tensor]:
+def decode_logits(model, steps: int = 6, cache: str = "full", prompts=PROMPTS, **options):
     seen = []
-    engine = Engine(model, build_cache("full", model.cache_spec()))
+    engine = Engine(model, build_cache(cache, model.cache_spec(), options))
     gen = GenerationConfig(steps, stop_on_eos=False)
-    engine.generate(PROMPTS, gen, on_logits=lambda logits, rows: seen.append(logits.clone()))
+    engine.generate(prompts, gen, on_logits=lambda logits, rows: seen.append(logits.clone()))
     return seen
 
 
@@ -109,3 +109,38 @@ def test_a_copied_model_plans_its_own_fused_layers(tiny_checkpoints):
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
             ours = {layer.fused.linears[0].weight for layer in model.layers}
             assert not ours & {layer.fused.linears[0].weight for layer in copy.layers}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("cache", "options", "in_c"),
+    [("full", {}, True), ("paged", {}, False), ("int4", {"group_size": 8}, False),
+     ("full", {"rotate": "hadamard"}, False), ("quest", {}, False)],
+)  # fmt: skip
+def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
+    dtype, cache, options, in_c, tiny_checkpoints, monkeypatch
+):
+    """``full`` (keep_all over the contiguous store, exact) hands its writes and attention
+    to the layer's C call; other stores, codecs, rotation and policies that extend
+    keep_all attend through the cache. Either way the logits are the op-by-op layer's, bit
+    for bit, also when a second generation of another batch size re-plans the cache."""
+    model = with_decode_linears(tiny_checkpoints["llama"], dtype)
+    taken = []
+    original = fused_layer.FusedDecode._with_cached_attention
+
+    def counted(self, *args):
+        taken.append(self.layer)
+        return original(self, *args)
+
+    monkeypatch.setattr(fused_layer.FusedDecode, "_with_cached_attention", counted)
+    with torch.inference_mode():
+        fused = [decode_logits(model, 4, cache, prompts, **options) for prompts in
+                 (PROMPTS, PROMPTS[:2])]  # fmt: skip
+        assert bool(taken) == in_c
+        with monkeypatch.context() as patch:
+            patch.setattr(llama, "fused_plan", lambda layer: None)
+            reference = [decode_logits(model, 4, cache, prompts, **options) for prompts in
+                         (PROMPTS, PROMPTS[:2])]  # fmt: skip
+    for got, want in zip(sum(fused, []), sum(reference, []), strict=True):
+        assert torch.equal(got, want)

@@ -311,6 +311,15 @@ class KVCache(ABC):
         re-position keys. Returns the attention output (B, H, T, D).
         """
 
+    def fused_attention(self, step: Step, layer: int):
+        """What :meth:`attend` does for ``layer`` in this decode step, as a C description
+        the fused decode layer (:mod:`kvlab.models.fused_layer`) runs inside its own call:
+        ``(address, slots, dtype)``, an attention over the layer's keys and values held
+        exactly in place, the slot (B,) each row's new key and value are written at, and
+        their dtype. None where the strategy attends otherwise (the default): the layer
+        then calls :meth:`attend`."""
+        return None
+
     def end(self, step: Step) -> None:
         """Called once after the layers: the step's real tokens now count as stored."""
         new = step.info.num_new

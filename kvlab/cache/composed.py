@@ -168,6 +168,11 @@ class ComposedCache(KVCache):
         out = self.policy.attend(step, self.store, layer, q @ r, k @ r, v @ r, k_raw)
         return out @ r.T
 
+    def fused_attention(self, step, layer):
+        if self.rotation is not None:
+            return None
+        return self.policy.fused_attention(step, self.store, layer)
+
     def end(self, step) -> None:
         self.policy.end(step, self.store)
         super().end(step)

@@ -176,19 +176,106 @@ def _attend(items: list[tuple], scale: float, bf16: bool) -> torch.Tensor:
     jobs, offset = (_Job * len(items))(), 0
     queries = [item[0].float().contiguous() for item in items]
     for job, item, query, n_chunks in zip(jobs, items, queries, chunks, strict=True):
-        _, kd, ks, kz, vd, vs, vz, table, lo, hi, fmt = item
-        job.k, job.v = _c_store(kd, *fmt[0:3], ks, kz), _c_store(vd, *fmt[3:6], vs, vz)
-        job.q, job.table = query.data_ptr(), table.data_ptr()
-        job.lo, job.hi = lo.data_ptr(), hi.data_ptr()
-        job.table_stride, job.block_size, job.ring = table.stride(0), kd.shape[2], fmt[6]
-        job.B, job.H, job.G, job.D, job.scale = batch, heads, group, dim, scale
-        job.chunk, job.n_chunks, job.partial_offset = CHUNK, n_chunks, offset
-        job.partial_total = total
-        job.m = work.data_ptr()
-        job.l, job.o = job.m + 4 * rows, job.m + 8 * rows
+        _fill_job(job, item, query.data_ptr(), scale, (n_chunks, offset, total), work, rows)
         offset += n_chunks
     out = torch.empty(batch, heads, group, dim, dtype=torch.bfloat16 if bf16 else torch.float32)
     kernel("kvlab_decode_attention", POINTER, INT, POINTER, INT)(
         ctypes.addressof(jobs), len(items), out.data_ptr(), int(bf16)
     )
     return out
+
+
+def _fill_job(job: _Job, item: tuple, query: int, scale: float, partials, work, rows: int):
+    """``job`` for one segment (``item``, see :func:`_item`) with its queries at address
+    ``query`` (fp32, (B, H_kv, G, D)); ``partials``: its chunks, their offset among all
+    jobs' and the total; ``work``: the partial results' buffer of ``rows`` rows."""
+    q, kd, ks, kz, vd, vs, vz, table, lo, hi, fmt = item
+    batch, heads, group, dim = q.shape
+    n_chunks, offset, total = partials
+    job.k, job.v = _c_store(kd, *fmt[0:3], ks, kz), _c_store(vd, *fmt[3:6], vs, vz)
+    job.q, job.table = query, table.data_ptr()
+    job.lo, job.hi = lo.data_ptr(), hi.data_ptr()
+    job.table_stride, job.block_size, job.ring = table.stride(0), kd.shape[2], fmt[6]
+    job.B, job.H, job.G, job.D, job.scale = batch, heads, group, dim, scale
+    job.chunk, job.n_chunks, job.partial_offset = CHUNK, n_chunks, offset
+    job.partial_total = total
+    job.m = work.data_ptr()
+    job.l, job.o = job.m + 4 * rows, job.m + 8 * rows
+
+
+class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
+    _fields_ = [
+        ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("s_b", ctypes.c_int64),
+        ("s_h", ctypes.c_int64), ("s_s", ctypes.c_int64), ("slots", ctypes.c_int64),
+        ("job", ctypes.c_void_p), ("queries", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+class CachedAttention:
+    """One layer's decode attention over keys and values held exactly and in place (B, H_kv,
+    S, D), for the fused decode layer (``kvlab_layer_decode_in``), which writes the step's
+    rows, widens the queries into :attr:`queries` and runs the job, all in C. Built once per
+    allocation: a step only points the job at its row table and bounds (:meth:`at`). The
+    values are :func:`c_attention`'s over the same segment."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, group: int, work: torch.Tensor):
+        batch, heads, slots, dim = keys.shape
+        self.tensors = (keys, values)  # kept alive: the structs point into them
+        self.queries = torch.empty(batch, heads, group, dim, dtype=torch.float32)
+        n_chunks = -(-slots // CHUNK)
+        rows = batch * heads * n_chunks * group
+        if work.numel() < rows * (dim + 2):
+            raise ValueError(f"work buffer of {work.numel()} floats; needs {rows * (dim + 2)}")
+        self.work = work  # the partial results' buffer, shared by layers that run in turn
+        self.job = _Job()
+        unplaced = torch.zeros(batch, 1, dtype=torch.int64)  # (table, bounds: set by at())
+        item = (self.queries, keys, None, None, values, None, None, unplaced, unplaced[:, 0],
+                unplaced[:, 0], [0, 0, 0, 0, 0, 0, 0])  # fmt: skip
+        partials = (n_chunks, 0, n_chunks)
+        _fill_job(self.job, item, self.queries.data_ptr(), dim**-0.5, partials, self.work, rows)
+        self.struct = _CachedAttention(
+            keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], slots,
+            ctypes.addressof(self.job), self.queries.data_ptr(),
+        )  # fmt: skip
+        self.address = ctypes.addressof(self.struct)
+        self.dtype = keys.dtype
+
+    @staticmethod
+    def work_floats(keys: torch.Tensor, group: int) -> int:
+        """The work buffer's size (fp32 values) for keys (B, H_kv, S, D) and ``group``."""
+        batch, heads, slots, dim = keys.shape
+        return batch * heads * -(-slots // CHUNK) * group * (dim + 2)
+
+    @staticmethod
+    def serves(keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether keys and values (B, H_kv, S, D) fit it: fp32 or bf16 CPU tensors of one
+        shape, dtype and strides, rows contiguous, head_dim <= 256, the kernel built."""
+        return (
+            keys.is_cpu
+            and keys.dtype in (torch.float32, torch.bfloat16)
+            and values.dtype == keys.dtype
+            and values.shape == keys.shape
+            and values.stride() == keys.stride()
+            and keys.stride(-1) == 1
+            and keys.shape[-1] <= MAX_HEAD_DIM
+            and kernel_available()
+        )
+
+    def holds(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Whether it was built over these very tensors, still where they were."""
+        mine = self.tensors
+        return (
+            mine[0] is keys
+            and mine[1] is values
+            and keys.data_ptr() == self.struct.keys
+            and values.data_ptr() == self.struct.values
+        )
+
+    def at(self, table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> int:
+        """The struct's address, its job over row table ``table`` (B, 1) and the logical
+        tokens [lo[b], hi[b]) of each row (int64, contiguous). Keys and values are in the
+        dtype :attr:`dtype`; the fused layer writes its rows in its own and checks both."""
+        job = self.job
+        job.table, job.lo, job.hi = table.data_ptr(), lo.data_ptr(), hi.data_ptr()
+        job.table_stride = table.stride(0)
+        return self.address

@@ -115,3 +115,65 @@ void kvlab_layer_out(const void *activation, const void *mid, int bf16, int64_t 
   linear(down_proj, activation, bf16, scratch, M);
   add(mid, scratch, bf16, M, down_proj->out_features, y);
 }
+
+/* Where a cache keeps a layer's keys and values exactly, in place, for the whole layer in
+ * one call (kvlab.kernels.attention_c.CachedAttention): the layer's key and value tensors
+ * (B, H_kv, S, D) in the model dtype, strides in elements (the same for both), the decode
+ * attention job over them (decode_attention.c's Job) and the fp32 queries it reads. */
+typedef struct {
+  void *keys, *values;
+  int64_t s_b, s_h, s_s, slots;
+  const void *job;
+  float *queries;
+} CachedAttention;
+
+/* The layer's own pointers and shapes (kvlab.models.fused_layer.FusedDecode). */
+typedef struct {
+  const void *norms[2];
+  float eps[2];
+  const Linear *qkv_proj, *o_proj, *gate_up_proj;
+  int64_t heads, kv_heads, dim;
+} LayerPlan;
+
+void kvlab_decode_attention(const void *jobs, int n_jobs, void *out, int out_bf16);
+
+/* Row m's new keys (rotated heads heads..heads + kv_heads - 1) and values (the last
+ * kv_heads heads of qkv) written at slot slots[m] of its cache row (a slot outside the row
+ * is the policy's error, checked before the layers; it is not written); the queries (the
+ * first `heads` rotated heads) widened into the job's buffer; then the attention, out
+ * (M, heads * dim) in the model dtype. */
+static void attend_cached(const CachedAttention *c, const LayerPlan *p, const void *rotated,
+                          const void *qkv, int bf16, int64_t M, const int64_t *slots,
+                          void *out) {
+  const int64_t heads = p->heads, kv = p->kv_heads, dim = p->dim, size = bf16 ? 2 : 4;
+  const int64_t width = (heads + kv) * dim, qkv_width = (heads + 2 * kv) * dim;
+  for (int64_t m = 0; m < M; m++) {
+    if (slots[m] < 0 || slots[m] >= c->slots) continue;
+    for (int64_t j = 0; j < kv; j++) {
+      const int64_t at = (m * c->s_b + j * c->s_h + slots[m] * c->s_s) * size;
+      memcpy((char *)c->keys + at, (const char *)rotated + (m * width + (heads + j) * dim) * size,
+             dim * size);
+      memcpy((char *)c->values + at, (const char *)qkv + (m * qkv_width + width + j * dim) * size,
+             dim * size);
+    }
+    for (int64_t i = 0; i < heads * dim; i++)
+      c->queries[m * heads * dim + i] = value_at(rotated, bf16, m * width + i);
+  }
+  kvlab_decode_attention(c->job, 1, out, bf16);
+}
+
+/* A layer's decode step up to its SwiGLU activation, attention included, where the cache
+ * holds the layer's keys and values exactly in place (`cache`): attention_in, the cache's
+ * writes and attention, then mlp_in. Scratch as the three calls take it: qkv (M, N),
+ * rotated (M, heads + kv_heads, dim), attention (M, heads * dim), mid (M, hidden), gate_up
+ * (M, 2 * inner), scratch (2 M hidden). */
+void kvlab_layer_decode_in(const void *x, int bf16, int64_t M, const LayerPlan *p,
+                           const void *cos, const void *sin, const CachedAttention *cache,
+                           const int64_t *slots, void *qkv, void *rotated, void *attention,
+                           void *mid, void *gate_up, void *scratch) {
+  kvlab_layer_attention_in(x, bf16, M, p->norms[0], p->eps[0], p->qkv_proj, cos, sin,
+                           p->heads + p->kv_heads, p->dim, scratch, qkv, rotated);
+  attend_cached(cache, p, rotated, qkv, bf16, M, slots, attention);
+  kvlab_layer_mlp_in(attention, x, bf16, M, p->o_proj, p->norms[1], p->eps[1],
+                     p->gate_up_proj, mid, gate_up, scratch);
+}

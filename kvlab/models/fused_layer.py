@@ -5,6 +5,12 @@ product and residual in a third. The op-by-op layer pays ~40 torch ops and wrapp
 a layer (~100 us of Python and dispatch on these CPUs: ~3 ms a step of a 30-layer model);
 the values are the same (the C code rounds as those ops round, see the C file).
 
+Where the cache holds the layer's keys and values exactly and in place (``full``: keep_all
+over the contiguous store) it hands its writes and attention over as C
+(``KVCache.fused_attention``), and the first two calls become one, the cache's writes and
+the attention kernel inside it: ~60 us of Python a layer (the store's indexed writes,
+segments, backend checks, job structs) down to the two calls and the activation.
+
 It serves layers whose four linears run a kvlab matrix-vector kernel at this row count
 (:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16; ``Int8Linear`` and
 ``Int4Linear`` where kvlab's int8 / int4 kernel was chosen), without q/k norms, on CPU
@@ -47,6 +53,15 @@ class _Linear(ctypes.Structure):
         ("group", ctypes.c_int64),
     ]  # fmt: skip
     FP, INT8, INT4 = 0, 1, 2
+
+
+class _LayerPlan(ctypes.Structure):  # decode_layer.c's LayerPlan
+    _fields_ = [
+        ("norms", ctypes.c_void_p * 2), ("eps", ctypes.c_float * 2),
+        ("qkv_proj", ctypes.c_void_p), ("o_proj", ctypes.c_void_p),
+        ("gate_up_proj", ctypes.c_void_p), ("heads", ctypes.c_int64),
+        ("kv_heads", ctypes.c_int64), ("dim", ctypes.c_int64),
+    ]  # fmt: skip
 
 
 def _linear(layer: nn.Module) -> _Linear:
@@ -140,6 +155,13 @@ class FusedDecode:
                              POINTER, FLOAT, POINTER, POINTER, POINTER, POINTER)  # fmt: skip
         self.out = kernel("kvlab_layer_out", POINTER, POINTER, INT, INT64, POINTER, POINTER,
                           POINTER)  # fmt: skip
+        self.decode_in = kernel("kvlab_layer_decode_in", POINTER, INT, INT64, POINTER, POINTER,
+                                POINTER, POINTER, POINTER, *[POINTER] * 6)  # fmt: skip
+        norms = (ctypes.c_void_p * 2)(*(n.data_ptr() for n in self.norms))
+        self.plan = _LayerPlan(norms, (ctypes.c_float * 2)(*self.eps), *self.addresses[:3],
+                               self.heads, self.kv_heads, self.dim)  # fmt: skip
+        self.plan_address = ctypes.addressof(self.plan)
+        self.buffers: dict[int, list[torch.Tensor]] = {}  # per batch size (see _scratch)
 
     def takes(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether this step's x (B, 1, hidden) and rotary table fit the fused path."""
@@ -155,6 +177,9 @@ class FusedDecode:
 
     def __call__(self, x: torch.Tensor, rope, cache, step) -> torch.Tensor:
         """The layer's output (B, 1, hidden) for x (B, 1, hidden)."""
+        cached = cache.fused_attention(step, self.layer)
+        if cached is not None and cached[2] == self.dtype:
+            return self._with_cached_attention(x, rope, *cached[:2])
         batch, dtype, bf16, hidden = x.shape[0], self.dtype, self.bf16, self.hidden
         heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
         qkv = torch.empty(batch, 1, (heads + 2 * kv_heads) * dim, dtype=dtype)
@@ -183,3 +208,32 @@ class FusedDecode:
         self.out(activation.data_ptr(), mid.data_ptr(), bf16, batch, self.addresses[3],
                  scratch.data_ptr(), y.data_ptr())  # fmt: skip
         return y
+
+    def _with_cached_attention(self, x, rope, attention: int, slots: torch.Tensor):
+        """The layer's output where the cache hands its writes and attention over as C
+        (``KVCache.fused_attention``): one call up to the activation, then the activation
+        in torch and one call more; no cache or attention Python in between."""
+        batch, dtype = x.shape[0], self.dtype
+        qkv, rotated, out, mid, gate_up, scratch = self._scratch(batch)
+        self.decode_in(
+            x.data_ptr(), self.bf16, batch, self.plan_address, rope.cos.data_ptr(),
+            rope.sin.data_ptr(), attention, slots.data_ptr(), qkv.data_ptr(), rotated.data_ptr(),
+            out.data_ptr(), mid.data_ptr(), gate_up.data_ptr(), scratch.data_ptr(),
+        )  # fmt: skip
+        gate, up = gate_up.split_with_sizes([self.inner, self.inner], 1)
+        activation = F.silu(gate) * up  # (B, inner)
+        y = torch.empty(batch, 1, self.hidden, dtype=dtype)
+        self.out(activation.data_ptr(), mid.data_ptr(), self.bf16, batch, self.addresses[3],
+                 scratch.data_ptr(), y.data_ptr())  # fmt: skip
+        return y
+
+    def _scratch(self, batch: int) -> list[torch.Tensor]:
+        """The layer's own buffers for a step of ``batch`` rows, made once: qkv, rotated
+        heads, attention output, mid, gate/up and scratch. Only C reads them within the step
+        (the activation is a new tensor), so a step never sees an earlier step's."""
+        if batch not in self.buffers:
+            heads, kv, dim, hidden = self.heads, self.kv_heads, self.dim, self.hidden
+            sizes = ((heads + 2 * kv) * dim, (heads + kv) * dim, heads * dim, hidden,
+                     2 * self.inner, 2 * hidden)  # fmt: skip
+            self.buffers[batch] = [torch.empty(batch, n, dtype=self.dtype) for n in sizes]
+        return self.buffers[batch]

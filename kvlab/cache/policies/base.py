@@ -104,6 +104,12 @@ class Policy:
     def attend(self, step: Step, store: Store, layer: int, q, k, v, k_raw) -> torch.Tensor:
         raise NotImplementedError
 
+    def fused_attention(self, step: Step, store: Store, layer: int):
+        """The store's C description of this step's writes and attention for ``layer``
+        (:meth:`Store.fused_attention`) where :meth:`attend` would do exactly that and no
+        more; None by default (then the fused decode layer calls :meth:`attend`)."""
+        return None
+
     def check_truncation(self, lengths: list[int], kept: list[int]) -> None:
         """Refuse, before the store changes anything, a rollback from ``lengths`` to
         ``kept`` the policy cannot make exact (``ValueError``, the reason)."""

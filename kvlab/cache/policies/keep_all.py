@@ -58,6 +58,12 @@ class KeepAll(Policy):
                 step.mask = visible(slots, torch.arange(step.read, device=start.device))
         return step
 
+    def fused_attention(self, step, store, layer):
+        if type(self) is not KeepAll or not (step.in_place and step.decode):
+            return None  # a subclass attends otherwise; a short step, per token
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        return store.fused_attention(step.where, layer, step.origin, step.end, group)
+
     def attend(self, step, store, layer, q, k, v, k_raw):
         if step.in_place:
             store.write(step.where, layer, k, v)

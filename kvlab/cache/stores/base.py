@@ -104,6 +104,15 @@ class Store(ABC):
         holds some tokens apart, as the staged store its exact ring, returns more than one)."""
         return [self.segment(where, layer, queries, lo, hi)]
 
+    def fused_attention(self, where: Any, layer: int, lo, hi, group: int):
+        """A decode step's writes and attention for ``layer`` as one C description the fused
+        decode layer runs (``(address, slots, dtype)``, see
+        :class:`~kvlab.kernels.attention_c.CachedAttention`), where this store holds the
+        layer exactly and in place; None (the default) where it cannot: then the policy's
+        :meth:`write` and :meth:`segments` serve the step. ``lo``/``hi`` (B,): the logical
+        slots attended; ``group``: query heads per KV head."""
+        return None
+
     @abstractmethod
     def read(self, layer: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, H_kv, slots, D) of the first ``slots`` logical slots of every

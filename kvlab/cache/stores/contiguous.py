@@ -11,9 +11,11 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache.base import RowState, nbytes, rows_of
+from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import Store, parts_bytes
 from kvlab.kernels import Segment
+from kvlab.kernels.attention_c import CachedAttention
 
 
 @dataclass
@@ -35,6 +37,9 @@ class ContiguousStore(Store):
         self.key_codec, self.value_codec = codec.halves()
         self.keys: list[list[torch.Tensor]] = []  # per layer: [data] or [codes, scale, zero]
         self.values: list[list[torch.Tensor]] = []
+        self._cached: list[CachedAttention | None] = []
+        self._work = torch.empty(0)  # their partial results (see fused_attention)
+        self._inexact = not (type(self.key_codec) is Exact and type(self.value_codec) is Exact)
 
     @staticmethod
     def layout(spec, codec, batch_size: int, slots: int) -> list[tuple[tuple, torch.dtype]]:
@@ -68,6 +73,8 @@ class ContiguousStore(Store):
 
         self.keys = [make(self.key_codec) for _ in range(s.num_layers)]
         self.values = [make(self.value_codec) for _ in range(s.num_layers)]
+        self._cached = []  # per layer: the fused decode layer's C attention over it
+        self._work = torch.empty(0)
 
     @property
     def slots(self) -> int:
@@ -105,6 +112,27 @@ class ContiguousStore(Store):
         keys, values = self.key_codec.stored(keys), self.value_codec.stored(values)
         return Segment(queries, keys, values, where.rows, lo, hi, ring)
 
+    def fused_attention(self, where: ContiguousWrite, layer, lo, hi, group: int):
+        """This layer's writes and attention in place for the fused decode layer, where the
+        store is this class itself in exact codes on the CPU (a subclass places and reads
+        otherwise). The C job over each layer's tensors is built once per allocation."""
+        if type(self) is not ContiguousStore or self._inexact:
+            return None
+        keys, values = self.keys[layer][0], self.values[layer][0]
+        cached = self._cached[layer] if layer < len(self._cached) else None
+        if cached is None or not cached.holds(keys, values):
+            if not (CachedAttention.serves(keys, values) and _indices(where, lo, hi)):
+                return None
+            floats = CachedAttention.work_floats(keys, group)
+            if self._work.numel() < floats:  # one buffer for all layers: they run in turn
+                self._work = torch.empty(floats, dtype=torch.float32)
+            cached = CachedAttention(keys, values, group, self._work)
+            self._cached += [None] * (layer + 1 - len(self._cached))
+            self._cached[layer] = cached
+        elif not _indices(where, lo, hi):
+            return None
+        return cached.at(where.rows, lo, hi), where.slots, cached.dtype
+
     def read(self, layer, slots):
         return self.decoded(self.keys[layer], self.key_codec, slots), self.decoded(
             self.values[layer], self.value_codec, slots
@@ -130,3 +158,16 @@ class ContiguousStore(Store):
                 per_row = parts_bytes(layers) // (len(lengths) * layers[0].shape[2])
                 used += per_row * sum(n // span for n in lengths)
         return used
+
+
+def _indices(where: ContiguousWrite, lo: torch.Tensor, hi: torch.Tensor) -> bool:
+    """Whether the step's slots (B, 1), row table (B, 1) and bounds (B,) are the int64
+    contiguous arrays the C side reads."""
+    slots, rows, int64 = where.slots, where.rows, torch.int64
+    return (  # plain conditions: asked once a layer
+        slots.dtype == rows.dtype == lo.dtype == hi.dtype == int64
+        and slots.is_contiguous()
+        and rows.is_contiguous()
+        and lo.is_contiguous()
+        and hi.is_contiguous()
+    )
