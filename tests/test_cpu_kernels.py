@@ -294,7 +294,7 @@ def test_int4_linear_kernel_equals_the_dequantized_linear(
 
 
 def test_int4_layers_take_the_layout_the_timing_chose(monkeypatch):
-    """kvlab's blocks where its kernel was chosen (kept unless PyTorch's is MARGIN faster),
+    """kvlab's blocks where its kernel was chosen (kept unless PyTorch's is FUSED_MARGIN faster),
     else PyTorch's layout; both compute the same decode rows and prefill rows."""
     from kvlab.models import cpu_kernels
     from kvlab.quant import rtn
@@ -303,7 +303,7 @@ def test_int4_layers_take_the_layout_the_timing_chose(monkeypatch):
     assert choice["kernel"] in choice["applicable"]
     if len(choice["applicable"]) == 2 and "forced" not in choice:
         times = choice["decode_ms"]
-        plain_wins = times["plain"] < (1 - cpu_kernels.MARGIN) * times["kvlab"]
+        plain_wins = times["plain"] < (1 - cpu_kernels.FUSED_MARGIN) * times["kvlab"]
         assert choice["kernel"] == ("plain" if plain_wins else "kvlab")
     codes, scale, offset = rtn.quantize_int4(torch.randn(64, 128), 32, False)
     want = {"kvlab": "kvlab", "plain": "aten"}[choice["kernel"]]
