@@ -115,15 +115,17 @@ def test_a_copied_model_plans_its_own_fused_layers(tiny_checkpoints):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("cache", "options", "in_c"),
-    [("full", {}, True), ("paged", {}, False), ("int4", {"group_size": 8}, False),
-     ("full", {"rotate": "hadamard"}, False), ("quest", {}, False)],
+    [("full", {}, True), ("paged", {"block_size": 4}, True), ("int4", {"group_size": 8}, False),
+     ("paged", {"kv_bits": 4, "kv_group_size": 8}, False), ("full", {"rotate": "hadamard"}, False),
+     ("quest", {}, False)],
 )  # fmt: skip
 def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     dtype, cache, options, in_c, tiny_checkpoints, monkeypatch
 ):
-    """``full`` (keep_all over the contiguous store, exact) hands its writes and attention
-    to the layer's C call; other stores, codecs, rotation and policies that extend
-    keep_all attend through the cache. Either way the logits are the op-by-op layer's, bit
+    """``full`` and ``paged`` (keep_all over the contiguous or the paged store, exact) hand
+    their writes and attention to the layer's C call (paged: blocks of 4, so a step crosses
+    into new blocks); other stores, codecs, rotation and policies that extend keep_all
+    attend through the cache. Either way the logits are the op-by-op layer's, bit
     for bit, also when a second generation of another batch size re-plans the cache."""
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)
     taken = []

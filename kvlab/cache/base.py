@@ -314,10 +314,10 @@ class KVCache(ABC):
     def fused_attention(self, step: Step, layer: int):
         """What :meth:`attend` does for ``layer`` in this decode step, as a C description
         the fused decode layer (:mod:`kvlab.models.fused_layer`) runs inside its own call:
-        ``(address, slots, dtype)``, an attention over the layer's keys and values held
-        exactly in place, the slot (B,) each row's new key and value are written at, and
-        their dtype. None where the strategy attends otherwise (the default): the layer
-        then calls :meth:`attend`."""
+        ``(address, blocks, slots, dtype)``, an attention over the layer's keys and values
+        held exactly in place, the block and slot (B,) each row's new key and value are
+        written at, and their dtype. None where the strategy attends otherwise (the
+        default): the layer then calls :meth:`attend`."""
         return None
 
     def end(self, step: Step) -> None:

@@ -206,50 +206,39 @@ def _fill_job(job: _Job, item: tuple, query: int, scale: float, partials, work, 
 class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
     _fields_ = [
         ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("s_b", ctypes.c_int64),
-        ("s_h", ctypes.c_int64), ("s_s", ctypes.c_int64), ("slots", ctypes.c_int64),
-        ("job", ctypes.c_void_p), ("queries", ctypes.c_void_p),
+        ("s_h", ctypes.c_int64), ("s_s", ctypes.c_int64), ("blocks", ctypes.c_int64),
+        ("slots", ctypes.c_int64), ("job", ctypes.c_void_p), ("queries", ctypes.c_void_p),
     ]  # fmt: skip
 
 
 class CachedAttention:
-    """One layer's decode attention over keys and values held exactly and in place (B, H_kv,
-    S, D), for the fused decode layer (``kvlab_layer_decode_in``), which writes the step's
-    rows, widens the queries into :attr:`queries` and runs the job, all in C. Built once per
-    allocation: a step only points the job at its row table and bounds (:meth:`at`). The
-    values are :func:`c_attention`'s over the same segment."""
+    """One layer's decode attention over keys and values held exactly and in place (blocks,
+    H_kv, slots, D): a contiguous store's rows or a paged store's pool, read through a
+    block table. For the fused decode layer (``kvlab_layer_decode_in``), which writes the
+    step's rows, widens the queries into :attr:`queries` and runs the job, all in C. Built
+    once per allocation: a step only points the job at its table, bounds and work buffer
+    (:meth:`at`). The values are :func:`c_attention`'s over the same segment."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, group: int, work: torch.Tensor):
-        batch, heads, slots, dim = keys.shape
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, batch: int, group: int):
+        blocks, heads, slots, dim = keys.shape
         self.tensors = (keys, values)  # kept alive: the structs point into them
         self.queries = torch.empty(batch, heads, group, dim, dtype=torch.float32)
-        n_chunks = -(-slots // CHUNK)
-        rows = batch * heads * n_chunks * group
-        if work.numel() < rows * (dim + 2):
-            raise ValueError(f"work buffer of {work.numel()} floats; needs {rows * (dim + 2)}")
-        self.work = work  # the partial results' buffer, shared by layers that run in turn
+        self.dtype = keys.dtype
         self.job = _Job()
-        unplaced = torch.zeros(batch, 1, dtype=torch.int64)  # (table, bounds: set by at())
-        item = (self.queries, keys, None, None, values, None, None, unplaced, unplaced[:, 0],
-                unplaced[:, 0], [0, 0, 0, 0, 0, 0, 0])  # fmt: skip
-        partials = (n_chunks, 0, n_chunks)
-        _fill_job(self.job, item, self.queries.data_ptr(), dim**-0.5, partials, self.work, rows)
+        nowhere = torch.zeros(batch, 1, dtype=torch.int64)  # table and bounds: at() sets them
+        item = (self.queries, keys, None, None, values, None, None, nowhere, nowhere[:, 0],
+                nowhere[:, 0], [0, 0, 0, 0, 0, 0, 0])  # fmt: skip
+        _fill_job(self.job, item, self.queries.data_ptr(), dim**-0.5, (0, 0, 0), nowhere, 0)
         self.struct = _CachedAttention(
-            keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], slots,
+            keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], blocks, slots,
             ctypes.addressof(self.job), self.queries.data_ptr(),
         )  # fmt: skip
         self.address = ctypes.addressof(self.struct)
-        self.dtype = keys.dtype
-
-    @staticmethod
-    def work_floats(keys: torch.Tensor, group: int) -> int:
-        """The work buffer's size (fp32 values) for keys (B, H_kv, S, D) and ``group``."""
-        batch, heads, slots, dim = keys.shape
-        return batch * heads * -(-slots // CHUNK) * group * (dim + 2)
 
     @staticmethod
     def serves(keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Whether keys and values (B, H_kv, S, D) fit it: fp32 or bf16 CPU tensors of one
-        shape, dtype and strides, rows contiguous, head_dim <= 256, the kernel built."""
+        """Whether keys and values fit it: fp32 or bf16 CPU tensors of one shape, dtype and
+        strides, rows contiguous, head_dim <= 256, the kernel built."""
         return (
             keys.is_cpu
             and keys.dtype in (torch.float32, torch.bfloat16)
@@ -261,21 +250,70 @@ class CachedAttention:
             and kernel_available()
         )
 
-    def holds(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Whether it was built over these very tensors, still where they were."""
+    def holds(self, keys: torch.Tensor, values: torch.Tensor, batch: int) -> bool:
+        """Whether it was built over these very tensors, still where they were, for
+        ``batch`` rows."""
         mine = self.tensors
         return (
             mine[0] is keys
             and mine[1] is values
             and keys.data_ptr() == self.struct.keys
             and values.data_ptr() == self.struct.values
+            and self.queries.shape[0] == batch
         )
 
-    def at(self, table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> int:
-        """The struct's address, its job over row table ``table`` (B, 1) and the logical
-        tokens [lo[b], hi[b]) of each row (int64, contiguous). Keys and values are in the
-        dtype :attr:`dtype`; the fused layer writes its rows in its own and checks both."""
-        job = self.job
+    def work_floats(self, table: torch.Tensor) -> int:
+        """The work buffer (fp32 values) a step over block table ``table`` (B, n) needs."""
+        batch, heads, group, dim = self.queries.shape
+        n_chunks = -(-table.shape[1] * self.tensors[0].shape[2] // CHUNK)
+        return batch * heads * n_chunks * group * (dim + 2)
+
+    def at(self, table, lo, hi, work: torch.Tensor) -> int:
+        """The struct's address, its job over block table ``table`` (B, n) and the logical
+        tokens [lo[b], hi[b]) of each row (int64, contiguous), its partial results in
+        ``work`` (:meth:`work_floats` at least)."""
+        job, n_chunks = self.job, -(-table.shape[1] * self.tensors[0].shape[2] // CHUNK)
         job.table, job.lo, job.hi = table.data_ptr(), lo.data_ptr(), hi.data_ptr()
-        job.table_stride = table.stride(0)
+        job.table_stride, job.n_chunks, job.partial_total = table.stride(0), n_chunks, n_chunks
+        rows = job.B * job.H * n_chunks * job.G
+        job.m = work.data_ptr()
+        job.l, job.o = job.m + 4 * rows, job.m + 8 * rows
         return self.address
+
+
+class LayerAttentions:
+    """A store's :class:`CachedAttention` per layer, built on first use and again when the
+    layer's tensors move, and the work buffer they share (layers run in turn)."""
+
+    def __init__(self):
+        self.layers: list[CachedAttention | None] = []
+        self.work = torch.empty(0)
+
+    def at(self, layer: int, keys, values, group: int, table, lo, hi) -> int | None:
+        """The address of ``layer``'s attention over ``keys``/``values`` this step (see
+        :meth:`CachedAttention.at`), or None where the tensors do not fit it."""
+        batch = lo.shape[0]
+        cached = self.layers[layer] if layer < len(self.layers) else None
+        if cached is None or not cached.holds(keys, values, batch):
+            if not (CachedAttention.serves(keys, values) and _indices(table, lo, hi)):
+                return None
+            cached = CachedAttention(keys, values, batch, group)
+            self.layers += [None] * (layer + 1 - len(self.layers))
+            self.layers[layer] = cached
+        elif not _indices(table, lo, hi):
+            return None
+        floats = cached.work_floats(table)
+        if self.work.numel() < floats:
+            self.work = torch.empty(floats, dtype=torch.float32)
+        return cached.at(table, lo, hi, self.work)
+
+
+def _indices(table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:
+    """Whether a step's block table (B, n) and bounds (B,) are the int64 arrays the C side
+    reads (rows of the table contiguous)."""
+    return (  # plain conditions: asked once a layer
+        table.dtype == lo.dtype == hi.dtype == torch.int64
+        and table.stride(-1) == 1
+        and lo.is_contiguous()
+        and hi.is_contiguous()
+    )

@@ -118,11 +118,12 @@ void kvlab_layer_out(const void *activation, const void *mid, int bf16, int64_t 
 
 /* Where a cache keeps a layer's keys and values exactly, in place, for the whole layer in
  * one call (kvlab.kernels.attention_c.CachedAttention): the layer's key and value tensors
- * (B, H_kv, S, D) in the model dtype, strides in elements (the same for both), the decode
- * attention job over them (decode_attention.c's Job) and the fp32 queries it reads. */
+ * (blocks, H_kv, slots, D) in the model dtype (a contiguous store's blocks are its rows, a
+ * paged store's its pool), strides in elements (the same for both), the decode attention
+ * job over them (decode_attention.c's Job) and the fp32 queries it reads. */
 typedef struct {
   void *keys, *values;
-  int64_t s_b, s_h, s_s, slots;
+  int64_t s_b, s_h, s_s, blocks, slots;
   const void *job;
   float *queries;
 } CachedAttention;
@@ -138,19 +139,20 @@ typedef struct {
 void kvlab_decode_attention(const void *jobs, int n_jobs, void *out, int out_bf16);
 
 /* Row m's new keys (rotated heads heads..heads + kv_heads - 1) and values (the last
- * kv_heads heads of qkv) written at slot slots[m] of its cache row (a slot outside the row
- * is the policy's error, checked before the layers; it is not written); the queries (the
- * first `heads` rotated heads) widened into the job's buffer; then the attention, out
+ * kv_heads heads of qkv) written at slot slots[m] of block blocks[m] (a place outside the
+ * tensors is the store's error, refused before the layers; it is not written); the queries
+ * (the first `heads` rotated heads) widened into the job's buffer; then the attention, out
  * (M, heads * dim) in the model dtype. */
 static void attend_cached(const CachedAttention *c, const LayerPlan *p, const void *rotated,
-                          const void *qkv, int bf16, int64_t M, const int64_t *slots,
-                          void *out) {
+                          const void *qkv, int bf16, int64_t M, const int64_t *blocks,
+                          const int64_t *slots, void *out) {
   const int64_t heads = p->heads, kv = p->kv_heads, dim = p->dim, size = bf16 ? 2 : 4;
   const int64_t width = (heads + kv) * dim, qkv_width = (heads + 2 * kv) * dim;
   for (int64_t m = 0; m < M; m++) {
-    if (slots[m] < 0 || slots[m] >= c->slots) continue;
+    if (blocks[m] < 0 || blocks[m] >= c->blocks || slots[m] < 0 || slots[m] >= c->slots)
+      continue;
     for (int64_t j = 0; j < kv; j++) {
-      const int64_t at = (m * c->s_b + j * c->s_h + slots[m] * c->s_s) * size;
+      const int64_t at = (blocks[m] * c->s_b + j * c->s_h + slots[m] * c->s_s) * size;
       memcpy((char *)c->keys + at, (const char *)rotated + (m * width + (heads + j) * dim) * size,
              dim * size);
       memcpy((char *)c->values + at, (const char *)qkv + (m * qkv_width + width + j * dim) * size,
@@ -163,17 +165,19 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
 }
 
 /* A layer's decode step up to its SwiGLU activation, attention included, where the cache
- * holds the layer's keys and values exactly in place (`cache`): attention_in, the cache's
- * writes and attention, then mlp_in. Scratch as the three calls take it: qkv (M, N),
- * rotated (M, heads + kv_heads, dim), attention (M, heads * dim), mid (M, hidden), gate_up
- * (M, 2 * inner), scratch (2 M hidden). */
+ * holds the layer's keys and values exactly in place (`cache`; row m's new ones go to
+ * slot slots[m] of block blocks[m]): attention_in, the cache's writes and attention, then
+ * mlp_in. Scratch as the three calls take it: qkv (M, N), rotated (M, heads + kv_heads,
+ * dim), attention (M, heads * dim), mid (M, hidden), gate_up (M, 2 * inner), scratch
+ * (2 M hidden). */
 void kvlab_layer_decode_in(const void *x, int bf16, int64_t M, const LayerPlan *p,
                            const void *cos, const void *sin, const CachedAttention *cache,
-                           const int64_t *slots, void *qkv, void *rotated, void *attention,
-                           void *mid, void *gate_up, void *scratch) {
+                           const int64_t *blocks, const int64_t *slots, void *qkv,
+                           void *rotated, void *attention, void *mid, void *gate_up,
+                           void *scratch) {
   kvlab_layer_attention_in(x, bf16, M, p->norms[0], p->eps[0], p->qkv_proj, cos, sin,
                            p->heads + p->kv_heads, p->dim, scratch, qkv, rotated);
-  attend_cached(cache, p, rotated, qkv, bf16, M, slots, attention);
+  attend_cached(cache, p, rotated, qkv, bf16, M, blocks, slots, attention);
   kvlab_layer_mlp_in(attention, x, bf16, M, p->o_proj, p->norms[1], p->eps[1],
                      p->gate_up_proj, mid, gate_up, scratch);
 }

@@ -5,8 +5,8 @@ product and residual in a third. The op-by-op layer pays ~40 torch ops and wrapp
 a layer (~100 us of Python and dispatch on these CPUs: ~3 ms a step of a 30-layer model);
 the values are the same (the C code rounds as those ops round, see the C file).
 
-Where the cache holds the layer's keys and values exactly and in place (``full``: keep_all
-over the contiguous store) it hands its writes and attention over as C
+Where the cache holds the layer's keys and values exactly and in place (keep_all over the
+contiguous store, ``full``, or the paged one, ``paged``) it hands its writes and attention over as C
 (``KVCache.fused_attention``), and the first two calls become one, the cache's writes and
 the attention kernel inside it: ~60 us of Python a layer (the store's indexed writes,
 segments, backend checks, job structs) down to the two calls and the activation.
@@ -156,7 +156,7 @@ class FusedDecode:
         self.out = kernel("kvlab_layer_out", POINTER, POINTER, INT, INT64, POINTER, POINTER,
                           POINTER)  # fmt: skip
         self.decode_in = kernel("kvlab_layer_decode_in", POINTER, INT, INT64, POINTER, POINTER,
-                                POINTER, POINTER, POINTER, *[POINTER] * 6)  # fmt: skip
+                                POINTER, POINTER, POINTER, POINTER, *[POINTER] * 6)  # fmt: skip
         norms = (ctypes.c_void_p * 2)(*(n.data_ptr() for n in self.norms))
         self.plan = _LayerPlan(norms, (ctypes.c_float * 2)(*self.eps), *self.addresses[:3],
                                self.heads, self.kv_heads, self.dim)  # fmt: skip
@@ -178,8 +178,8 @@ class FusedDecode:
     def __call__(self, x: torch.Tensor, rope, cache, step) -> torch.Tensor:
         """The layer's output (B, 1, hidden) for x (B, 1, hidden)."""
         cached = cache.fused_attention(step, self.layer)
-        if cached is not None and cached[2] == self.dtype:
-            return self._with_cached_attention(x, rope, *cached[:2])
+        if cached is not None and cached[3] == self.dtype:
+            return self._with_cached_attention(x, rope, *cached[:3])
         batch, dtype, bf16, hidden = x.shape[0], self.dtype, self.bf16, self.hidden
         heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
         qkv = torch.empty(batch, 1, (heads + 2 * kv_heads) * dim, dtype=dtype)
@@ -209,7 +209,7 @@ class FusedDecode:
                  scratch.data_ptr(), y.data_ptr())  # fmt: skip
         return y
 
-    def _with_cached_attention(self, x, rope, attention: int, slots: torch.Tensor):
+    def _with_cached_attention(self, x, rope, attention: int, blocks, slots: torch.Tensor):
         """The layer's output where the cache hands its writes and attention over as C
         (``KVCache.fused_attention``): one call up to the activation, then the activation
         in torch and one call more; no cache or attention Python in between."""
@@ -217,8 +217,9 @@ class FusedDecode:
         qkv, rotated, out, mid, gate_up, scratch = self._scratch(batch)
         self.decode_in(
             x.data_ptr(), self.bf16, batch, self.plan_address, rope.cos.data_ptr(),
-            rope.sin.data_ptr(), attention, slots.data_ptr(), qkv.data_ptr(), rotated.data_ptr(),
-            out.data_ptr(), mid.data_ptr(), gate_up.data_ptr(), scratch.data_ptr(),
+            rope.sin.data_ptr(), attention, blocks.data_ptr(), slots.data_ptr(), qkv.data_ptr(),
+            rotated.data_ptr(), out.data_ptr(), mid.data_ptr(), gate_up.data_ptr(),
+            scratch.data_ptr(),
         )  # fmt: skip
         gate, up = gate_up.split_with_sizes([self.inner, self.inner], 1)
         activation = F.silu(gate) * up  # (B, inner)

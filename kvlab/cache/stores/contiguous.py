@@ -15,7 +15,7 @@ from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import Store, parts_bytes
 from kvlab.kernels import Segment
-from kvlab.kernels.attention_c import CachedAttention
+from kvlab.kernels.attention_c import LayerAttentions
 
 
 @dataclass
@@ -37,8 +37,7 @@ class ContiguousStore(Store):
         self.key_codec, self.value_codec = codec.halves()
         self.keys: list[list[torch.Tensor]] = []  # per layer: [data] or [codes, scale, zero]
         self.values: list[list[torch.Tensor]] = []
-        self._cached: list[CachedAttention | None] = []
-        self._work = torch.empty(0)  # their partial results (see fused_attention)
+        self._attentions = LayerAttentions()  # the fused decode layer's (fused_attention)
         self._inexact = not (type(self.key_codec) is Exact and type(self.value_codec) is Exact)
 
     @staticmethod
@@ -73,8 +72,7 @@ class ContiguousStore(Store):
 
         self.keys = [make(self.key_codec) for _ in range(s.num_layers)]
         self.values = [make(self.value_codec) for _ in range(s.num_layers)]
-        self._cached = []  # per layer: the fused decode layer's C attention over it
-        self._work = torch.empty(0)
+        self._attentions = LayerAttentions()
 
     @property
     def slots(self) -> int:
@@ -115,23 +113,15 @@ class ContiguousStore(Store):
     def fused_attention(self, where: ContiguousWrite, layer, lo, hi, group: int):
         """This layer's writes and attention in place for the fused decode layer, where the
         store is this class itself in exact codes on the CPU (a subclass places and reads
-        otherwise). The C job over each layer's tensors is built once per allocation."""
+        otherwise): each row is a block of the C job's table."""
         if type(self) is not ContiguousStore or self._inexact:
             return None
-        keys, values = self.keys[layer][0], self.values[layer][0]
-        cached = self._cached[layer] if layer < len(self._cached) else None
-        if cached is None or not cached.holds(keys, values):
-            if not (CachedAttention.serves(keys, values) and _indices(where, lo, hi)):
-                return None
-            floats = CachedAttention.work_floats(keys, group)
-            if self._work.numel() < floats:  # one buffer for all layers: they run in turn
-                self._work = torch.empty(floats, dtype=torch.float32)
-            cached = CachedAttention(keys, values, group, self._work)
-            self._cached += [None] * (layer + 1 - len(self._cached))
-            self._cached[layer] = cached
-        elif not _indices(where, lo, hi):
+        keys, values, rows = self.keys[layer][0], self.values[layer][0], where.rows
+        address = self._attentions.at(layer, keys, values, group, rows, lo, hi)
+        slots = where.slots
+        if address is None or slots.dtype != torch.int64 or not slots.is_contiguous():
             return None
-        return cached.at(where.rows, lo, hi), where.slots, cached.dtype
+        return address, rows, slots, keys.dtype
 
     def read(self, layer, slots):
         return self.decoded(self.keys[layer], self.key_codec, slots), self.decoded(
@@ -158,16 +148,3 @@ class ContiguousStore(Store):
                 per_row = parts_bytes(layers) // (len(lengths) * layers[0].shape[2])
                 used += per_row * sum(n // span for n in lengths)
         return used
-
-
-def _indices(where: ContiguousWrite, lo: torch.Tensor, hi: torch.Tensor) -> bool:
-    """Whether the step's slots (B, 1), row table (B, 1) and bounds (B,) are the int64
-    contiguous arrays the C side reads."""
-    slots, rows, int64 = where.slots, where.rows, torch.int64
-    return (  # plain conditions: asked once a layer
-        slots.dtype == rows.dtype == lo.dtype == hi.dtype == int64
-        and slots.is_contiguous()
-        and rows.is_contiguous()
-        and lo.is_contiguous()
-        and hi.is_contiguous()
-    )

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache.base import RowState, at_least, nbytes
+from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.stores.base import Store, parts_bytes
 from kvlab.cache.stores.blocks import BlockPool
 from kvlab.kernels import Segment
+from kvlab.kernels.attention_c import LayerAttentions
 
 
 @dataclass
@@ -61,6 +63,7 @@ class PagedStore(Store):
         self.tokens: list[list[int]] = []  # token ids per row, for the prefix hash chain
         self.slots = 0
         self.serving = False  # the pool is a serving budget: it never grows
+        self._attentions = LayerAttentions()  # the fused decode layer's (fused_attention)
 
     # ---- layout --------------------------------------------------------------------------
     def _block_layout(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -89,6 +92,7 @@ class PagedStore(Store):
 
         self.keys = [make() for _ in range(s.num_layers)]
         self.values = [make() for _ in range(s.num_layers)]
+        self._attentions = LayerAttentions()
         extras = [((blocks + 1, *shape), t) for shape, t in self.block_extras]
         self.extras = [[zeros(*extra) for extra in extras] for _ in range(s.num_layers)]
 
@@ -254,6 +258,21 @@ class PagedStore(Store):
         for parts, new in ((self.keys[layer], k), (self.values[layer], v)):
             for pool, value in zip(parts, self.codec.encode(new), strict=True):
                 pool[where.blocks, :, where.slots] = value.transpose(1, 2)
+
+    def fused_attention(self, where: PagedWrite, layer, lo, hi, group: int):
+        """This layer's writes and attention in place for the fused decode layer, where the
+        pool holds exact rows on the CPU: the step's rows go to their blocks and slots, the
+        job reads through the row tables."""
+        if type(self.codec) is not Exact:
+            return None
+        keys, values = self.keys[layer][0], self.values[layer][0]
+        address = self._attentions.at(layer, keys, values, group, self.table, lo, hi)
+        blocks, slots = where.blocks, where.slots
+        if address is None or not (blocks.is_contiguous() and slots.is_contiguous()):
+            return None
+        if blocks.dtype != torch.int64 or slots.dtype != torch.int64:
+            return None
+        return address, blocks, slots, keys.dtype
 
     def segment(self, where, layer, queries, lo, hi, ring=0) -> Segment:
         keys = self.codec.stored(self.keys[layer])
