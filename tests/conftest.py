@@ -95,6 +95,16 @@ def tiny_llama(tiny_checkpoints):
     return model
 
 
+@pytest.fixture
+def layers_op_by_op(monkeypatch):
+    """Decoder layers run op by op, so every decode step goes through ``cache.attend`` (for
+    tests that hook it): the fused layer would take a cache's writes and attention into
+    its own C call, which test_fused_layer.py checks against ``attend`` bit for bit."""
+    from kvlab.models import llama
+
+    monkeypatch.setattr(llama, "fused_plan", lambda layer: None)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default model (fp32, CPU) and its tokenizer."""

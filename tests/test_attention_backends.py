@@ -222,7 +222,7 @@ def fp32_history_bytes(model, tokens: int) -> int:
 
 
 @pytest.mark.parametrize("name", sorted(set(SETTINGS) - {"nocache"}))
-def test_a_decode_step_writes_no_copy_of_the_history(tiny_llama, name):
+def test_a_decode_step_writes_no_copy_of_the_history(tiny_llama, name, layers_op_by_op):
     """400 more tokens of history add almost nothing to what a decode step writes on the
     CPU path: no dequantized copy, no re-copy of the cache (the C kernel's partials grow by
     one chunk per 256 tokens). Quest gathers and scores its page summaries each step (min
@@ -237,7 +237,7 @@ def test_a_decode_step_writes_no_copy_of_the_history(tiny_llama, name):
 
 
 @pytest.mark.parametrize("name", ["full", "int4"])
-def test_the_byte_count_sees_a_dequantized_history(tiny_llama, name):
+def test_the_byte_count_sees_a_dequantized_history(tiny_llama, name, layers_op_by_op):
     """The reference path copies every slot to fp32: the bound above fails it."""
     growth = decode_step_bytes(tiny_llama, name, 440, "reference")
     growth -= decode_step_bytes(tiny_llama, name, 40, "reference")

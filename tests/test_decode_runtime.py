@@ -273,7 +273,8 @@ def kivi_dequantized(x: torch.Tensor, bits: int, group: int, residual: int, axis
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("axis", ["channel", "token"])
 @pytest.mark.parametrize("residual", [6, 0])
-def test_kivi_decode_equals_dequantize_then_attend(tiny_llama, bits, axis, residual):
+def test_kivi_decode_equals_dequantize_then_attend(tiny_llama, bits, axis, residual,
+                                                   layers_op_by_op):  # fmt: skip
     """Residual 6 with groups of 4 (residual % group != 0), and no residual (a decode token
     that completes a group is encoded in its own step): decode over codes + exact ring
     gives the attention of dequantize-then-attend, every layer, every step."""
@@ -368,7 +369,7 @@ def test_every_strategy_has_a_runtime_setting():
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
-def test_attend_makes_no_host_round_trip(tiny_llama, name):
+def test_attend_makes_no_host_round_trip(tiny_llama, name, layers_op_by_op):
     cache = build_cache(name, tiny_llama.cache_spec(), SETTINGS[name])
     attend = cache.attend
 

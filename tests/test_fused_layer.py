@@ -115,18 +115,22 @@ def test_a_copied_model_plans_its_own_fused_layers(tiny_checkpoints):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("cache", "options", "in_c"),
-    [("full", {}, True), ("paged", {"block_size": 4}, True), ("int4", {"group_size": 8}, False),
+    [("full", {}, True), ("paged", {"block_size": 4}, True),
+     ("int4", {"group_size": 4, "residual": 2}, True),
+     ("int8", {"group_size": 4, "residual": 0, "key_axis": "token"}, True),
      ("paged", {"kv_bits": 4, "kv_group_size": 8}, False), ("full", {"rotate": "hadamard"}, False),
      ("quest", {}, False)],
 )  # fmt: skip
 def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     dtype, cache, options, in_c, tiny_checkpoints, monkeypatch
 ):
-    """``full`` and ``paged`` (keep_all over the contiguous or the paged store, exact) hand
-    their writes and attention to the layer's C call (paged: blocks of 4, so a step crosses
-    into new blocks); other stores, codecs, rotation and policies that extend keep_all
-    attend through the cache. Either way the logits are the op-by-op layer's, bit
-    for bit, also when a second generation of another batch size re-plans the cache."""
+    """``full``, ``paged`` and KIVI's ``int4``/``int8`` (keep_all over the contiguous, the
+    paged or the staged store) hand their writes and attention to the layer's C call
+    (paged: blocks of 4, so a step crosses into new blocks; KIVI: groups of 4 with a short
+    residual, so decode steps read codes and close groups); paged token codes, rotation and
+    policies that extend keep_all attend through the cache. Either way the logits are the
+    op-by-op layer's, bit for bit, also when a second generation of another batch size
+    re-plans the cache."""
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)
     taken = []
     original = fused_layer.FusedDecode._with_cached_attention
@@ -146,3 +150,18 @@ def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
                          (PROMPTS, PROMPTS[:2])]  # fmt: skip
     for got, want in zip(sum(fused, []), sum(reference, []), strict=True):
         assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_fused_layer_kernel_leaves_the_attention_to_a_pinned_backend(tiny_checkpoints, monkeypatch):
+    """A backend pinned with ``use_backend`` (the reference, the GPU ones on CPU tensors)
+    serves the attention: the fused layer does not take it into its C call."""
+    from kvlab.kernels import attention
+
+    model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
+    taken = []
+    monkeypatch.setattr(fused_layer.FusedDecode, "_with_cached_attention",
+                        lambda self, *args: taken.append(args))  # fmt: skip
+    with torch.inference_mode(), attention.use_backend("reference"):
+        decode_logits(model, 2)
+    assert not taken

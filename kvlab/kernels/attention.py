@@ -35,7 +35,8 @@ BACKENDS = ("auto", "c", "gpu", "flex", "triton", "reference")
 _pinned = ["auto"]
 
 __all__ = [
-    "BACKENDS", "Segment", "Stored", "decode_attention", "kernel_available", "per_head_index",
+    "BACKENDS", "Segment", "Stored", "c_kernel_allowed", "decode_attention", "kernel_available",
+    "per_head_index",
     "reference_attention", "segment_backends", "unpack_nibbles", "use_backend",
 ]  # fmt: skip
 
@@ -51,6 +52,13 @@ def use_backend(name: str):
         yield
     finally:
         _pinned[0] = previous
+
+
+def c_kernel_allowed() -> bool:
+    """Whether decode attention may run kvlab's C kernel on CPU tensors: no other backend is
+    pinned (:func:`use_backend`). The fused decode layer asks before it takes a cache's
+    attention into its own C call."""
+    return _pinned[0] in ("auto", "c")
 
 
 def decode_attention(segments: list[Segment], scale: float, out_dtype: torch.dtype):

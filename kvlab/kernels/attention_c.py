@@ -207,38 +207,48 @@ class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
     _fields_ = [
         ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("s_b", ctypes.c_int64),
         ("s_h", ctypes.c_int64), ("s_s", ctypes.c_int64), ("blocks", ctypes.c_int64),
-        ("slots", ctypes.c_int64), ("job", ctypes.c_void_p), ("queries", ctypes.c_void_p),
+        ("slots", ctypes.c_int64), ("jobs", ctypes.c_void_p), ("n_jobs", ctypes.c_int64),
+        ("queries", ctypes.c_void_p),
     ]  # fmt: skip
 
 
 class CachedAttention:
-    """One layer's decode attention over keys and values held exactly and in place (blocks,
-    H_kv, slots, D): a contiguous store's rows or a paged store's pool, read through a
-    block table. For the fused decode layer (``kvlab_layer_decode_in``), which writes the
-    step's rows, widens the queries into :attr:`queries` and runs the job, all in C. Built
-    once per allocation: a step only points the job at its table, bounds and work buffer
-    (:meth:`at`). The values are :func:`c_attention`'s over the same segment."""
+    """One layer's decode step in a cache, for the fused decode layer
+    (``kvlab_layer_decode_in``), which writes the step's rows, widens the queries into
+    :attr:`queries` and runs the jobs, all in C: the step's keys and values go exactly into
+    ``written`` (keys, values: (blocks, H_kv, slots, D)), and each of ``reads`` (keys,
+    values as :class:`Stored`, ring) is one decode job through a block table (a contiguous
+    store's rows, a paged store's pool, a KIVI store's codes and exact ring). Built once per
+    allocation: a step only points the jobs at its tables and bounds and at a work buffer
+    (:meth:`at`). The values are :func:`c_attention`'s over the same segments."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, batch: int, group: int):
+    def __init__(self, written, reads: list[tuple[Stored, Stored, int]], batch: int, group: int):
+        keys, values = written
         blocks, heads, slots, dim = keys.shape
-        self.tensors = (keys, values)  # kept alive: the structs point into them
+        self.tensors = _tensors(written, reads)  # kept alive: the structs point into them
+        self.pointers = tuple(t.data_ptr() for t in self.tensors)
         self.queries = torch.empty(batch, heads, group, dim, dtype=torch.float32)
-        self.dtype = keys.dtype
-        self.job = _Job()
-        nowhere = torch.zeros(batch, 1, dtype=torch.int64)  # table and bounds: at() sets them
-        item = (self.queries, keys, None, None, values, None, None, nowhere, nowhere[:, 0],
-                nowhere[:, 0], [0, 0, 0, 0, 0, 0, 0])  # fmt: skip
-        _fill_job(self.job, item, self.queries.data_ptr(), dim**-0.5, (0, 0, 0), nowhere, 0)
+        self.dtype, self.rings = keys.dtype, [ring for _, _, ring in reads]
+        self.block_sizes = [k.data.shape[2] for k, _, _ in reads]
+        self.jobs = (_Job * len(reads))()
+        nowhere = torch.zeros(batch, 1, dtype=torch.int64)  # tables and bounds: at() sets them
+        for job, (k, v, ring) in zip(self.jobs, reads, strict=True):
+            config = [FORMATS[k.format], k.bits, k.group, FORMATS[v.format], v.bits, v.group, ring]
+            item = (self.queries, k.data, k.scale, k.zero, v.data, v.scale, v.zero, nowhere,
+                    nowhere[:, 0], nowhere[:, 0], config)  # fmt: skip
+            _fill_job(job, item, self.queries.data_ptr(), dim**-0.5, (0, 0, 0), nowhere, 0)
         self.struct = _CachedAttention(
             keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], blocks, slots,
-            ctypes.addressof(self.job), self.queries.data_ptr(),
+            ctypes.addressof(self.jobs), len(reads), self.queries.data_ptr(),
         )  # fmt: skip
         self.address = ctypes.addressof(self.struct)
 
     @staticmethod
-    def serves(keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Whether keys and values fit it: fp32 or bf16 CPU tensors of one shape, dtype and
-        strides, rows contiguous, head_dim <= 256, the kernel built."""
+    def serves(written, reads: list[tuple[Stored, Stored, int]]) -> bool:
+        """Whether the tensors fit it: written keys and values fp32 or bf16 CPU tensors of
+        one shape, dtype and strides, rows contiguous, head_dim <= 256; every read store
+        one the C kernel reads; the kernel built."""
+        keys, values = written
         return (
             keys.is_cpu
             and keys.dtype in (torch.float32, torch.bfloat16)
@@ -247,65 +257,94 @@ class CachedAttention:
             and values.stride() == keys.stride()
             and keys.stride(-1) == 1
             and keys.shape[-1] <= MAX_HEAD_DIM
+            and all(_store_applies(k) and _store_applies(v) for k, v, _ in reads)
+            and all(k.data.is_cpu and v.data.is_cpu for k, v, _ in reads)
             and kernel_available()
         )
 
-    def holds(self, keys: torch.Tensor, values: torch.Tensor, batch: int) -> bool:
-        """Whether it was built over these very tensors, still where they were, for
-        ``batch`` rows."""
-        mine = self.tensors
+    def holds(self, written, reads, batch: int) -> bool:
+        """Whether it was built over these tensors, still where they were, for ``batch``
+        rows."""
+        tensors = _tensors(written, reads)
         return (
-            mine[0] is keys
-            and mine[1] is values
-            and keys.data_ptr() == self.struct.keys
-            and values.data_ptr() == self.struct.values
+            len(tensors) == len(self.pointers)
+            and all(t.data_ptr() == p for t, p in zip(tensors, self.pointers, strict=True))
             and self.queries.shape[0] == batch
         )
 
-    def work_floats(self, table: torch.Tensor) -> int:
-        """The work buffer (fp32 values) a step over block table ``table`` (B, n) needs."""
-        batch, heads, group, dim = self.queries.shape
-        n_chunks = -(-table.shape[1] * self.tensors[0].shape[2] // CHUNK)
-        return batch * heads * n_chunks * group * (dim + 2)
+    def chunks(self, bounds) -> list[int]:
+        """Each job's chunks over its block table (``bounds``: (table, lo, hi) per job)."""
+        return [
+            -(-(ring or table.shape[1] * size) // CHUNK)
+            for (table, _, _), ring, size in zip(bounds, self.rings, self.block_sizes, strict=True)
+        ]
 
-    def at(self, table, lo, hi, work: torch.Tensor) -> int:
-        """The struct's address, its job over block table ``table`` (B, n) and the logical
-        tokens [lo[b], hi[b]) of each row (int64, contiguous), its partial results in
-        ``work`` (:meth:`work_floats` at least)."""
-        job, n_chunks = self.job, -(-table.shape[1] * self.tensors[0].shape[2] // CHUNK)
-        job.table, job.lo, job.hi = table.data_ptr(), lo.data_ptr(), hi.data_ptr()
-        job.table_stride, job.n_chunks, job.partial_total = table.stride(0), n_chunks, n_chunks
-        rows = job.B * job.H * n_chunks * job.G
-        job.m = work.data_ptr()
-        job.l, job.o = job.m + 4 * rows, job.m + 8 * rows
+    def work_floats(self, bounds) -> int:
+        """The work buffer (fp32 values) a step over ``bounds`` needs."""
+        batch, heads, group, dim = self.queries.shape
+        return batch * heads * sum(self.chunks(bounds)) * group * (dim + 2)
+
+    def at(self, bounds, work: torch.Tensor) -> int:
+        """The struct's address, job i over ``bounds[i]``: its block table (B, n) and the
+        logical tokens [lo[b], hi[b]) of each row (int64, contiguous); their partial
+        results in ``work`` (:meth:`work_floats` at least)."""
+        chunks = self.chunks(bounds)
+        total, offset = sum(chunks), 0
+        batch, heads, group, _ = self.queries.shape
+        rows, base = batch * heads * total * group, work.data_ptr()
+        for job, (table, lo, hi), n_chunks in zip(self.jobs, bounds, chunks, strict=True):
+            job.table, job.lo, job.hi = table.data_ptr(), lo.data_ptr(), hi.data_ptr()
+            job.table_stride, job.n_chunks = table.stride(0), n_chunks
+            job.partial_offset, job.partial_total = offset, total
+            job.m, job.l, job.o = base, base + 4 * rows, base + 8 * rows
+            offset += n_chunks
         return self.address
+
+
+def _tensors(written, reads) -> list[torch.Tensor]:
+    """Every tensor a cached attention points into, in a fixed order."""
+    parts = [t for k, v, _ in reads for s in (k, v) for t in (s.data, s.scale, s.zero)]
+    return [*written, *(t for t in parts if t is not None)]
 
 
 class LayerAttentions:
     """A store's :class:`CachedAttention` per layer, built on first use and again when the
-    layer's tensors move, and the work buffer they share (layers run in turn)."""
+    layer's tensors move or the batch changes, and the work buffer they share (layers run
+    in turn)."""
 
     def __init__(self):
         self.layers: list[CachedAttention | None] = []
         self.work = torch.empty(0)
 
-    def at(self, layer: int, keys, values, group: int, table, lo, hi) -> int | None:
-        """The address of ``layer``'s attention over ``keys``/``values`` this step (see
-        :meth:`CachedAttention.at`), or None where the tensors do not fit it."""
-        batch = lo.shape[0]
+    def at(self, layer: int, written, reads, group: int, bounds) -> int | None:
+        """The address of ``layer``'s cached attention this step (see
+        :class:`CachedAttention`; ``bounds``: (table, lo, hi) per read), or None where the
+        tensors do not fit it."""
+        batch = bounds[0][1].shape[0]
         cached = self.layers[layer] if layer < len(self.layers) else None
-        if cached is None or not cached.holds(keys, values, batch):
-            if not (CachedAttention.serves(keys, values) and _indices(table, lo, hi)):
+        if not all(_indices(*b) for b in bounds):
+            return None
+        if cached is None or not cached.holds(written, reads, batch):
+            if not CachedAttention.serves(written, reads):
                 return None
-            cached = CachedAttention(keys, values, batch, group)
+            cached = CachedAttention(written, reads, batch, group)
             self.layers += [None] * (layer + 1 - len(self.layers))
             self.layers[layer] = cached
-        elif not _indices(table, lo, hi):
-            return None
-        floats = cached.work_floats(table)
+        floats = cached.work_floats(bounds)
         if self.work.numel() < floats:
             self.work = torch.empty(floats, dtype=torch.float32)
-        return cached.at(table, lo, hi, self.work)
+        return cached.at(bounds, self.work)
+
+    def fused(self, layer: int, written, reads, group: int, bounds, blocks, slots):
+        """What a store's ``fused_attention`` returns: (address, blocks, slots, dtype), the
+        step's rows going to slot ``slots[b]`` of block ``blocks[b]`` (int64, (B, 1)) of
+        ``written``; None where something does not fit."""
+        address = self.at(layer, written, reads, group, bounds)
+        if address is None or blocks.dtype != torch.int64 or slots.dtype != torch.int64:
+            return None
+        if not (blocks.is_contiguous() and slots.is_contiguous()):
+            return None
+        return address, blocks, slots, written[0].dtype
 
 
 def _indices(table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:

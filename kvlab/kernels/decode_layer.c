@@ -116,15 +116,17 @@ void kvlab_layer_out(const void *activation, const void *mid, int bf16, int64_t 
   add(mid, scratch, bf16, M, down_proj->out_features, y);
 }
 
-/* Where a cache keeps a layer's keys and values exactly, in place, for the whole layer in
- * one call (kvlab.kernels.attention_c.CachedAttention): the layer's key and value tensors
- * (blocks, H_kv, slots, D) in the model dtype (a contiguous store's blocks are its rows, a
- * paged store's its pool), strides in elements (the same for both), the decode attention
- * job over them (decode_attention.c's Job) and the fp32 queries it reads. */
+/* A cache's writes and attention for one layer, for the whole layer in one call
+ * (kvlab.kernels.attention_c.CachedAttention): the tensors (blocks, H_kv, slots, D) the
+ * step's keys and values are written to exactly, in the model dtype (a contiguous store's
+ * blocks are its rows, a paged store's its pool, a KIVI store's its exact ring), strides
+ * in elements (the same for both); the decode attention jobs over what the cache holds
+ * (decode_attention.c's Job, one per segment) and the fp32 queries they read. */
 typedef struct {
   void *keys, *values;
   int64_t s_b, s_h, s_s, blocks, slots;
-  const void *job;
+  const void *jobs;
+  int64_t n_jobs;
   float *queries;
 } CachedAttention;
 
@@ -161,7 +163,7 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
     for (int64_t i = 0; i < heads * dim; i++)
       c->queries[m * heads * dim + i] = value_at(rotated, bf16, m * width + i);
   }
-  kvlab_decode_attention(c->job, 1, out, bf16);
+  kvlab_decode_attention(c->jobs, (int)c->n_jobs, out, bf16);
 }
 
 /* A layer's decode step up to its SwiGLU activation, attention included, where the cache

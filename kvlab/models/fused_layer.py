@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvlab.kernels.attention import c_kernel_allowed
 from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
 from kvlab.kernels.linear import MAX_ROWS, DecodeLinear, is_bf16
 from kvlab.quant.rtn import Int4Linear, Int8Linear
@@ -177,7 +178,7 @@ class FusedDecode:
 
     def __call__(self, x: torch.Tensor, rope, cache, step) -> torch.Tensor:
         """The layer's output (B, 1, hidden) for x (B, 1, hidden)."""
-        cached = cache.fused_attention(step, self.layer)
+        cached = cache.fused_attention(step, self.layer) if c_kernel_allowed() else None
         if cached is not None and cached[3] == self.dtype:
             return self._with_cached_attention(x, rope, *cached[:3])
         batch, dtype, bf16, hidden = x.shape[0], self.dtype, self.bf16, self.hidden

@@ -14,7 +14,7 @@ from kvlab.cache.base import RowState, nbytes, rows_of
 from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import Store, parts_bytes
-from kvlab.kernels import Segment
+from kvlab.kernels import Segment, Stored
 from kvlab.kernels.attention_c import LayerAttentions
 
 
@@ -117,11 +117,10 @@ class ContiguousStore(Store):
         if type(self) is not ContiguousStore or self._inexact:
             return None
         keys, values, rows = self.keys[layer][0], self.values[layer][0], where.rows
-        address = self._attentions.at(layer, keys, values, group, rows, lo, hi)
-        slots = where.slots
-        if address is None or slots.dtype != torch.int64 or not slots.is_contiguous():
-            return None
-        return address, rows, slots, keys.dtype
+        return self._attentions.fused(
+            layer, (keys, values), [(Stored(keys), Stored(values), 0)], group,
+            [(rows, lo, hi)], rows, where.slots,
+        )  # fmt: skip
 
     def read(self, layer, slots):
         return self.decoded(self.keys[layer], self.key_codec, slots), self.decoded(

@@ -19,7 +19,7 @@ from kvlab.cache.base import RowState, at_least, nbytes
 from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.stores.base import Store, parts_bytes
 from kvlab.cache.stores.blocks import BlockPool
-from kvlab.kernels import Segment
+from kvlab.kernels import Segment, Stored
 from kvlab.kernels.attention_c import LayerAttentions
 
 
@@ -266,13 +266,10 @@ class PagedStore(Store):
         if type(self.codec) is not Exact:
             return None
         keys, values = self.keys[layer][0], self.values[layer][0]
-        address = self._attentions.at(layer, keys, values, group, self.table, lo, hi)
-        blocks, slots = where.blocks, where.slots
-        if address is None or not (blocks.is_contiguous() and slots.is_contiguous()):
-            return None
-        if blocks.dtype != torch.int64 or slots.dtype != torch.int64:
-            return None
-        return address, blocks, slots, keys.dtype
+        return self._attentions.fused(
+            layer, (keys, values), [(Stored(keys), Stored(values), 0)], group,
+            [(self.table, lo, hi)], where.blocks, where.slots,
+        )  # fmt: skip
 
     def segment(self, where, layer, queries, lo, hi, ring=0) -> Segment:
         keys = self.codec.stored(self.keys[layer])
