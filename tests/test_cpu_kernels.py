@@ -99,7 +99,8 @@ def test_a_loaded_model_runs_the_kernel_the_probe_chose(tiny_checkpoints, dtype)
     if len(choice["applicable"]) > 1 and not choice.get("forced"):
         assert set(choice["decode_ms"]) == set(choice["applicable"])
         fastest = min(choice["decode_ms"], key=choice["decode_ms"].get)
-        assert choice["kernel"] in {fastest, "plain"}
+        default = "kvlab" if "kvlab" in choice["applicable"] else "plain"
+        assert choice["kernel"] in {fastest, default}
     model, _ = load_model(str(tiny_checkpoints["smollm"]), dtype)
     linear_types = nn.Linear | PrepackedLinear | DecodeLinear  # what each candidate installs
     kernels = {type(m) for m in model.modules() if isinstance(m, linear_types)}
@@ -120,13 +121,14 @@ def test_a_loaded_model_runs_the_kernel_the_probe_chose(tiny_checkpoints, dtype)
 
 
 def test_a_choice_is_timed_again_and_each_kernel_keeps_its_best(tmp_path, monkeypatch):
-    """A first timing under load picks the slower kernel, even by a wide margin; the next
-    loads time again (up to RETIMINGS), keep each kernel's fastest time and correct the
-    choice; after that the choice is read from the cache without timing."""
+    """A first timing under load can decide against kvlab's kernel by a wide margin; the
+    next loads time again (up to RETIMINGS), keep each kernel's fastest time and decide
+    again (kvlab's kernel unless another is FUSED_MARGIN faster); after that the choice is
+    read from the cache without timing."""
     from kvlab.models import cpu_kernels
 
     timings = iter(
-        [{"plain": 10.0, "kvlab": 14.0}, {"plain": 9.0, "kvlab": 7.0}, {"plain": 9.5, "kvlab": 8}]
+        [{"plain": 5.0, "kvlab": 14.0}, {"plain": 9.0, "kvlab": 7.0}, {"plain": 9.5, "kvlab": 8}]
     )
     calls = []
 
@@ -149,12 +151,12 @@ def test_a_choice_is_timed_again_and_each_kernel_keeps_its_best(tmp_path, monkey
 
     try:
         first = load()
-        assert first["kernel"] == "plain" and first["timings"] == 1  # 40% apart, under load
+        assert first["kernel"] == "plain" and first["timings"] == 1  # 64% apart, under load
         second = load()
-        assert second["decode_ms"] == {"plain": 9.0, "kvlab": 7.0} and second["timings"] == 2
-        assert second["kernel"] == "kvlab"
+        assert second["decode_ms"] == {"plain": 5.0, "kvlab": 7.0} and second["timings"] == 2
+        assert second["kernel"] == "kvlab"  # plain's 5 ms: not FUSED_MARGIN ahead of 7 ms
         third = load()
-        assert third["decode_ms"] == {"plain": 9.0, "kvlab": 7.0} and third["timings"] == 3
+        assert third["decode_ms"] == {"plain": 5.0, "kvlab": 7.0} and third["timings"] == 3
         assert load() == third and len(calls) == 3  # settled: read, not timed
     finally:
         linear_kernel.cache_clear()

@@ -9,7 +9,10 @@ does, never by its vendor. Every candidate gives ``F.linear``'s outputs (tests p
 
 A decode step is memory-bound, so where more than one candidate applies each one is timed
 for one row over a stack of weights larger than the last-level cache (the bytes a decode
-step streams), and the fastest wins (``plain`` unless another is ``MARGIN`` faster). The
+step streams), and the fastest wins: kvlab's kernel unless another is ``FUSED_MARGIN``
+faster (only kvlab's kernels let a decoder layer's decode step run in C,
+:mod:`kvlab.models.fused_layer`, which the timed stack cannot show), else ``plain`` unless
+another is ``MARGIN`` faster. The
 choice is cached per CPU (model and flags), threads, torch version and kernel build under
 ``$KVLAB_CACHE/kernel_choice`` and recorded in result.json; it is timed again on the next
 loads (up to ``RETIMINGS`` timings, each kernel's fastest kept), so one timing taken while
@@ -40,11 +43,12 @@ from kvlab.quant.packing import block_int4
 
 KERNELS = ("plain", "onednn", "kvlab")
 MARGIN = 0.05  # a candidate replaces the plain layer only when this much faster
-# ... and replaces kvlab's int4 kernel only when this much faster: kvlab's layout also lets
-# a decoder layer's step run in C (kvlab.models.fused_layer), which the timed stack cannot
-# show. Zen4, 2026-12-03, int4 weights at 1024 tokens: PyTorch's kernel timed 12% faster
-# on the stack (3.9 vs 4.4 ms) while a decode step took 11.6-12.4 ms on it against 6.4-8.1
-# on kvlab's (the same run; the 5% margin had chosen PyTorch's)
+# ... and replaces kvlab's kernel only when this much faster: kvlab's kernels also let a
+# decoder layer's step run in C (kvlab.models.fused_layer: the cache's attention inside,
+# Python per step 4.1 -> 0.7 ms), which the timed stack cannot show. Zen4, 2026-12-03:
+# PyTorch's int4 kernel timed 12% faster on the stack (3.9 vs 4.4 ms) while a decode step
+# took 11.6-12.4 ms on it against 6.4-8.1 on kvlab's, 1024 tokens, the same run; oneDNN's
+# bf16 layers timed 6% faster (9.5 vs 10.1 ms) and were chosen, and bf16 decoded op by op
 FUSED_MARGIN = 0.4
 RETIMINGS = 3  # a choice is timed on this many loads (each kernel's best kept), then cached
 TIMED_ELEMENTS = 128 * 2**20  # 512 MiB of fp32 weights (256 MiB bf16) per timing pass
@@ -133,10 +137,9 @@ def int4_kernel() -> dict:
     :func:`linear_kernel` decides: ``plain`` (PyTorch's ``_weight_int4pack_mm_for_cpu``) or
     ``kvlab`` (``gemv_int4.c``), timed on a stack of int4 weights (groups of 32, bf16 rows,
     scales and offsets, as ``quant=rtn_int4_g32_asym`` runs them). kvlab's kernel is kept
-    unless PyTorch's is ``FUSED_MARGIN`` faster: it also lets a decoder layer's decode step run
-    in C (:mod:`kvlab.models.fused_layer`), which saves more than the timed stack shows."""
+    unless PyTorch's is ``FUSED_MARGIN`` faster, as everywhere."""
     applicable = applicable_kernels(torch.int8)  # the same candidates as int8 weights
-    return _choose("int4", applicable, _time_int4_kernels, default="kvlab")
+    return _choose("int4", applicable, _time_int4_kernels)
 
 
 @functools.cache
@@ -147,7 +150,7 @@ def int8_kernel() -> dict:
     return _choose("int8", applicable_kernels(torch.int8), _time_int8_kernels)
 
 
-def _choose(name: str, applicable: list[str], timer, default: str = "plain") -> dict:
+def _choose(name: str, applicable: list[str], timer) -> dict:
     """The choice among ``applicable`` kernels for weights ``name``: forced, the only one,
     cached, or timed by ``timer(kernels) -> {kernel: ms}`` (see the module docstring)."""
     forced = os.environ.get("KVLAB_CPU_LINEAR")
@@ -161,12 +164,12 @@ def _choose(name: str, applicable: list[str], timer, default: str = "plain") -> 
         choice = {"kernel": "plain", "applicable": applicable, "decode_ms": {}}
         choice |= {"few_rows_kernel": "plain", "few_rows_ms": {}}
     else:
-        choice = _timed_choice(name, applicable, timer, default)
+        choice = _timed_choice(name, applicable, timer)
     _CHOSEN[name] = choice
     return choice
 
 
-def _timed_choice(name: str, applicable: list[str], timer, default: str) -> dict:
+def _timed_choice(name: str, applicable: list[str], timer) -> dict:
     path = _choice_path(name, applicable)
     cached = json.loads(path.read_text()) if path.exists() else None
     if cached is not None and cached.get("timings", 1) >= RETIMINGS:
@@ -179,7 +182,7 @@ def _timed_choice(name: str, applicable: list[str], timer, default: str) -> dict
         times = _best(times, cached["decode_ms"])
         few_times = _best(few_times, cached.get("few_rows_ms", {}))
         timings += cached.get("timings", 1)
-    kernel = _fastest(times, default if default in times else "plain")
+    kernel = _fastest(times)
     choice = {"kernel": kernel, "applicable": applicable, "decode_ms": times}
     choice |= {"few_rows_kernel": _few_rows_kernel(kernel, few_times), "few_rows_ms": few_times}
     choice["timings"] = timings
@@ -192,11 +195,11 @@ def _best(times: dict[str, float], cached: dict[str, float]) -> dict[str, float]
     return {kernel: min(t, cached.get(kernel, t)) for kernel, t in times.items()}
 
 
-def _fastest(times: dict[str, float], default: str = "plain") -> str:
-    """The fastest kernel where it beats ``default`` by ``MARGIN`` (kvlab's: by
-    ``FUSED_MARGIN``), else ``default``."""
+def _fastest(times: dict[str, float]) -> str:
+    """The fastest kernel where it beats the default by its margin, else the default:
+    kvlab's kernel by ``FUSED_MARGIN`` where it was timed, else ``plain`` by ``MARGIN``."""
+    default, margin = ("kvlab", FUSED_MARGIN) if "kvlab" in times else ("plain", MARGIN)
     best = min(times, key=times.get)
-    margin = FUSED_MARGIN if default == "kvlab" else MARGIN
     return best if times[best] < (1 - margin) * times[default] else default
 
 
@@ -214,7 +217,7 @@ def _few_rows_kernel(one_row: str, few_times: dict[str, float]) -> str:
 def _choice_path(name: str, applicable: list[str]) -> Path:
     parts = (cpu_identity(), str(torch.get_num_threads()), torch.__version__,
              library_identity(), name, ",".join(applicable),
-             f"{TIMED_ELEMENTS}{TIMED_SHAPES}{MARGIN}{FUSED_MARGIN}")  # fmt: skip
+             f"{TIMED_ELEMENTS}{TIMED_SHAPES}{MARGIN}{FUSED_MARGIN}, kvlab first")  # fmt: skip
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return cache_dir() / "kernel_choice" / f"{name}-{key}.json"
 
