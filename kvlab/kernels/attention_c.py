@@ -279,16 +279,16 @@ class CachedAttention:
             for (table, _, _), ring, size in zip(bounds, self.rings, self.block_sizes, strict=True)
         ]
 
-    def work_floats(self, bounds) -> int:
-        """The work buffer (fp32 values) a step over ``bounds`` needs."""
+    def work_floats(self, chunks: list[int]) -> int:
+        """The work buffer (fp32 values) jobs of ``chunks`` (:meth:`chunks`) need."""
         batch, heads, group, dim = self.queries.shape
-        return batch * heads * sum(self.chunks(bounds)) * group * (dim + 2)
+        return batch * heads * sum(chunks) * group * (dim + 2)
 
-    def at(self, bounds, work: torch.Tensor) -> int:
+    def at(self, bounds, chunks: list[int], work: torch.Tensor) -> int:
         """The struct's address, job i over ``bounds[i]``: its block table (B, n) and the
-        logical tokens [lo[b], hi[b]) of each row (int64, contiguous); their partial
-        results in ``work`` (:meth:`work_floats` at least)."""
-        chunks = self.chunks(bounds)
+        logical tokens [lo[b], hi[b]) of each row (int64, contiguous), in ``chunks[i]``
+        chunks (:meth:`chunks`); their partial results in ``work`` (:meth:`work_floats` at
+        least)."""
         total, offset = sum(chunks), 0
         batch, heads, group, _ = self.queries.shape
         rows, base = batch * heads * total * group, work.data_ptr()
@@ -322,7 +322,7 @@ class LayerAttentions:
         tensors do not fit it."""
         batch = bounds[0][1].shape[0]
         cached = self.layers[layer] if layer < len(self.layers) else None
-        if not all(_indices(*b) for b in bounds):
+        if not all(_index_applies(t) for b in bounds for t in b):
             return None
         if cached is None or not cached.holds(written, reads, batch):
             if not CachedAttention.serves(written, reads):
@@ -330,29 +330,17 @@ class LayerAttentions:
             cached = CachedAttention(written, reads, batch, group)
             self.layers += [None] * (layer + 1 - len(self.layers))
             self.layers[layer] = cached
-        floats = cached.work_floats(bounds)
+        chunks = cached.chunks(bounds)
+        floats = cached.work_floats(chunks)
         if self.work.numel() < floats:
             self.work = torch.empty(floats, dtype=torch.float32)
-        return cached.at(bounds, self.work)
+        return cached.at(bounds, chunks, self.work)
 
     def fused(self, layer: int, written, reads, group: int, bounds, blocks, slots):
         """What a store's ``fused_attention`` returns: (address, blocks, slots, dtype), the
         step's rows going to slot ``slots[b]`` of block ``blocks[b]`` (int64, (B, 1)) of
         ``written``; None where something does not fit."""
+        if not (_index_applies(blocks) and _index_applies(slots)):
+            return None
         address = self.at(layer, written, reads, group, bounds)
-        if address is None or blocks.dtype != torch.int64 or slots.dtype != torch.int64:
-            return None
-        if not (blocks.is_contiguous() and slots.is_contiguous()):
-            return None
-        return address, blocks, slots, written[0].dtype
-
-
-def _indices(table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> bool:
-    """Whether a step's block table (B, n) and bounds (B,) are the int64 arrays the C side
-    reads (rows of the table contiguous)."""
-    return (  # plain conditions: asked once a layer
-        table.dtype == lo.dtype == hi.dtype == torch.int64
-        and table.stride(-1) == 1
-        and lo.is_contiguous()
-        and hi.is_contiguous()
-    )
+        return None if address is None else (address, blocks, slots, written[0].dtype)

@@ -5,11 +5,12 @@ product and residual in a third. The op-by-op layer pays ~40 torch ops and wrapp
 a layer (~100 us of Python and dispatch on these CPUs: ~3 ms a step of a 30-layer model);
 the values are the same (the C code rounds as those ops round, see the C file).
 
-Where the cache holds the layer's keys and values exactly and in place (keep_all over the
-contiguous store, ``full``, or the paged one, ``paged``) it hands its writes and attention over as C
-(``KVCache.fused_attention``), and the first two calls become one, the cache's writes and
-the attention kernel inside it: ~60 us of Python a layer (the store's indexed writes,
-segments, backend checks, job structs) down to the two calls and the activation.
+Where the cache writes the step's keys and values exactly and attends in place (keep_all
+over the contiguous, paged or KIVI store: ``full``, ``paged``, ``int8``/``int4``/``int2``)
+it hands its writes and attention over as C (``KVCache.fused_attention``), and the first
+two calls become one, the cache's writes and the attention kernel inside it: ~60 us of
+Python a layer (the store's indexed writes, segments, backend checks, job structs) down to
+the two calls and the activation.
 
 It serves layers whose four linears run a kvlab matrix-vector kernel at this row count
 (:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16; ``Int8Linear`` and
