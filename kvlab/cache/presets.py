@@ -16,7 +16,8 @@ from kvlab.cache.policies.keep_all import KeepAll
 from kvlab.cache.policies.merged_heads import MergedHeads, MergedHeadsOptions
 from kvlab.cache.policies.pooled import Pooled
 from kvlab.cache.policies.quest import Quest, QuestOptions
-from kvlab.cache.policies.window import Window, WindowOptions
+from kvlab.cache.policies.window import Window
+from kvlab.cache.policies.window_options import WindowOptions
 from kvlab.cache.pooled.options import PooledOptions
 from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.cache.stores.paged import PagedOptions, PagedStore
