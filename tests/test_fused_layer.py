@@ -153,6 +153,53 @@ def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("cache", "options", "in_c"),
+    [("compressed", {"csa_ratio": 2, "hca_ratio": 3, "window": 4, "sinks": 1, "top_k": 2},
+      "some"),
+     ("compressed", {"schedule": ["csa", "window"], "csa_ratio": 2, "window": 3, "top_k": 0},
+      "some"),
+     ("sliding", {"window": 4, "sinks": 1}, "all"),
+     ("compressed", {"csa_ratio": 2, "hca_ratio": 3, "window": 4, "gate": "attention"}, "none"),
+     ("compressed", {"csa_ratio": 2, "hca_ratio": 3, "window": 4, "proportional": True},
+      "none"),
+     ("sliding", {"window": 4, "sinks": 1, "positions": "cache"}, "none")],
+)  # fmt: skip
+def test_fused_layer_kernel_attends_over_windows_and_pooled_entries_in_c(
+    dtype, cache, options, in_c, tiny_checkpoints, monkeypatch
+):
+    """The window policy and DeepSeek-V4's pooling layers hand their decode steps to the
+    layer's C call: the ring's write and read, the raw buffers' writes, the entries and
+    CSA's top-k (ratio 2 over up to 14 tokens: 7 entries, 2 chosen per KV head), except on
+    the steps a layer pools a window, which go through the cache (``in_c``: which layer
+    steps take the C call; "none": the attention gate buffers queries, proportional
+    attention weighs entries, cache positions rotate queries). The logits are the
+    op-by-op layer's, bit for bit, over 8 decode steps and a second generation of another
+    batch size."""
+    model = with_decode_linears(tiny_checkpoints["llama"], dtype)
+    runs = ([PROMPTS[0]], [PROMPTS[0], PROMPTS[2][:4]])  # rows of even lengths pool together
+    taken = []
+    original = fused_layer.FusedDecode._with_cached_attention
+
+    def counted(self, *args):
+        taken.append(self.layer)
+        return original(self, *args)
+
+    monkeypatch.setattr(fused_layer.FusedDecode, "_with_cached_attention", counted)
+    with torch.inference_mode():
+        fused = [decode_logits(model, 8, cache, prompts, **options) for prompts in runs]
+        with monkeypatch.context() as patch:
+            patch.setattr(llama, "fused_plan", lambda layer: None)
+            reference = [decode_logits(model, 8, cache, prompts, **options) for prompts in runs]
+    every = len(model.layers) * 2 * 7  # layer steps of both generations' decode steps
+    assert {"all": len(taken) == every, "some": 0 < len(taken) < every,
+            "none": not taken}[in_c]  # fmt: skip
+    for got, want in zip(sum(fused, []), sum(reference, []), strict=True):
+        assert torch.equal(got, want)
+
+
+@needs_kernel
 def test_fused_layer_kernel_leaves_the_attention_to_a_pinned_backend(tiny_checkpoints, monkeypatch):
     """A backend pinned with ``use_backend`` (the reference, the GPU ones on CPU tensors)
     serves the attention: the fused layer does not take it into its C call."""

@@ -48,7 +48,7 @@ class _Store(ctypes.Structure):
     ]  # fmt: skip
 
 
-class _Job(ctypes.Structure):
+class JobStruct(ctypes.Structure):
     _fields_ = [
         ("q", ctypes.c_void_p), ("k", _Store), ("v", _Store), ("table", ctypes.c_void_p),
         ("table_stride", ctypes.c_int64), ("block_size", ctypes.c_int64),
@@ -74,20 +74,20 @@ def c_kernel_applies(s: Segment) -> bool:
     return (
         s.q.device.type == "cpu"
         and s.q.shape[-1] <= MAX_HEAD_DIM
-        and _store_applies(s.keys)
-        and _store_applies(s.values)
-        and _index_applies(s.table)
-        and _index_applies(s.lo)
-        and _index_applies(s.hi)
+        and store_applies(s.keys)
+        and store_applies(s.values)
+        and index_applies(s.table)
+        and index_applies(s.lo)
+        and index_applies(s.hi)
         and kernel_available()
     )
 
 
-def _index_applies(t: torch.Tensor) -> bool:
+def index_applies(t: torch.Tensor) -> bool:
     return t.dtype == torch.int64 and t.is_contiguous()
 
 
-def _store_applies(st: Stored) -> bool:
+def store_applies(st: Stored) -> bool:
     if st.data.stride(-1) != 1:
         return False
     if st.format == "fp":
@@ -173,10 +173,10 @@ def _attend(items: list[tuple], scale: float, bf16: bool) -> torch.Tensor:
     chunks = [_n_chunks(item[7], item[1].shape[2], item[10][6]) for item in items]
     rows, total = batch * heads * sum(chunks) * group, sum(chunks)
     work = torch.empty(rows * (dim + 2), dtype=torch.float32)  # maxima, sums, outputs
-    jobs, offset = (_Job * len(items))(), 0
+    jobs, offset = (JobStruct * len(items))(), 0
     queries = [item[0].float().contiguous() for item in items]
     for job, item, query, n_chunks in zip(jobs, items, queries, chunks, strict=True):
-        _fill_job(job, item, query.data_ptr(), scale, (n_chunks, offset, total), work, rows)
+        fill_job(job, item, query.data_ptr(), scale, (n_chunks, offset, total), work, rows)
         offset += n_chunks
     out = torch.empty(batch, heads, group, dim, dtype=torch.bfloat16 if bf16 else torch.float32)
     kernel("kvlab_decode_attention", POINTER, INT, POINTER, INT)(
@@ -185,7 +185,7 @@ def _attend(items: list[tuple], scale: float, bf16: bool) -> torch.Tensor:
     return out
 
 
-def _fill_job(job: _Job, item: tuple, query: int, scale: float, partials, work, rows: int):
+def fill_job(job: JobStruct, item: tuple, query: int, scale: float, partials, work, rows: int):
     """``job`` for one segment (``item``, see :func:`_item`) with its queries at address
     ``query`` (fp32, (B, H_kv, G, D)); ``partials``: its chunks, their offset among all
     jobs' and the total; ``work``: the partial results' buffer of ``rows`` rows."""
@@ -201,146 +201,3 @@ def _fill_job(job: _Job, item: tuple, query: int, scale: float, partials, work, 
     job.partial_total = total
     job.m = work.data_ptr()
     job.l, job.o = job.m + 4 * rows, job.m + 8 * rows
-
-
-class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
-    _fields_ = [
-        ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("s_b", ctypes.c_int64),
-        ("s_h", ctypes.c_int64), ("s_s", ctypes.c_int64), ("blocks", ctypes.c_int64),
-        ("slots", ctypes.c_int64), ("jobs", ctypes.c_void_p), ("n_jobs", ctypes.c_int64),
-        ("queries", ctypes.c_void_p),
-    ]  # fmt: skip
-
-
-class CachedAttention:
-    """One layer's decode step in a cache, for the fused decode layer
-    (``kvlab_layer_decode_in``), which writes the step's rows, widens the queries into
-    :attr:`queries` and runs the jobs, all in C: the step's keys and values go exactly into
-    ``written`` (keys, values: (blocks, H_kv, slots, D)), and each of ``reads`` (keys,
-    values as :class:`Stored`, ring) is one decode job through a block table (a contiguous
-    store's rows, a paged store's pool, a KIVI store's codes and exact ring). Built once per
-    allocation: a step only points the jobs at its tables and bounds and at a work buffer
-    (:meth:`at`). The values are :func:`c_attention`'s over the same segments."""
-
-    def __init__(self, written, reads: list[tuple[Stored, Stored, int]], batch: int, group: int):
-        keys, values = written
-        blocks, heads, slots, dim = keys.shape
-        self.tensors = _tensors(written, reads)  # kept alive: the structs point into them
-        self.pointers = tuple(t.data_ptr() for t in self.tensors)
-        self.queries = torch.empty(batch, heads, group, dim, dtype=torch.float32)
-        self.dtype, self.rings = keys.dtype, [ring for _, _, ring in reads]
-        self.block_sizes = [k.data.shape[2] for k, _, _ in reads]
-        self.jobs = (_Job * len(reads))()
-        nowhere = torch.zeros(batch, 1, dtype=torch.int64)  # tables and bounds: at() sets them
-        for job, (k, v, ring) in zip(self.jobs, reads, strict=True):
-            config = [FORMATS[k.format], k.bits, k.group, FORMATS[v.format], v.bits, v.group, ring]
-            item = (self.queries, k.data, k.scale, k.zero, v.data, v.scale, v.zero, nowhere,
-                    nowhere[:, 0], nowhere[:, 0], config)  # fmt: skip
-            _fill_job(job, item, self.queries.data_ptr(), dim**-0.5, (0, 0, 0), nowhere, 0)
-        self.struct = _CachedAttention(
-            keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], blocks, slots,
-            ctypes.addressof(self.jobs), len(reads), self.queries.data_ptr(),
-        )  # fmt: skip
-        self.address = ctypes.addressof(self.struct)
-
-    @staticmethod
-    def serves(written, reads: list[tuple[Stored, Stored, int]]) -> bool:
-        """Whether the tensors fit it: written keys and values fp32 or bf16 CPU tensors of
-        one shape, dtype and strides, rows contiguous, head_dim <= 256; every read store
-        one the C kernel reads; the kernel built."""
-        keys, values = written
-        return (
-            keys.is_cpu
-            and keys.dtype in (torch.float32, torch.bfloat16)
-            and values.dtype == keys.dtype
-            and values.shape == keys.shape
-            and values.stride() == keys.stride()
-            and keys.stride(-1) == 1
-            and keys.shape[-1] <= MAX_HEAD_DIM
-            and all(_store_applies(k) and _store_applies(v) for k, v, _ in reads)
-            and all(k.data.is_cpu and v.data.is_cpu for k, v, _ in reads)
-            and kernel_available()
-        )
-
-    def holds(self, written, reads, batch: int) -> bool:
-        """Whether it was built over these tensors, still where they were, for ``batch``
-        rows."""
-        tensors = _tensors(written, reads)
-        return (
-            len(tensors) == len(self.pointers)
-            and all(t.data_ptr() == p for t, p in zip(tensors, self.pointers, strict=True))
-            and self.queries.shape[0] == batch
-        )
-
-    def chunks(self, bounds) -> list[int]:
-        """Each job's chunks over its block table (``bounds``: (table, lo, hi) per job)."""
-        return [
-            -(-(ring or table.shape[1] * size) // CHUNK)
-            for (table, _, _), ring, size in zip(bounds, self.rings, self.block_sizes, strict=True)
-        ]
-
-    def work_floats(self, chunks: list[int]) -> int:
-        """The work buffer (fp32 values) jobs of ``chunks`` (:meth:`chunks`) need."""
-        batch, heads, group, dim = self.queries.shape
-        return batch * heads * sum(chunks) * group * (dim + 2)
-
-    def at(self, bounds, chunks: list[int], work: torch.Tensor) -> int:
-        """The struct's address, job i over ``bounds[i]``: its block table (B, n) and the
-        logical tokens [lo[b], hi[b]) of each row (int64, contiguous), in ``chunks[i]``
-        chunks (:meth:`chunks`); their partial results in ``work`` (:meth:`work_floats` at
-        least)."""
-        total, offset = sum(chunks), 0
-        batch, heads, group, _ = self.queries.shape
-        rows, base = batch * heads * total * group, work.data_ptr()
-        for job, (table, lo, hi), n_chunks in zip(self.jobs, bounds, chunks, strict=True):
-            job.table, job.lo, job.hi = table.data_ptr(), lo.data_ptr(), hi.data_ptr()
-            job.table_stride, job.n_chunks = table.stride(0), n_chunks
-            job.partial_offset, job.partial_total = offset, total
-            job.m, job.l, job.o = base, base + 4 * rows, base + 8 * rows
-            offset += n_chunks
-        return self.address
-
-
-def _tensors(written, reads) -> list[torch.Tensor]:
-    """Every tensor a cached attention points into, in a fixed order."""
-    parts = [t for k, v, _ in reads for s in (k, v) for t in (s.data, s.scale, s.zero)]
-    return [*written, *(t for t in parts if t is not None)]
-
-
-class LayerAttentions:
-    """A store's :class:`CachedAttention` per layer, built on first use and again when the
-    layer's tensors move or the batch changes, and the work buffer they share (layers run
-    in turn)."""
-
-    def __init__(self):
-        self.layers: list[CachedAttention | None] = []
-        self.work = torch.empty(0)
-
-    def at(self, layer: int, written, reads, group: int, bounds) -> int | None:
-        """The address of ``layer``'s cached attention this step (see
-        :class:`CachedAttention`; ``bounds``: (table, lo, hi) per read), or None where the
-        tensors do not fit it."""
-        batch = bounds[0][1].shape[0]
-        cached = self.layers[layer] if layer < len(self.layers) else None
-        if not all(_index_applies(t) for b in bounds for t in b):
-            return None
-        if cached is None or not cached.holds(written, reads, batch):
-            if not CachedAttention.serves(written, reads):
-                return None
-            cached = CachedAttention(written, reads, batch, group)
-            self.layers += [None] * (layer + 1 - len(self.layers))
-            self.layers[layer] = cached
-        chunks = cached.chunks(bounds)
-        floats = cached.work_floats(chunks)
-        if self.work.numel() < floats:
-            self.work = torch.empty(floats, dtype=torch.float32)
-        return cached.at(bounds, chunks, self.work)
-
-    def fused(self, layer: int, written, reads, group: int, bounds, blocks, slots):
-        """What a store's ``fused_attention`` returns: (address, blocks, slots, dtype), the
-        step's rows going to slot ``slots[b]`` of block ``blocks[b]`` (int64, (B, 1)) of
-        ``written``; None where something does not fit."""
-        if not (_index_applies(blocks) and _index_applies(slots)):
-            return None
-        address = self.at(layer, written, reads, group, bounds)
-        return None if address is None else (address, blocks, slots, written[0].dtype)

@@ -117,17 +117,38 @@ void kvlab_layer_out(const void *activation, const void *mid, int bf16, int64_t 
 }
 
 /* A cache's writes and attention for one layer, for the whole layer in one call
- * (kvlab.kernels.attention_c.CachedAttention): the tensors (blocks, H_kv, slots, D) the
+ * (kvlab.kernels.cached_attention.CachedAttention): the tensors (blocks, H_kv, slots, D) the
  * step's keys and values are written to exactly, in the model dtype (a contiguous store's
  * blocks are its rows, a paged store's its pool, a KIVI store's its exact ring), strides
  * in elements (the same for both); the decode attention jobs over what the cache holds
- * (decode_attention.c's Job, one per segment) and the fp32 queries they read. */
+ * (decode_attention.c's Job, one per segment) and the fp32 queries they read.
+ * Optionally (NULL: none) a second, `raw` write of the keys before RoPE and the values,
+ * row m to its block m at slot raw_at[m] (a pooling layer's buffers), and a `select`ion:
+ * a top-k of entries per (row, KV head) written into a job's table before the jobs run
+ * (a CSA layer's indexer, indexer.c). */
+typedef struct {
+  const void *keys;
+  int32_t bf16;
+  int64_t s_row, s_head, s_slot;
+  const int64_t *seen, *base;
+  int64_t top_k;
+  int64_t *table;
+} Selection;
+
+typedef struct {
+  void *keys, *values;
+  int64_t s_b, s_h, s_s, blocks, slots;
+  const int64_t *at;
+} RawWrite;
+
 typedef struct {
   void *keys, *values;
   int64_t s_b, s_h, s_s, blocks, slots;
   const void *jobs;
   int64_t n_jobs;
   float *queries;
+  const RawWrite *raw;
+  const Selection *select;
 } CachedAttention;
 
 /* The layer's own pointers and shapes (kvlab.models.fused_layer.FusedDecode). */
@@ -139,30 +160,55 @@ typedef struct {
 } LayerPlan;
 
 void kvlab_decode_attention(const void *jobs, int n_jobs, void *out, int out_bf16);
+void kvlab_top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_t G, int64_t D,
+                         const void *keys, int k_bf16, int64_t s_row, int64_t s_head,
+                         int64_t s_slot, const int64_t *seen, const int64_t *base,
+                         int64_t top_k, int64_t *out);
+
+/* Row m's kv heads at slot `slot` of block `block` of keys and values (strides s_*), from
+ * `keys` and `values` (M, kv, dim) rows of widths key_width and value_width; a place outside
+ * the tensors (the store's error, refused before the layers) is not written. */
+static void write_row(void *keys, void *values, const int64_t *strides, int64_t blocks,
+                      int64_t slots, int64_t block, int64_t slot, const char *key,
+                      const char *value, int64_t kv, int64_t dim, int64_t size) {
+  if (block < 0 || block >= blocks || slot < 0 || slot >= slots) return;
+  for (int64_t j = 0; j < kv; j++) {
+    const int64_t at = (block * strides[0] + j * strides[1] + slot * strides[2]) * size;
+    memcpy((char *)keys + at, key + j * dim * size, dim * size);
+    memcpy((char *)values + at, value + j * dim * size, dim * size);
+  }
+}
 
 /* Row m's new keys (rotated heads heads..heads + kv_heads - 1) and values (the last
- * kv_heads heads of qkv) written at slot slots[m] of block blocks[m] (a place outside the
- * tensors is the store's error, refused before the layers; it is not written); the queries
- * (the first `heads` rotated heads) widened into the job's buffer; then the attention, out
- * (M, heads * dim) in the model dtype. */
+ * kv_heads heads of qkv) written at slot slots[m] of block blocks[m], and before RoPE to
+ * the raw write if any; the queries (the first `heads` rotated heads) widened into the
+ * job's buffer; the selection if any; then the attention, out (M, heads * dim) in the
+ * model dtype. */
 static void attend_cached(const CachedAttention *c, const LayerPlan *p, const void *rotated,
                           const void *qkv, int bf16, int64_t M, const int64_t *blocks,
                           const int64_t *slots, void *out) {
   const int64_t heads = p->heads, kv = p->kv_heads, dim = p->dim, size = bf16 ? 2 : 4;
   const int64_t width = (heads + kv) * dim, qkv_width = (heads + 2 * kv) * dim;
+  const int64_t strides[3] = {c->s_b, c->s_h, c->s_s};
+  const RawWrite *r = c->raw;
   for (int64_t m = 0; m < M; m++) {
-    if (blocks[m] < 0 || blocks[m] >= c->blocks || slots[m] < 0 || slots[m] >= c->slots)
-      continue;
-    for (int64_t j = 0; j < kv; j++) {
-      const int64_t at = (blocks[m] * c->s_b + j * c->s_h + slots[m] * c->s_s) * size;
-      memcpy((char *)c->keys + at, (const char *)rotated + (m * width + (heads + j) * dim) * size,
-             dim * size);
-      memcpy((char *)c->values + at, (const char *)qkv + (m * qkv_width + width + j * dim) * size,
-             dim * size);
+    const char *key = (const char *)rotated + (m * width + heads * dim) * size;
+    const char *raw_key = (const char *)qkv + (m * qkv_width + heads * dim) * size;
+    const char *value = raw_key + kv * dim * size;
+    write_row(c->keys, c->values, strides, c->blocks, c->slots, blocks[m], slots[m], key,
+              value, kv, dim, size);
+    if (r) {
+      const int64_t raw_strides[3] = {r->s_b, r->s_h, r->s_s};
+      write_row(r->keys, r->values, raw_strides, r->blocks, r->slots, m, r->at[m], raw_key,
+                value, kv, dim, size);
     }
     for (int64_t i = 0; i < heads * dim; i++)
       c->queries[m * heads * dim + i] = value_at(rotated, bf16, m * width + i);
   }
+  const Selection *s = c->select;
+  if (s)
+    kvlab_top_k_entries(c->queries, 0, M * kv, kv, heads / kv, dim, s->keys, s->bf16, s->s_row,
+                        s->s_head, s->s_slot, s->seen, s->base, s->top_k, s->table);
   kvlab_decode_attention(c->jobs, (int)c->n_jobs, out, bf16);
 }
 

@@ -15,12 +15,14 @@ import torch
 
 from kvlab.cache.base import Step, row_bounds
 from kvlab.cache.policies.base import Policy
-from kvlab.cache.policies.window import Window, WindowOptions, WindowStep
+from kvlab.cache.policies.window import Window, WindowStep
+from kvlab.cache.policies.window_options import WindowOptions
 from kvlab.cache.pooled import calibration
+from kvlab.cache.pooled.decode import decode_segments, fused_attention
 from kvlab.cache.pooled.layer import PooledLayer, TopK, memory_lines
 from kvlab.cache.pooled.plan import plan_pooling
 from kvlab.cache.pooled.pooling import attend_entries
-from kvlab.cache.rows import decode_output, grouped
+from kvlab.cache.rows import decode_output
 from kvlab.kernels import decode_attention
 from kvlab.kernels.attention import per_head_index
 
@@ -90,19 +92,20 @@ class Pooled(Policy):
         start, end = row_bounds(lengths, info)
         window_step = self.window.plan(info, lengths, store, static) if self.window else None
         batch, steps = info.positions.shape
+        kernel = info.steps == 1 and not self.options.proportional  # decode through segments
         mask = torch.zeros(batch, 1, steps, 0, dtype=torch.bool, device=start.device)
-        if window_step is not None:
+        if window_step is not None and not kernel:  # (masks: only attend_entries reads them)
             mask = self.window.visible(window_step, store)
         step = PooledStep(info, start, end, mask, window_step)
         step.tables = torch.arange(len(lengths), device=start.device)[:, None]
         step.origin = torch.zeros_like(start)
         ends = [n + k for n, k in zip(lengths, info.num_new, strict=True)]
         behind = self.options.entries_behind()
-        kernel = step.decode and not self.options.proportional
         for pooled in self.layers.values():
             key, pool = pooled.geometry, pooled.pool
             if key not in step.plans:
                 read = pooled.slots if static else max(n // pool.ratio for n in ends)
+                read = None if kernel else read
                 step.plans[key] = plan_pooling(info, lengths, (start, end), pool, read, behind)
                 if kernel and pool.top_k and pooled.slots - 1 > pool.top_k:
                     seen = step.plans[key].seen
@@ -120,7 +123,7 @@ class Pooled(Policy):
         pooling = (plan, q, k_raw, v, step.info.rope.inv_freq, torch.compiler.is_compiling())
         if step.decode and not self.options.proportional:
             pooled.pool_step(*pooling)
-            segments = self._decode_segments(step, store, layer, pooled, q, k, v)
+            segments = decode_segments(step, store, layer, pooled, self.window, q, k, v)
             return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
         if self.window is not None:
             window = (*self.window.context(step.window_step, store, layer, k, v), step.window)
@@ -131,18 +134,15 @@ class Pooled(Policy):
         bias = math.log(pool.ratio) if self.options.proportional else 0.0
         return attend_entries(q, (keys, values, plan.visible), window, pool.top_k, bias)
 
-    def _decode_segments(self, step: PooledStep, store, layer, pooled: PooledLayer, q, k, v):
-        """Entries and exact window in place, one softmax; top-k: k entries per KV head."""
-        queries = grouped(q, self.spec.num_kv_heads)
-        window = []
-        if self.window is not None:
-            window = self.window.decode_segments(step.window_step, store, layer, q, k, v)
-        key = pooled.geometry
-        if key not in step.top_k:
-            seen = step.plans[key].seen
-            return [pooled.segment(queries, step.tables, step.origin, seen), *window]
-        picked = pooled.top_k_segment(queries, pooled.pool.top_k, step.top_k[key])
-        return [picked, *(w.per_head(step.window_heads) for w in window)]
+    def fused_attention(self, step: PooledStep, store, layer):
+        pooled, window = self.layers.get(layer), self.window
+        if pooled is None or window is None:  # a window's layer, or no window
+            return (
+                None if window is None else window.fused_attention(step.window_step, store, layer)
+            )
+        if not step.decode or self.options.proportional:
+            return None
+        return fused_attention(step, store, layer, pooled, window)
 
     def end(self, step: PooledStep, store) -> None:
         if step.window_step is not None:

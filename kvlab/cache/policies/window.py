@@ -1,13 +1,12 @@
 """``window``: attention sinks + a sliding window (StreamingLLM, Xiao et al., arXiv 2309.17453).
 
 Keeps the first ``sinks`` tokens and the ``window`` most recent ones in ``sinks + window``
-slots (+1 trash slot for padding): sinks in place, the rest cycling, so memory is bounded
-whatever the length. A query attends to the sinks and the ``window`` most recent tokens
-including itself, whether the prompt comes in one pass, in chunks or token by token, so
-``window`` >= length is exactly ``keep_all``. Decode writes the token, then reads every
-filled slot in place; multi-token steps attend over [slots | new tokens] under the window
-mask. ``positions="cache"``: StreamingLLM's positions within the cache
-(:mod:`.cache_positions`), so generation can run past the trained context.
+slots (+1 trash slot for padding): sinks in place, the rest cycling, so memory is bounded.
+A query attends to the sinks and the ``window`` most recent tokens including itself,
+however the prompt comes, so ``window`` >= length is exactly ``keep_all``. Decode writes
+the token, then reads every filled slot in place (in the fused layer's C call where it
+can); longer steps attend over [slots | new tokens] under the window mask.
+``positions="cache"``: StreamingLLM's positions within the cache (:mod:`.cache_positions`).
 """
 
 from __future__ import annotations
@@ -17,30 +16,13 @@ from typing import Any
 
 import torch
 
-from kvlab.cache.base import Step, at_least, row_bounds, sdpa
+from kvlab.cache.base import Step, row_bounds, sdpa
 from kvlab.cache.masks import visible
 from kvlab.cache.policies.base import Policy
 from kvlab.cache.policies.cache_positions import cache_rotation, sink_attention, sink_segments
 from kvlab.cache.rows import decode_output, grouped
 from kvlab.kernels import Segment, decode_attention
 from kvlab.models.rope import RotaryTables
-
-POSITIONS = ("original", "cache")
-
-
-@dataclass
-class WindowOptions:
-    sinks: int = 4
-    window: int = 1024
-    positions: str = "original"  # "cache": StreamingLLM's positions within the cache
-    rollback: int = 0  # ring slots beyond the window, never attended: speculation's rollback
-
-    def __post_init__(self) -> None:
-        if self.positions not in POSITIONS:
-            raise ValueError(
-                f"cache.options.positions={self.positions!r} is invalid; allowed: {POSITIONS}"
-            )
-        at_least(self, sinks=0, window=1, rollback=0)
 
 
 @dataclass
@@ -111,6 +93,13 @@ class Window(Policy):
             return sdpa(q, keys, values, mask=step.mask)
         held = torch.cat([store.slot_pos, step.positions], dim=1)  # (B, L)
         return sink_attention(q, keys, values, step.mask, held, self.options.sinks, step.to_cache)
+
+    def fused_attention(self, step: WindowStep, store, layer):
+        """A plain decode (no cache positions, no margin): the filled slots in place."""
+        if not step.decode or step.to_cache is not None or self.options.rollback:
+            return None
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        return store.fused_attention(step.where, layer, step.origin, step.filled, group)
 
     def decode_segments(self, step: WindowStep, store, layer: int, q, k, v) -> list[Segment]:
         """Store a decode step's k/v (B, H_kv, 1, D) and return what its queries read: the

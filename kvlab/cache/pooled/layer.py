@@ -17,6 +17,7 @@ from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import parts_bytes
 from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.kernels import Segment
+from kvlab.kernels.cached_attention import LayerAttentions
 from kvlab.kernels.indexer import top_k_table
 
 
@@ -43,6 +44,7 @@ class TopK:
     base: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
+    table: torch.Tensor  # (B * H_kv, top_k), for the fused layer's indexer to fill
 
 
 class PooledLayer:
@@ -53,10 +55,14 @@ class PooledLayer:
         self.pool, self.spec = pool, spec
         self.entries = EntryStore(dataclasses.replace(spec, num_layers=1), codec, pool)
         self.raw = self.queries = None
+        self.attentions = LayerAttentions()  # the fused decode layer's (pooled/decode.py)
+        self.fused_reads: tuple = (None,)  # pooled/decode.py's parts, by their addresses
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         s, pool = self.spec, self.pool
         self.entries.allocate(batch_size, max_tokens)
+        self.attentions = LayerAttentions()
+        self.fused_reads = (None,)
         self.raw = self._zeros(2, batch_size, s.num_kv_heads, pool.span + 1, s.head_dim)
         if pool.gate == "attention":
             self.queries = self._zeros(batch_size, s.num_heads, pool.observed + 1, s.head_dim)
@@ -154,7 +160,8 @@ class PooledLayer:
         hidden = (torch.arange(slots, device=seen.device) >= seen[:, None])[:, None]
         pairs = torch.arange(seen.shape[0] * heads, device=seen.device)[:, None]
         hi = seen.clamp(max=top_k).repeat_interleave(heads)
-        return TopK(seen, hidden, pairs * slots, origin.repeat_interleave(heads), hi)
+        table = torch.empty(len(hi), top_k, dtype=torch.int64, device=seen.device)
+        return TopK(seen, hidden, pairs * slots, origin.repeat_interleave(heads), hi, table)
 
 
 def memory_lines(layers: list[PooledLayer]) -> dict[str, int]:

@@ -46,7 +46,8 @@ class PoolingPlan:
     """Whether any row ``pools`` in this step, the M candidate ``windows`` (B, M) of each
     row, which ``closes``, their ``slots`` (B, M, span) and where those come from; where
     the new tokens (and queries) are buffered; the entries each query sees (``visible``
-    (B, 1, T, N)) and, for a decode query, how many (``seen`` (B,))."""
+    (B, 1, T, N); None where the decode kernels need only ``seen``) and, for a decode
+    query, how many (``seen`` (B,))."""
 
     pools: bool
     windows: torch.Tensor
@@ -54,19 +55,24 @@ class PoolingPlan:
     slots: torch.Tensor
     sources: Sources
     buffer_slots: torch.Tensor
-    visible: torch.Tensor
+    visible: torch.Tensor | None
     seen: torch.Tensor
     query_sources: Sources | None = None
     query_slots: torch.Tensor | None = None
 
 
 def plan_pooling(
-    info: StepInfo, lengths: list[int], bounds: tuple, pool: LayerPooling, read: int, behind: int
+    info: StepInfo,
+    lengths: list[int],
+    bounds: tuple,
+    pool: LayerPooling,
+    read: int | None,
+    behind: int,
 ) -> PoolingPlan:
     """The plan of rows holding ``lengths`` tokens, ``bounds`` (start, end) (B,) on the
     device: at most ceil(T / ratio) windows close per row (rows that close fewer write into
-    the trash entry); ``read`` entries are attended over; entries become visible ``behind``
-    tokens after their window closes."""
+    the trash entry); ``read`` entries are attended over (None: no ``visible`` mask);
+    entries become visible ``behind`` tokens after their window closes."""
     start, end = bounds
     steps, device = info.steps, start.device
     count = -(-steps // pool.ratio)
@@ -82,7 +88,7 @@ def plan_pooling(
         slots=slots,
         sources=Sources(slots, start, pool.span, steps),
         buffer_slots=_ring_slots(positions, real, end, pool.span),
-        visible=visible_entries(info.positions, read, pool.ratio, behind),
+        visible=None if read is None else visible_entries(info.positions, read, pool.ratio, behind),
         seen=(end - behind).clamp(min=0) // pool.ratio,
     )
     if pool.gate == "attention":

@@ -107,7 +107,7 @@ class Store(ABC):
     def fused_attention(self, where: Any, layer: int, lo, hi, group: int):
         """A decode step's writes and attention for ``layer`` as one C description the fused
         decode layer runs (``(address, blocks, slots, dtype)``, see
-        :class:`~kvlab.kernels.attention_c.CachedAttention`), where this store holds the
+        :class:`~kvlab.kernels.cached_attention.CachedAttention`), where this store holds the
         layer exactly and in place; None (the default) where it cannot: then the policy's
         :meth:`write` and :meth:`segments` serve the step. ``lo``/``hi`` (B,): the logical
         slots attended; ``group``: query heads per KV head."""

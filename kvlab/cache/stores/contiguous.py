@@ -15,7 +15,7 @@ from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import Store, parts_bytes
 from kvlab.kernels import Segment, Stored
-from kvlab.kernels.attention_c import LayerAttentions
+from kvlab.kernels.cached_attention import LayerAttentions
 
 
 @dataclass
@@ -114,13 +114,27 @@ class ContiguousStore(Store):
         """This layer's writes and attention in place for the fused decode layer, where the
         store is this class itself in exact codes on the CPU (a subclass places and reads
         otherwise): each row is a block of the C job's table."""
-        if type(self) is not ContiguousStore or self._inexact:
+        if type(self) is not ContiguousStore:
             return None
-        keys, values, rows = self.keys[layer][0], self.values[layer][0], where.rows
+        return self.fused_in_place(where, layer, lo, hi, group)
+
+    def fused_in_place(self, where: ContiguousWrite, layer, lo, hi, group: int):
+        """:meth:`fused_attention` of a store that writes ``layer`` slot by slot through
+        ``where`` and reads slots [lo, hi) of each row in place; None in other codecs."""
+        parts = self.exact_parts(layer)
+        if parts is None:
+            return None
+        keys, values = parts
+        rows = where.rows
         return self._attentions.fused(
-            layer, (keys, values), [(Stored(keys), Stored(values), 0)], group,
-            [(rows, lo, hi)], rows, where.slots,
+            layer, parts, [(Stored(keys), Stored(values), 0)], group, [(rows, lo, hi)], rows,
+            where.slots,
         )  # fmt: skip
+
+    def exact_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``layer``'s keys and values (B, H_kv, slots, D) where both codecs are exact (one
+        part each, in the model's dtype), else None."""
+        return None if self._inexact else (self.keys[layer][0], self.values[layer][0])
 
     def read(self, layer, slots):
         return self.decoded(self.keys[layer], self.key_codec, slots), self.decoded(

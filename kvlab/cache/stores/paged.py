@@ -20,7 +20,7 @@ from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.stores.base import Store, parts_bytes
 from kvlab.cache.stores.blocks import BlockPool
 from kvlab.kernels import Segment, Stored
-from kvlab.kernels.attention_c import LayerAttentions
+from kvlab.kernels.cached_attention import LayerAttentions
 
 
 @dataclass

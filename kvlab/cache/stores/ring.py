@@ -81,6 +81,12 @@ class RingStore(ContiguousStore):
         first = self.segment(where, layer, queries, 0 * end, end.clamp(max=sinks), 0, slice(sinks))
         return [first, ring]
 
+    def fused_attention(self, where: RingWrite, layer, lo, hi, group: int):
+        """Slots [lo, hi) of each row in place, written as the contiguous store writes."""
+        if type(self) is not RingStore:
+            return None
+        return self.fused_in_place(where, layer, lo, hi, group)
+
     def place(self, lengths, info, slots, real) -> RingWrite:
         """``slots`` are the new tokens' positions; ``real`` those the ring keeps."""
         rows = torch.arange(len(lengths), device=slots.device)[:, None]  # (B, 1)
