@@ -28,7 +28,8 @@ from kvlab.tracking import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "kvlab/kernels"
-CASES = ("fp32", "bf16", "kivi8", "kivi4", "tokens4")  # kivi: channel keys, token values
+CASES = ("fp32", "bf16", "kivi8", "kivi4", "tokens4", "topk")  # kivi: channel keys, token values
+# topk: CSA's decode, each KV head over the top half of ``tokens`` entries, a block a slot
 
 
 def sources(spec: str, into: Path) -> Path:
@@ -59,6 +60,8 @@ def compiled(folder: Path, out: Path) -> ctypes.CDLL:
 
 def layer(case: str, tokens: int) -> Segment:
     k, v, q = torch.randn(1, 3, tokens, 64), torch.randn(1, 3, tokens, 64), torch.randn(1, 3, 3, 64)
+    if case == "topk":
+        return top_half(q, k, v)
     if case in ("fp32", "bf16"):
         dtype = torch.float32 if case == "fp32" else torch.bfloat16
         keys, values = Stored(k.to(dtype)), Stored(v.to(dtype))
@@ -70,6 +73,16 @@ def layer(case: str, tokens: int) -> Segment:
         values = Stored(*_first(TokenCodes(bits, 32).encode(v), "token_codes", bits, 32))
     table, lo, hi = torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0]), torch.tensor([tokens])
     return Segment(q, keys, values, table, lo, hi)
+
+
+def top_half(q, k, v) -> Segment:
+    """Each KV head over its own half of the entries (Segment.per_head's layout)."""
+    heads, tokens = k.shape[1], k.shape[2]
+    chosen = torch.stack([torch.randperm(tokens)[: tokens // 2].sort().values for _ in range(3)])
+    table = (torch.arange(heads)[:, None] * tokens + chosen).contiguous()
+    lo, hi = torch.zeros(heads, dtype=torch.int64), torch.full((heads,), tokens // 2)
+    single = [Stored(t.view(-1, 1, 1, t.shape[-1])) for t in (k, v)]
+    return Segment(q.reshape(heads, 1, *q.shape[2:]), *single, table, lo, hi)
 
 
 def _first(parts, fmt: str, bits: int, group: int) -> tuple:
