@@ -132,6 +132,15 @@ def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     op-by-op layer's, bit for bit, also when a second generation of another batch size
     re-plans the cache."""
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)
+    runs = (PROMPTS, PROMPTS[:2])
+    taken = fused_equals_op_by_op(model, 4, cache, options, runs, monkeypatch)
+    assert bool(taken) == in_c
+
+
+def fused_equals_op_by_op(model, steps: int, cache: str, options: dict, runs, monkeypatch):
+    """Asserts that generations of ``steps`` tokens from each of ``runs`` (lists of prompts)
+    give the op-by-op layers' logits bit for bit; returns the layers of each decode step
+    the cache handed to the fused layer's C call."""
     taken = []
     original = fused_layer.FusedDecode._with_cached_attention
 
@@ -141,15 +150,14 @@ def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
 
     monkeypatch.setattr(fused_layer.FusedDecode, "_with_cached_attention", counted)
     with torch.inference_mode():
-        fused = [decode_logits(model, 4, cache, prompts, **options) for prompts in
-                 (PROMPTS, PROMPTS[:2])]  # fmt: skip
-        assert bool(taken) == in_c
+        fused = [decode_logits(model, steps, cache, prompts, **options) for prompts in runs]
         with monkeypatch.context() as patch:
             patch.setattr(llama, "fused_plan", lambda layer: None)
-            reference = [decode_logits(model, 4, cache, prompts, **options) for prompts in
-                         (PROMPTS, PROMPTS[:2])]  # fmt: skip
+            reference = [decode_logits(model, steps, cache, prompts, **options) for prompts in
+                         runs]  # fmt: skip
     for got, want in zip(sum(fused, []), sum(reference, []), strict=True):
         assert torch.equal(got, want)
+    return taken
 
 
 @needs_kernel
@@ -179,24 +187,10 @@ def test_fused_layer_kernel_attends_over_windows_and_pooled_entries_in_c(
     batch size."""
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)
     runs = ([PROMPTS[0]], [PROMPTS[0], PROMPTS[2][:4]])  # rows of even lengths pool together
-    taken = []
-    original = fused_layer.FusedDecode._with_cached_attention
-
-    def counted(self, *args):
-        taken.append(self.layer)
-        return original(self, *args)
-
-    monkeypatch.setattr(fused_layer.FusedDecode, "_with_cached_attention", counted)
-    with torch.inference_mode():
-        fused = [decode_logits(model, 8, cache, prompts, **options) for prompts in runs]
-        with monkeypatch.context() as patch:
-            patch.setattr(llama, "fused_plan", lambda layer: None)
-            reference = [decode_logits(model, 8, cache, prompts, **options) for prompts in runs]
+    taken = fused_equals_op_by_op(model, 8, cache, options, runs, monkeypatch)
     every = len(model.layers) * 2 * 7  # layer steps of both generations' decode steps
     assert {"all": len(taken) == every, "some": 0 < len(taken) < every,
             "none": not taken}[in_c]  # fmt: skip
-    for got, want in zip(sum(fused, []), sum(reference, []), strict=True):
-        assert torch.equal(got, want)
 
 
 @needs_kernel
