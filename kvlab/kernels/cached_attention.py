@@ -88,8 +88,8 @@ class Pooling:
 
     def fits(self, keys: torch.Tensor) -> bool:
         """Whether the buffers fit the C structs beside written ``keys``: the raw ones of
-        one shape and strides in the keys' dtype, rows contiguous; entries' keys fp32 or
-        bf16 CPU rows."""
+        one shape and strides in the keys' dtype, rows contiguous, the keys' heads and
+        channels; entries' keys fp32 or bf16 CPU rows of those heads and channels."""
         raw_keys, raw_values = self.raw
         entries = self.entries
         return (
@@ -99,10 +99,12 @@ class Pooling:
             and raw_values.stride() == raw_keys.stride()
             and raw_keys.stride(-1) == 1
             and raw_keys.shape[1] == keys.shape[1]
+            and raw_keys.shape[-1] == keys.shape[-1]
             and (
                 entries is None
                 or (entries.is_cpu and entries.dtype in (torch.float32, torch.bfloat16)
-                    and entries.stride(-1) == 1)
+                    and entries.stride(-1) == 1 and entries.shape[1:2] + entries.shape[3:]
+                    == keys.shape[1:2] + keys.shape[3:])
             )
         )  # fmt: skip
 
