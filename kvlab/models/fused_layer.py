@@ -6,11 +6,13 @@ a layer (~100 us of Python and dispatch on these CPUs: ~3 ms a step of a 30-laye
 the values are the same (the C code rounds as those ops round, see the C file).
 
 Where the cache writes the step's keys and values exactly and attends in place (keep_all
-over the contiguous, paged or KIVI store: ``full``, ``paged``, ``int8``/``int4``/``int2``)
-it hands its writes and attention over as C (``KVCache.fused_attention``), and the first
-two calls become one, the cache's writes and the attention kernel inside it: ~60 us of
-Python a layer (the store's indexed writes, segments, backend checks, job structs) down to
-the two calls and the activation.
+over the contiguous, paged or KIVI store: ``full``, ``paged``, ``int8``/``int4``/``int2``;
+the window over its ring: ``sliding``; DeepSeek-V4's pooling layers on steps that pool no
+window, their raw buffers and CSA's top-k included: ``compressed``) it hands its writes
+and attention over as C (``KVCache.fused_attention``), and the first two calls become
+one, the cache's writes and the attention kernel inside it: ~60 us of Python a layer (the
+store's indexed writes, segments, backend checks, job structs; ~150 us for a pooling
+layer) down to the two calls and the activation.
 
 It serves layers whose four linears run a kvlab matrix-vector kernel at this row count
 (:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16; ``Int8Linear`` and
