@@ -165,9 +165,10 @@ void kvlab_top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_
                          int64_t s_slot, const int64_t *seen, const int64_t *base,
                          int64_t top_k, int64_t *out);
 
-/* Row m's kv heads at slot `slot` of block `block` of keys and values (strides s_*), from
- * `keys` and `values` (M, kv, dim) rows of widths key_width and value_width; a place outside
- * the tensors (the store's error, refused before the layers) is not written. */
+/* One row's kv heads, `key` and `value` (kv heads of dim elements each, `size` bytes an
+ * element), written at slot `slot` of block `block` of keys and values (strides in
+ * elements: block, head, slot); a place outside the tensors (the store's error, refused
+ * before the layers) is not written. */
 static void write_row(void *keys, void *values, const int64_t *strides, int64_t blocks,
                       int64_t slots, int64_t block, int64_t slot, const char *key,
                       const char *value, int64_t kv, int64_t dim, int64_t size) {

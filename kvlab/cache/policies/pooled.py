@@ -136,11 +136,11 @@ class Pooled(Policy):
 
     def fused_attention(self, step: PooledStep, store, layer):
         pooled, window = self.layers.get(layer), self.window
-        if pooled is None or window is None:  # a window's layer, or no window
-            return (
-                None if window is None else window.fused_attention(step.window_step, store, layer)
-            )
-        if not step.decode or self.options.proportional:
+        if window is None:
+            return None
+        if pooled is None:  # a window's layer
+            return window.fused_attention(step.window_step, store, layer)
+        if self.options.proportional:
             return None
         return fused_attention(step, store, layer, pooled, window)
 

@@ -94,9 +94,13 @@ class Window(Policy):
         held = torch.cat([store.slot_pos, step.positions], dim=1)  # (B, L)
         return sink_attention(q, keys, values, step.mask, held, self.options.sinks, step.to_cache)
 
+    def decodes_in_place(self, step: WindowStep) -> bool:
+        """A plain decode step (no cache positions, no margin): write the token, read the
+        filled slots in place, as the fused decode layer can do it in C."""
+        return step.decode and step.to_cache is None and not self.options.rollback
+
     def fused_attention(self, step: WindowStep, store, layer):
-        """A plain decode (no cache positions, no margin): the filled slots in place."""
-        if not step.decode or step.to_cache is not None or self.options.rollback:
+        if not self.decodes_in_place(step):
             return None
         group = self.spec.num_heads // self.spec.num_kv_heads
         return store.fused_attention(step.where, layer, step.origin, step.filled, group)

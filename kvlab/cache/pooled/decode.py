@@ -34,12 +34,9 @@ def fused_attention(step, store, layer: int, pooled: PooledLayer, window):
     read, CSA's top-k chosen in C from the layer's queries. None where this step pools a
     window (a quarter of a CSA layer's steps, one in 128 of an HCA layer's: the op path
     pools them) or the attention gate buffers queries."""
-    plan, key = step.plans[pooled.geometry], pooled.geometry
-    window_step = step.window_step
-    if (
-        plan.pools or pooled.queries is not None or window_step.to_cache is not None
-        or window.options.rollback or not window_step.decode
-    ):  # fmt: skip
+    key, window_step = pooled.geometry, step.window_step
+    plan = step.plans[key]
+    if plan.pools or pooled.queries is not None or not window.decodes_in_place(window_step):
         return None
     ring, entries = store.exact_parts(layer), pooled.entries.exact_parts(0)
     if ring is None or entries is None:
