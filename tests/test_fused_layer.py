@@ -165,9 +165,10 @@ def fused_equals_op_by_op(model, steps: int, cache: str, options: dict, runs, mo
 @pytest.mark.parametrize(
     ("cache", "options", "in_c"),
     [("compressed", {"csa_ratio": 2, "hca_ratio": 3, "window": 4, "sinks": 1, "top_k": 2},
-      "some"),
+      "all"),
      ("compressed", {"schedule": ["csa", "window"], "csa_ratio": 2, "window": 3, "top_k": 0},
-      "some"),
+      "all"),
+     ("compressed", {"csa_ratio": 2, "hca_ratio": 3, "window": 4, "gate": "keynorm"}, "some"),
      ("sliding", {"window": 4, "sinks": 1}, "all"),
      ("compressed", {"csa_ratio": 2, "hca_ratio": 3, "window": 4, "gate": "attention"}, "none"),
      ("compressed", {"csa_ratio": 2, "hca_ratio": 3, "window": 4, "proportional": True},
@@ -178,13 +179,13 @@ def test_fused_layer_kernel_attends_over_windows_and_pooled_entries_in_c(
     dtype, cache, options, in_c, tiny_checkpoints, monkeypatch
 ):
     """The window policy and DeepSeek-V4's pooling layers hand their decode steps to the
-    layer's C call: the ring's write and read, the raw buffers' writes, the entries and
-    CSA's top-k (ratio 2 over up to 14 tokens: 7 entries, 2 chosen per KV head), except on
-    the steps a layer pools a window, which go through the cache (``in_c``: which layer
-    steps take the C call; "none": the attention gate buffers queries, proportional
-    attention weighs entries, cache positions rotate queries). The logits are the
-    op-by-op layer's, bit for bit, over 8 decode steps and a second generation of another
-    batch size."""
+    layer's C call: the ring's write and read, the raw buffers' writes, the pooling of the
+    windows a step closes (uniform gate), the entries and CSA's top-k (ratio 2 over up to
+    14 tokens: 7 entries, 2 chosen per KV head) (``in_c``: which layer steps take the C
+    call; "some": the keynorm gate's pooling steps go through the cache; "none": the
+    attention gate buffers queries, proportional attention weighs entries, cache
+    positions rotate queries). The logits are the op-by-op layer's, bit for bit, over 8
+    decode steps and a second generation of another batch size."""
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)
     runs = ([PROMPTS[0]], [PROMPTS[0], PROMPTS[2][:4]])  # rows of even lengths pool together
     taken = fused_equals_op_by_op(model, 8, cache, options, runs, monkeypatch)

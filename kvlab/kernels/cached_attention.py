@@ -1,13 +1,12 @@
 """A layer's cache writes and decode attention as one C description, for the fused decode
 layer (``decode_layer.c``'s ``kvlab_layer_decode_in``): the tensors the step's keys and
 values go to, the decode jobs of ``decode_attention.c`` over what the cache holds, and
-for a pooling layer (DeepSeek-V4's compressed attention) its raw buffers and its indexer's
-top-k. Built once per allocation; a step only points it at its tables and bounds."""
+for a pooling layer (DeepSeek-V4's compressed attention) what :mod:`cached_pooling` adds.
+Built once per allocation; a step only points it at its tables and bounds."""
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import torch
 
@@ -20,93 +19,16 @@ from kvlab.kernels.attention_c import (
     kernel_available,
     store_applies,
 )  # fmt: skip
+from kvlab.kernels.cached_pooling import WRITTEN, Pooling, PoolingStructs
 from kvlab.kernels.segments import FORMATS, Stored
-
-_WRITTEN = [
-    ("keys", ctypes.c_void_p), ("values", ctypes.c_void_p), ("s_b", ctypes.c_int64),
-    ("s_h", ctypes.c_int64), ("s_s", ctypes.c_int64), ("blocks", ctypes.c_int64),
-    ("slots", ctypes.c_int64),
-]  # fmt: skip
-
-
-class _RawWrite(ctypes.Structure):  # decode_layer.c's RawWrite
-    _fields_ = [*_WRITTEN, ("at", ctypes.c_void_p)]
-
-
-class _Selection(ctypes.Structure):  # decode_layer.c's Selection
-    _fields_ = [
-        ("keys", ctypes.c_void_p), ("bf16", ctypes.c_int32), ("s_row", ctypes.c_int64),
-        ("s_head", ctypes.c_int64), ("s_slot", ctypes.c_int64), ("seen", ctypes.c_void_p),
-        ("base", ctypes.c_void_p), ("top_k", ctypes.c_int64), ("table", ctypes.c_void_p),
-    ]  # fmt: skip
 
 
 class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
     _fields_ = [
-        *_WRITTEN, ("jobs", ctypes.c_void_p), ("n_jobs", ctypes.c_int64),
-        ("queries", ctypes.c_void_p), ("raw", ctypes.POINTER(_RawWrite)),
-        ("select", ctypes.POINTER(_Selection)),
+        *WRITTEN, ("jobs", ctypes.c_void_p), ("n_jobs", ctypes.c_int64),
+        ("queries", ctypes.c_void_p), ("raw", ctypes.c_void_p),
+        ("select", ctypes.c_void_p),
     ]  # fmt: skip
-
-
-@dataclass
-class Pooling:
-    """What a pooling layer (DeepSeek-V4's compressed attention, see
-    :mod:`kvlab.cache.pooled`) adds to its cached attention: the ``raw`` buffers (keys,
-    values: (B, H_kv, slots, D)) the step's keys before RoPE and its values go to, row b
-    at slot ``raw_at[b]``; for a CSA layer, the indexer's choice of ``top_k`` of the
-    ``entries`` keys (B, H_kv, N, D) per (row, KV head), written into ``table``
-    (B * H_kv, top_k), which the last job reads (``seen`` (B,) and ``base`` (B * H_kv,) as
-    :func:`~kvlab.kernels.indexer.top_k_table` takes them); every job then runs per head
-    (:meth:`~kvlab.kernels.segments.Segment.per_head`). ``raw_at``, ``seen``, ``base`` and
-    ``table`` are the step's (int64, contiguous), the rest the allocation's."""
-
-    raw: tuple[torch.Tensor, torch.Tensor]
-    raw_at: torch.Tensor
-    entries: torch.Tensor | None = None
-    top_k: int = 0
-    seen: torch.Tensor | None = None
-    base: torch.Tensor | None = None
-    table: torch.Tensor | None = None
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The allocation's tensors it points into."""
-        return [*self.raw, *([] if self.entries is None else [self.entries])]
-
-    def indices(self) -> list[torch.Tensor]:
-        """The step's index tensors."""
-        return [t for t in (self.raw_at, self.seen, self.base, self.table) if t is not None]
-
-    def step_fits(self, batch: int) -> bool:
-        """Whether the step's indices are shaped for ``batch`` rows (and the top-k)."""
-        pairs = batch * self.raw[0].shape[1]
-        return self.raw_at.shape == (batch, 1) and (
-            self.entries is None
-            or (self.table.shape == (pairs, self.top_k) and self.seen.shape == (batch,)
-                and self.base.numel() == pairs)
-        )  # fmt: skip
-
-    def fits(self, keys: torch.Tensor) -> bool:
-        """Whether the buffers fit the C structs beside written ``keys``: the raw ones of
-        one shape and strides in the keys' dtype, rows contiguous, the keys' heads and
-        channels; entries' keys fp32 or bf16 CPU rows of those heads and channels."""
-        raw_keys, raw_values = self.raw
-        entries = self.entries
-        return (
-            raw_keys.dtype == raw_values.dtype == keys.dtype
-            and raw_keys.is_cpu
-            and raw_values.shape == raw_keys.shape
-            and raw_values.stride() == raw_keys.stride()
-            and raw_keys.stride(-1) == 1
-            and raw_keys.shape[1] == keys.shape[1]
-            and raw_keys.shape[-1] == keys.shape[-1]
-            and (
-                entries is None
-                or (entries.is_cpu and entries.dtype in (torch.float32, torch.bfloat16)
-                    and entries.stride(-1) == 1 and entries.shape[1:2] + entries.shape[3:]
-                    == keys.shape[1:2] + keys.shape[3:])
-            )
-        )  # fmt: skip
 
 
 class CachedAttention:
@@ -128,7 +50,7 @@ class CachedAttention:
         self.tensors = _tensors(written, reads, pooling)  # kept alive: structs point into them
         self.pointers = tuple(t.data_ptr() for t in self.tensors)
         self.queries = torch.empty(batch, heads, group, dim, dtype=torch.float32)
-        per_head = pooling is not None and pooling.entries is not None
+        per_head = pooling is not None and pooling.top_k > 0
         queries = self.queries.view(batch * heads, 1, group, dim) if per_head else self.queries
         self.dtype, self.rings = keys.dtype, [ring for _, _, ring in reads]
         self.block_sizes = [k.data.shape[2] for k, _, _ in reads]
@@ -143,26 +65,10 @@ class CachedAttention:
             keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], blocks, slots,
             ctypes.addressof(self.jobs), len(reads), self.queries.data_ptr(),
         )  # fmt: skip
-        self.raw = self.selection = None
+        self.pooling = None if pooling is None else PoolingStructs(pooling)
         if pooling is not None:
-            self._point_at(pooling)
+            self.struct.raw, self.struct.select = self.pooling.pointers()
         self.address = ctypes.addressof(self.struct)
-
-    def _point_at(self, pooling: Pooling) -> None:
-        """The raw write's and the selection's structs (their step pointers: :meth:`at`)."""
-        raw_keys, raw_values = pooling.raw
-        self.raw = _RawWrite(
-            raw_keys.data_ptr(), raw_values.data_ptr(), *raw_keys.stride()[:3],
-            raw_keys.shape[0], raw_keys.shape[2],
-        )  # fmt: skip
-        self.struct.raw = ctypes.pointer(self.raw)
-        entries = pooling.entries
-        if entries is not None:
-            self.selection = _Selection(
-                entries.data_ptr(), int(entries.dtype == torch.bfloat16), *entries.stride()[:3],
-                top_k=pooling.top_k,
-            )  # fmt: skip
-            self.struct.select = ctypes.pointer(self.selection)
 
     @staticmethod
     def serves(written, reads: list[tuple[Stored, Stored, int]], pooling=None) -> bool:
@@ -189,11 +95,11 @@ class CachedAttention:
         """Whether it was built over these tensors, still where they were, for ``batch``
         rows (and the same top-k)."""
         tensors = _tensors(written, reads, pooling)
-        top_k = None if pooling is None or pooling.entries is None else pooling.top_k
+        top_k = None if pooling is None else pooling.top_k
         return (
             len(tensors) == len(self.pointers)
-            and top_k == (None if self.selection is None else self.selection.top_k)
-            and (pooling is None) == (self.raw is None)
+            and top_k == (None if self.pooling is None else self.pooling.top_k)
+            and (pooling is None) == (self.pooling is None)
             and all(t.data_ptr() == p for t, p in zip(tensors, self.pointers, strict=True))
             and self.queries.shape[0] == batch
         )
@@ -215,12 +121,8 @@ class CachedAttention:
         logical tokens [lo[b], hi[b]) of each row (int64, contiguous), in ``chunks[i]``
         chunks (:meth:`chunks`); their partial results in ``work`` (:meth:`work_floats` at
         least); the pooling's step pointers."""
-        if self.raw is not None:
-            self.raw.at = pooling.raw_at.data_ptr()
-        chosen = self.selection
-        if chosen is not None:
-            chosen.seen, chosen.base = pooling.seen.data_ptr(), pooling.base.data_ptr()
-            chosen.table = pooling.table.data_ptr()
+        if self.pooling is not None:
+            self.pooling.at(pooling)
         total, offset = sum(chunks), 0
         batch, heads, group, _ = self.queries.shape
         rows, base = batch * heads * total * group, work.data_ptr()

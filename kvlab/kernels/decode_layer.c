@@ -135,10 +135,25 @@ typedef struct {
   int64_t *table;
 } Selection;
 
+/* A step's pooling (DeepSeek-V4's compressor with the uniform gate, pooled/pooling.py):
+ * row m whose window closes (into[m] >= 0) pools slots sources[m * span + j] (-1: empty) of
+ * its raw buffers, after the step's own write, with weights[m * span + j] (the model dtype)
+ * into entry into[m] of block m of the entries (keys, values: (blocks, H_kv, slots, D),
+ * strides in elements), the key rotated by cos, sin (M, dim) at the window's first
+ * position. */
+typedef struct {
+  void *keys, *values;
+  int64_t s_b, s_h, s_s, blocks, slots;
+  const int64_t *into, *sources;
+  const void *weights, *cos, *sin;
+  int64_t span;
+} PoolWrite;
+
 typedef struct {
   void *keys, *values;
   int64_t s_b, s_h, s_s, blocks, slots;
   const int64_t *at;
+  const PoolWrite *pool;
 } RawWrite;
 
 typedef struct {
@@ -180,11 +195,52 @@ static void write_row(void *keys, void *values, const int64_t *strides, int64_t 
   }
 }
 
+/* One KV head of an entry: out = sum_j rounded(weights[j] * part[from[j]]) over the
+ * span's filled slots, each product rounded to the dtype and summed in fp32 in slot order
+ * (torch's sum over the window), then rounded. */
+static void pool_head(const void *part, const int64_t *from, const void *weights,
+                      int64_t span, int64_t slots, int64_t s_s, int bf16, int64_t dim,
+                      float *out) {
+  for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
+  for (int64_t j = 0; j < span; j++) {
+    if (from[j] < 0 || from[j] >= slots) continue;
+    const float w = value_at(weights, bf16, j);
+    for (int64_t d = 0; d < dim; d++)
+      out[d] += rounded(value_at(part, bf16, from[j] * s_s + d) * w, bf16);
+  }
+  for (int64_t d = 0; d < dim; d++) out[d] = rounded(out[d], bf16);
+}
+
+/* Row m's entry, if its window closes (PoolWrite), from its raw buffers. */
+static void pool_row(const RawWrite *r, int64_t m, int64_t kv, int64_t dim, int bf16) {
+  const PoolWrite *p = r->pool;
+  const int64_t into = p->into[m], size = bf16 ? 2 : 4;
+  if (into < 0 || into >= p->slots || m >= p->blocks || m >= r->blocks) return;
+  const int64_t *from = p->sources + m * p->span;
+  const char *weights = (const char *)p->weights + m * p->span * size;
+  float key[256], value[256];
+  for (int64_t h = 0; h < kv; h++) {
+    const int64_t raw_at = (m * r->s_b + h * r->s_h) * size;
+    pool_head((const char *)r->keys + raw_at, from, weights, p->span, r->slots, r->s_s, bf16,
+              dim, key);
+    pool_head((const char *)r->values + raw_at, from, weights, p->span, r->slots, r->s_s,
+              bf16, dim, value);
+    const int64_t at = m * p->s_b + h * p->s_h + into * p->s_s;
+    for (int64_t d = 0; d < dim; d++) {
+      const float a = rounded(key[d] * value_at(p->cos, bf16, m * dim + d), bf16);
+      const float b = rounded(key[(d + dim / 2) % dim] * value_at(p->sin, bf16, m * dim + d),
+                              bf16);
+      store(p->keys, bf16, at + d, a + b);
+      store(p->values, bf16, at + d, value[d]);
+    }
+  }
+}
+
 /* Row m's new keys (rotated heads heads..heads + kv_heads - 1) and values (the last
  * kv_heads heads of qkv) written at slot slots[m] of block blocks[m], and before RoPE to
- * the raw write if any; the queries (the first `heads` rotated heads) widened into the
- * job's buffer; the selection if any; then the attention, out (M, heads * dim) in the
- * model dtype. */
+ * the raw write if any (then the row's closing window pooled, if the raw write pools);
+ * the queries (the first `heads` rotated heads) widened into the job's buffer; the
+ * selection if any; then the attention, out (M, heads * dim) in the model dtype. */
 static void attend_cached(const CachedAttention *c, const LayerPlan *p, const void *rotated,
                           const void *qkv, int bf16, int64_t M, const int64_t *blocks,
                           const int64_t *slots, void *out) {
@@ -202,6 +258,7 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
       const int64_t raw_strides[3] = {r->s_b, r->s_h, r->s_s};
       write_row(r->keys, r->values, raw_strides, r->blocks, r->slots, m, r->at[m], raw_key,
                 value, kv, dim, size);
+      if (r->pool) pool_row(r, m, kv, dim, bf16);
     }
     for (int64_t i = 0; i < heads * dim; i++)
       c->queries[m * heads * dim + i] = value_at(rotated, bf16, m * width + i);

@@ -1,15 +1,20 @@
 """A pooling layer's decode step over its entries and the exact window, one softmax
 (DeepSeek-V4's compressed attention, report of 2026-04-24, §2.3): as segments for the
 decode attention backends, or as one C description for the fused decode layer
-(``decode_layer.c``: the window's and the raw buffers' writes, CSA's indexer and the
-attention in the layer's own call, where ~150 us a layer of Python ran)."""
+(``decode_layer.c``: the window's and the raw buffers' writes, the pooling of the windows
+the step closes, CSA's indexer and the attention in the layer's own call, where ~150 us a
+layer of Python ran, ~300 us on a step that pools)."""
 
 from __future__ import annotations
 
+import torch
+
 from kvlab.cache.pooled.layer import PooledLayer
+from kvlab.cache.pooled.plan import PoolingPlan
 from kvlab.cache.rows import grouped
-from kvlab.kernels.cached_attention import Pooling
+from kvlab.kernels.cached_pooling import Closing, Pooling
 from kvlab.kernels.segments import Stored
+from kvlab.models.rope import RotaryTables
 
 
 def decode_segments(step, store, layer: int, pooled: PooledLayer, window, q, k, v) -> list:
@@ -30,13 +35,15 @@ def fused_attention(step, store, layer: int, pooled: PooledLayer, window):
     """The same step as :func:`decode_segments` for the fused decode layer (see
     ``Store.fused_attention``), with the step's keys before RoPE and values buffered in the
     same call, where a plain window (no cache positions, no margin) and exact entries and
-    buffers make it exactly that: the window's ring written and read in place, the entries
-    read, CSA's top-k chosen in C from the layer's queries. None where this step pools a
-    window (a quarter of a CSA layer's steps, one in 128 of an HCA layer's: the op path
-    pools them) or the attention gate buffers queries."""
+    buffers make it exactly that: the window's ring written and read in place, the windows
+    the step closes pooled (the uniform gate: weights that do not depend on the keys), the
+    entries read, CSA's top-k chosen in C from the layer's queries. None where the gate
+    weighs tokens by their keys or queries (the op path pools those steps)."""
     key, window_step = pooled.geometry, step.window_step
     plan = step.plans[key]
-    if plan.pools or pooled.queries is not None or not window.decodes_in_place(window_step):
+    if pooled.queries is not None or not window.decodes_in_place(window_step):
+        return None
+    if plan.pools and pooled.pool.gate != "uniform":
         return None
     ring, entries = store.exact_parts(layer), pooled.entries.exact_parts(0)
     if ring is None or entries is None:
@@ -45,17 +52,40 @@ def fused_attention(step, store, layer: int, pooled: PooledLayer, window):
     per_head = key in step.top_k
     reads, raw = _parts(pooled, ring, entries, per_head)
     window_bounds = (rows, window_step.origin, window_step.filled)
+    closing = _closing(plan, pooled, step.info.rope.inv_freq) if plan.pools else None
+    pooling = Pooling(raw, plan.buffer_slots, entries, closing)
     if not per_head:
         bounds = [(step.tables, step.origin, plan.seen), window_bounds]
-        pooling = Pooling(raw, plan.buffer_slots)
     else:
         index = step.top_k[key]
         bounds = [(index.table, index.lo, index.hi), step.window_heads]
-        pooling = Pooling(raw, plan.buffer_slots, entries[0], pooled.pool.top_k, index.seen,
-                          index.base, index.table)  # fmt: skip
+        pooling.top_k, pooling.seen, pooling.base = pooled.pool.top_k, index.seen, index.base
+        pooling.table = index.table
     return pooled.attentions.fused(
         layer, ring, reads, group, bounds, rows, window_step.where.slots, pooling
     )
+
+
+def _closing(plan: PoolingPlan, pooled: PooledLayer, rope_freq) -> Closing:
+    """The windows a decode step closes, as the C pooling takes them (:class:`Closing`),
+    built once a step for the layers of one geometry: the uniform gate's weights as
+    ``pool_windows`` computes them (a softmax of zeros over the filled slots), each row's
+    slots in its raw buffers (position p at p % span) and the rotation at the window's
+    first position."""
+    if plan.fused_closing is None:
+        pool, dtype = pooled.pool, pooled.spec.dtype
+        slots = plan.slots[:, 0]  # (B, span): a decode step closes at most one window a row
+        filled = slots >= 0
+        zeros = torch.zeros(slots.shape, dtype=torch.float32, device=slots.device)
+        weights = zeros.masked_fill(~filled, float("-inf")).softmax(dim=-1).to(dtype)
+        rope = RotaryTables(rope_freq, slots[:, -1:] - pool.ratio + 1, dtype)
+        plan.fused_closing = Closing(
+            torch.where(plan.closes[:, 0], plan.windows[:, 0], -1),
+            torch.where(filled, slots % pool.span, -1),
+            weights,
+            *(table.flatten(1).contiguous() for table in (rope.cos, rope.sin)),
+        )
+    return plan.fused_closing
 
 
 def _parts(pooled: PooledLayer, ring, entries, per_head: bool) -> tuple[list, tuple]:

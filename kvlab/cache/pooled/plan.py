@@ -6,6 +6,7 @@ shares it, so it is built once per step, before the layers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,6 +60,7 @@ class PoolingPlan:
     seen: torch.Tensor
     query_sources: Sources | None = None
     query_slots: torch.Tensor | None = None
+    fused_closing: Any = None  # the fused decode's pooling of this step (pooled/decode.py)
 
 
 def plan_pooling(
