@@ -595,50 +595,78 @@ void kvlab_decode_partials(const Job *job) {
       for (int c = 0; c < C; c++) attend_chunk(job, b, h, c);
 }
 
+/* Merge P partials of (row, KV head) r per query head into its attention output (G, D),
+ * fp32 or bf16 (out_bf16); a row with nothing visible gets zeros. */
+static void combine_row(const float *m, const float *l, const float *o, int64_t r, int64_t P,
+                        int64_t G, int64_t D, void *out, int out_bf16) {
+  for (int64_t g = 0; g < G; g++) {
+    float top = EMPTY, den = 0.f, acc[MAX_D];
+    for (int64_t p = 0; p < P; p++) {
+      const float mp = m[(r * P + p) * G + g];
+      top = mp > top ? mp : top;
+    }
+    for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
+    if (top > 0.5f * EMPTY) {
+      for (int64_t p = 0; p < P; p++) {
+        const float mp = m[(r * P + p) * G + g];
+        const float w = expf(mp - top);
+        den += w * l[(r * P + p) * G + g];
+        const float *op = o + ((r * P + p) * G + g) * D;
+        for (int64_t d = 0; d < D; d++) acc[d] += w * op[d];
+      }
+      for (int64_t d = 0; d < D; d++) acc[d] /= den;
+    }
+    const int64_t at = (r * G + g) * D;
+    if (out_bf16) {
+      uint16_t *dst = (uint16_t *)out + at;
+      for (int64_t d = 0; d < D; d++) {
+        uint32_t bits;
+        memcpy(&bits, &acc[d], sizeof(bits));
+        bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
+        dst[d] = (uint16_t)(bits >> 16);
+      }
+    } else {
+      memcpy((float *)out + at, acc, sizeof(float) * D);
+    }
+  }
+}
+
 /* Merge P partials per (row, KV head, query head) into the attention output (B, H, G, D),
  * fp32 or bf16 (out_bf16). Rows with nothing visible get zeros. */
 void kvlab_combine(const float *m, const float *l, const float *o, int64_t BH, int64_t P,
                    int64_t G, int64_t D, void *out, int out_bf16) {
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < BH; r++) {
-    for (int64_t g = 0; g < G; g++) {
-      float top = EMPTY, den = 0.f, acc[MAX_D];
-      for (int64_t p = 0; p < P; p++) {
-        const float mp = m[(r * P + p) * G + g];
-        top = mp > top ? mp : top;
-      }
-      for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
-      if (top > 0.5f * EMPTY) {
-        for (int64_t p = 0; p < P; p++) {
-          const float mp = m[(r * P + p) * G + g];
-          const float w = expf(mp - top);
-          den += w * l[(r * P + p) * G + g];
-          const float *op = o + ((r * P + p) * G + g) * D;
-          for (int64_t d = 0; d < D; d++) acc[d] += w * op[d];
-        }
-        for (int64_t d = 0; d < D; d++) acc[d] /= den;
-      }
-      const int64_t at = (r * G + g) * D;
-      if (out_bf16) {
-        uint16_t *dst = (uint16_t *)out + at;
-        for (int64_t d = 0; d < D; d++) {
-          uint32_t bits;
-          memcpy(&bits, &acc[d], sizeof(bits));
-          bits += 0x7FFFu + ((bits >> 16) & 1u); /* round to nearest even */
-          dst[d] = (uint16_t)(bits >> 16);
-        }
-      } else {
-        memcpy((float *)out + at, acc, sizeof(float) * D);
-      }
-    }
-  }
+  for (int64_t r = 0; r < BH; r++) combine_row(m, l, o, r, P, G, D, out, out_bf16);
 }
 
 /* Every job's partials (each job's m, l, o point at its slice of shared buffers with
- * partial_total slots per (row, head)), then their merge into `out`. */
+ * partial_total slots per (row, head)), then their merge into `out`, in one parallel
+ * region: the chunks of all jobs are one pool of work (a pooling layer's per-head jobs
+ * have a few chunks each, too few to share two threads job by job), then the rows. */
+#define MAX_JOBS 16 /* more jobs run one region each (none of kvlab's caches makes that many) */
 void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16) {
-  for (int j = 0; j < n_jobs; j++) kvlab_decode_partials(&jobs[j]);
+  int64_t starts[MAX_JOBS + 1] = {0};
+  const int pooled = n_jobs <= MAX_JOBS;
+  for (int j = 0; j < n_jobs; j++)
+    if (pooled)
+      starts[j + 1] = starts[j] + (int64_t)jobs[j].B * jobs[j].H * jobs[j].n_chunks;
+    else
+      kvlab_decode_partials(&jobs[j]);
   const Job *first = &jobs[0];
-  kvlab_combine(first->m, first->l, first->o, (int64_t)first->B * first->H,
-                first->partial_total, first->G, first->D, out, out_bf16);
+  const int64_t BH = (int64_t)first->B * first->H, total = pooled ? starts[n_jobs] : 0;
+#pragma omp parallel
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < total; i++) {
+      int j = 0;
+      while (i >= starts[j + 1]) j++;
+      const Job *job = &jobs[j];
+      const int64_t at = i - starts[j], C = job->n_chunks;
+      attend_chunk(job, (int)(at / C / job->H), (int)(at / C % job->H), (int)(at % C));
+    }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < BH; r++)
+      combine_row(first->m, first->l, first->o, r, first->partial_total, first->G, first->D,
+                  out, out_bf16);
+  }
 }

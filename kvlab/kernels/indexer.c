@@ -49,44 +49,67 @@ static float dot(const float *q, const void *key, int bf16, int64_t D) {
   return sum;
 }
 
+/* The table of pair r (top_k entries, base + j of the chosen j in entry order; the rest
+ * base, past hi: never read) from its n scores, `work` n floats of scratch. */
+static void choose(const float *scores, int64_t n, int64_t top_k, int64_t base, float *work,
+                   int64_t *table) {
+  const int64_t k = n < top_k ? n : top_k;
+  int64_t written = 0;
+  if (k > 0) {
+    memcpy(work, scores, sizeof(float) * n);
+    const float threshold = kth_highest(work, n, k);
+    int64_t above = 0;
+    for (int64_t j = 0; j < n; j++) above += scores[j] > threshold;
+    int64_t ties = k - above; /* entries equal to the threshold to keep */
+    for (int64_t j = 0; j < n && written < k; j++)
+      if (scores[j] > threshold || (scores[j] == threshold && ties-- > 0))
+        table[written++] = base + j;
+  }
+  for (; written < top_k; written++) table[written] = base;
+}
+
+#define SCORED 128 /* entries a thread scores at a time */
+
 /* q: (R, G, D) queries of R = B * H (row, KV head) pairs, fp32 or bf16, contiguous; keys:
  * pair r's entry j at element (r / H) * s_row + (r % H) * s_head + j * s_slot, fp32 or
  * bf16, channels contiguous; seen: (B,) visible entries of each row (the first seen[b]);
  * base: (R,) each pair's first entry in the flattened store. out: (R, top_k) table entries
- * base[r] + j of the chosen entries, the first min(seen, top_k) filled. */
+ * base[r] + j of the chosen entries, the first min(seen, top_k) filled. One parallel
+ * region: the pairs' queries summed, their entries scored SCORED at a time (a decode step
+ * has a few pairs, too few to share two threads pair by pair), then each pair's choice. */
 void kvlab_top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_t G, int64_t D,
                          const void *keys, int k_bf16, int64_t s_row, int64_t s_head,
                          int64_t s_slot, const int64_t *seen, const int64_t *base,
                          int64_t top_k, int64_t *out) {
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < R; r++) {
-    const int64_t n = seen[r / H], k = n < top_k ? n : top_k;
-    float summed[D > 0 ? D : 1]; /* the pair's queries summed in head order, as torch sums */
-    for (int64_t d = 0; d < D; d++) {
-      float sum = value_at(q, q_bf16, r * G * D + d);
-      for (int64_t g = 1; g < G; g++) sum += value_at(q, q_bf16, (r * G + g) * D + d);
-      summed[d] = sum;
-    }
-    const int64_t at = r / H * s_row + r % H * s_head;
-    float *scores = malloc(sizeof(float) * 2 * (n > 0 ? n : 1)), *work = scores + n;
-    for (int64_t j = 0; j < n; j++) {
-      const int64_t element = at + j * s_slot;
-      const void *key = k_bf16 ? (const void *)((const uint16_t *)keys + element)
-                               : (const void *)((const float *)keys + element);
-      scores[j] = dot(summed, key, k_bf16, D);
-    }
-    int64_t *table = out + r * top_k, written = 0;
-    if (k > 0) {
-      memcpy(work, scores, sizeof(float) * n);
-      const float threshold = kth_highest(work, n, k);
-      int64_t above = 0;
-      for (int64_t j = 0; j < n; j++) above += scores[j] > threshold;
-      int64_t ties = k - above; /* entries equal to the threshold to keep */
-      for (int64_t j = 0; j < n && written < k; j++)
-        if (scores[j] > threshold || (scores[j] == threshold && ties-- > 0))
-          table[written++] = base[r] + j;
-    }
-    for (; written < top_k; written++) table[written] = base[r]; /* past hi: never read */
-    free(scores);
+  int64_t most = 1;
+  for (int64_t r = 0; r < R; r++) most = seen[r / H] > most ? seen[r / H] : most;
+  const int64_t blocks = (most + SCORED - 1) / SCORED;
+  float *summed = malloc(sizeof(float) * (R * D + 2 * R * most)), *scores = summed + R * D;
+  float *work = scores + R * most;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; r++) /* each pair's queries summed in head order, as torch */
+      for (int64_t d = 0; d < D; d++) {
+        float sum = value_at(q, q_bf16, r * G * D + d);
+        for (int64_t g = 1; g < G; g++) sum += value_at(q, q_bf16, (r * G + g) * D + d);
+        summed[r * D + d] = sum;
+      }
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < R; r++)
+      for (int64_t block = 0; block < blocks; block++) {
+        const int64_t n = seen[r / H], at = r / H * s_row + r % H * s_head;
+        const int64_t end = (block + 1) * SCORED < n ? (block + 1) * SCORED : n;
+        for (int64_t j = block * SCORED; j < end; j++) {
+          const int64_t element = at + j * s_slot;
+          const void *key = k_bf16 ? (const void *)((const uint16_t *)keys + element)
+                                   : (const void *)((const float *)keys + element);
+          scores[r * most + j] = dot(summed + r * D, key, k_bf16, D);
+        }
+      }
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < R; r++)
+      choose(scores + r * most, seen[r / H], top_k, base[r], work + r * most, out + r * top_k);
   }
+  free(summed);
 }
