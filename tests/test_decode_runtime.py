@@ -142,6 +142,7 @@ def test_the_avx2_build_equals_the_reference_too(tmp_path):
             "test_decode_linear_equals_linear",
             "test_int8_linear_equals_the_dequantized_linear",
             "test_int4_linear_kernel_equals_the_dequantized_linear",
+            "test_w8a8_kernel_gives_its_reference_bit_for_bit",
         )
     ]
     linears.append(str(Path(__file__).with_name("test_fused_layer.py")))

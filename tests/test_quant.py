@@ -22,6 +22,7 @@ from kvlab.quant.rtn import Int4Linear, dequantize_int4, quantize_int4
 CASES = {  # bounds about 1.5x what each measures here (shrinks: just below)
     "none": ({}, 0.0, 1.0),
     "rtn-int8": ({"bits": 8}, 0.01, 3.8),
+    "rtn-int8-w8a8": ({"bits": 8, "activations": "int8"}, 0.012, 3.8),
     "rtn-int4-g32-asym": ({"bits": 4, "group_size": 32, "symmetric": False}, 0.13, 6.2),
     "rtn-int4-g64-sym": ({"bits": 4, "group_size": 64}, 0.16, 7.0),
     "bnb-int8": ({"mode": "int8"}, 0.01, 3.9),
@@ -125,6 +126,8 @@ def test_gptq_reader_matches_the_gptq_formula(act_order):
         ("rtn", {"bits": 3}, "bits"),
         ("rtn", {"bits": 8, "group_size": 32}, "group_size"),
         ("rtn", {"bits": 4, "group_size": 48}, "group_size"),
+        ("rtn", {"bits": 4, "activations": "int8"}, "activations"),
+        ("rtn", {"bits": 8, "activations": "fp8"}, "activations"),
         ("bnb", {"mode": "int4"}, "mode"),
         ("gptq", {"group_size": 100}, "group_size"),
         ("gptq", {"bits": 3}, "bits"),

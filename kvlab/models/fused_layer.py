@@ -56,7 +56,7 @@ class _Linear(ctypes.Structure):
         ("kind", ctypes.c_int32), ("scale_bf16", ctypes.c_int32), ("scale", ctypes.c_void_p),
         ("group", ctypes.c_int64),
     ]  # fmt: skip
-    FP, INT8, INT4 = 0, 1, 2
+    FP, INT8, INT4, W8A8 = 0, 1, 2, 3
 
 
 class _LayerPlan(ctypes.Structure):  # decode_layer.c's LayerPlan
@@ -81,16 +81,16 @@ def _linear(layer: nn.Module) -> _Linear:
         return _Linear(weight=layer.packed.data_ptr(), kind=_Linear.INT4,
                        scale_bf16=is_bf16(scale_offset), scale=scale_offset.data_ptr(),
                        group=layer.group_size, **fields)  # fmt: skip
-    scale = layer.scale
-    return _Linear(weight=layer.qweight.data_ptr(), kind=_Linear.INT8, scale_bf16=is_bf16(scale),
+    scale, kind = layer.scale, _Linear.W8A8 if layer.int8_activations else _Linear.INT8
+    return _Linear(weight=layer.qweight.data_ptr(), kind=kind, scale_bf16=is_bf16(scale),
                    scale=scale.data_ptr(), **fields)  # fmt: skip
 
 
 def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
     """The row counts (first, last) for which ``layer`` runs a kvlab kernel the fused layer
     can call, with ``dtype`` activations: a :class:`DecodeLinear`'s; an ``Int4Linear``'s in
-    kvlab's layout and an ``Int8Linear``'s where kvlab's int8 kernel was chosen, computing
-    in ``dtype``; else None."""
+    kvlab's layout and an ``Int8Linear``'s where kvlab's int8 kernel was chosen or its
+    activations are int8 too (``gemv_w8a8.c``), computing in ``dtype``; else None."""
     if type(layer) is DecodeLinear:
         return layer.kernel_rows
     if type(layer) not in (Int4Linear, Int8Linear) or layer.compute_dtype not in (None, dtype):
@@ -100,6 +100,8 @@ def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
         return (1, MAX_ROWS) if fits and layer.scale_offset.dtype == dtype else None
     if layer.scale.dtype != dtype or layer.qweight.device.type != "cpu":
         return None
+    if layer.int8_activations:  # gemv_w8a8.c, whatever int8_kernel chose
+        return 1, MAX_ROWS
     one, few = layer.decode_kernel == "kvlab", layer.few_rows_kernel == "kvlab"
     return ((1 if one else 2), (MAX_ROWS if few else 1)) if one or few else None
 

@@ -19,23 +19,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels.linear import MAX_ROWS, int4_linear, int8_linear
+from kvlab.kernels.w8a8 import w8a8_linear
 from kvlab.models.cpu_kernels import int4_kernel, int8_kernel
 from kvlab.quant.base import QuantOptions, register_quantizer, replace_linears
 from kvlab.quant.packing import block_int4, pack, unblock_int4, unpack
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 COMPUTE_DTYPES = ("bfloat16", "input")
+ACTIVATIONS = ("none", "int8")
 
 
 @dataclass
 class RtnOptions(QuantOptions):
     """``bits`` 8 (per output channel, symmetric) or 4 (``group_size`` input channels per
-    scale; None = 64); ``compute_dtype``: bfloat16, or ``input`` (the activations' dtype)."""
+    scale; None = 64); ``compute_dtype``: bfloat16, or ``input`` (the activations' dtype);
+    ``activations``: ``none`` (weight-only) or, with 8 bits, ``int8`` (each token's
+    activations quantized too, W8A8: :mod:`kvlab.kernels.w8a8`)."""
 
     bits: int = 4
     group_size: int | None = None
     symmetric: bool = True
     compute_dtype: str = "bfloat16"
+    activations: str = "none"
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -53,6 +58,11 @@ class RtnOptions(QuantOptions):
                     f"quant.options.group_size={self.group_size!r} is invalid; allowed: "
                     f"{', '.join(map(str, INT4_GROUP_SIZES))}"
                 )
+        if self.activations not in ACTIVATIONS or (self.activations != "none" and self.bits != 8):
+            raise ValueError(
+                f"quant.options.activations={self.activations!r} is invalid with "
+                f"bits={self.bits}; allowed: none, or int8 with bits=8"
+            )
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"quant.options.compute_dtype={self.compute_dtype!r} is invalid; allowed: "
@@ -168,10 +178,17 @@ class Int8Linear(nn.Module):
     """Linear layer over int8 weights with one symmetric scale per output channel. On the
     CPU, one row and 2 to ``MAX_ROWS`` rows each run the kernel :func:`int8_kernel` chose
     for that width on this CPU (kvlab's or PyTorch's), more rows PyTorch's
-    ``_weight_int8pack_mm``."""
+    ``_weight_int8pack_mm``. With ``int8_activations`` every row of the input is quantized
+    too and the product taken in int8 (:func:`~kvlab.kernels.w8a8.w8a8_linear`)."""
 
-    def __init__(self, linear: nn.Linear, compute_dtype: torch.dtype | None = torch.bfloat16):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        compute_dtype: torch.dtype | None = torch.bfloat16,
+        int8_activations: bool = False,
+    ):
         super().__init__()
+        self.int8_activations = int8_activations
         weight = linear.weight.detach().float()
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
         self.register_buffer("qweight", (weight / scale[:, None]).round_().to(torch.int8))
@@ -188,7 +205,9 @@ class Int8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(dtype)  # (M, K)
         scale = self.scale.to(dtype)
         kernel = self.decode_kernel if len(flat) == 1 else self.few_rows_kernel
-        if flat.device.type == "cpu" and kernel == "kvlab" and len(flat) <= MAX_ROWS:
+        if self.int8_activations:
+            out = w8a8_linear(flat, self.qweight, scale)
+        elif flat.device.type == "cpu" and kernel == "kvlab" and len(flat) <= MAX_ROWS:
             out = int8_linear(flat, self.qweight, scale, None)
         elif flat.device.type == "cpu":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scale)
@@ -209,7 +228,7 @@ def apply_rtn(model: nn.Module, options: RtnOptions) -> int:
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         if options.bits == 8:
-            return Int8Linear(linear, dtype)
+            return Int8Linear(linear, dtype, options.activations == "int8")
         if linear.in_features % options.group_size:
             raise ValueError(
                 f"quant.options.group_size={options.group_size} does not divide the "

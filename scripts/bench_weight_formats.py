@@ -1,0 +1,87 @@
+"""Weight formats side by side on the default model's decode: one engine per format, their
+decode steps interleaved one step of each in turn (so a slow spell of a shared machine hits
+every format alike), ITL as the median of per-step ratios to the first format. Not a test.
+
+    python scripts/bench_weight_formats.py --depth 1024 \
+        --formats none,rtn_int8,rtn_int8_w8a8,rtn_int8:head,rtn_int8_w8a8:head
+
+A format is a ``quant`` preset; ``:head`` quantizes the tied output head too (its
+``skip`` emptied; llama.cpp's Q8_0 and Q4_1 files hold that head in Q8_0). Activations and
+non-quantized weights are in ``--dtype``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from bench_vs_llamacpp import wikitext_prompt  # scripts/, beside it
+
+from kvlab.cache import cache_factory
+from kvlab.engine import Engine, GenerationConfig
+from kvlab.run import compose_run_config, load_run_model
+from kvlab.tracking import environment
+
+
+def load(spec: str, dtype: str) -> torch.nn.Module:
+    preset, _, extra = spec.partition(":")
+    overrides = [f"quant={preset}", f"model.dtype={dtype}"]
+    overrides += ["+quant.options.skip=[]"] if extra == "head" else []
+    cfg = compose_run_config(overrides)
+    return load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
+
+
+def interleaved_steps(engines: dict, prompt: list[int], steps: int, rounds: int) -> dict:
+    """{format: [seconds of each decode step]}, every round one generation per engine whose
+    steps take turns."""
+    times = {name: [] for name in engines}
+    gen = GenerationConfig(steps + 1, stop_on_eos=False)
+    for _ in range(rounds):
+        runs = {name: iter(engine.stream([prompt], gen)) for name, engine in engines.items()}
+        for run in runs.values():
+            next(run)  # prefill and first token
+        for _ in range(steps):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                next(run)
+                times[name].append(time.perf_counter() - start)
+        for run in runs.values():
+            for _ in run:
+                pass
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--formats", default="none,rtn_int8,rtn_int8_w8a8")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--depth", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    formats = args.formats.split(",")
+    prompt = wikitext_prompt(args.depth)
+    with torch.inference_mode():
+        engines = {}
+        for spec in formats:
+            model = load(spec, args.dtype)
+            engines[spec] = Engine(model, cache_factory("full", model, {})(static=False))
+            engines[spec].generate([prompt[:600]], GenerationConfig(4, stop_on_eos=False))
+        times = interleaved_steps(engines, prompt, args.steps, args.rounds)
+    env = environment()
+    print(f"decode at depth {args.depth}, {args.dtype} activations, {args.steps} steps x "
+          f"{args.rounds} rounds interleaved; {env['cpu']}, {torch.get_num_threads()} threads, "
+          f"torch {env['torch']}\n")  # fmt: skip
+    print(f"| format | ITL p50 ms | ITL / {formats[0]} (median of per-step ratios) |")
+    print("|---|---:|---:|")
+    reference = times[formats[0]]
+    for spec in formats:
+        ratios = [a / b for a, b in zip(times[spec], reference, strict=True)]
+        print(f"| {spec} | {statistics.median(times[spec]) * 1e3:.2f} | "
+              f"{statistics.median(ratios):.3f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
