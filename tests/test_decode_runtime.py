@@ -6,6 +6,7 @@ step equal to eager with one graph for 64 steps, for every strategy."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import subprocess
 import sys
@@ -405,6 +406,17 @@ def test_compiled_decode_over_fp_codes_equals_eager(tiny_llama, kv_format):
     ops (inductor fuses them): the same bytes, so the same tokens and logits."""
     options = dict(kv_bits=8 if kv_format == "e4m3" else 4, kv_format=kv_format)
     assert compiled_against_eager(tiny_llama, "full", options | dict(kv_group_size=16)) == 1
+
+
+@pytest.mark.slow
+def test_compiled_decode_with_int8_activations_equals_eager(tiny_llama):
+    """W8A8 layers: eager decode steps multiply through gemv_w8a8.c, compiled ones through
+    its torch reference (torch's int8 matmul under inductor): the same numbers."""
+    from kvlab.quant import quantize_
+
+    model = copy.deepcopy(tiny_llama)
+    quantize_(model, "rtn", {"bits": 8, "activations": "int8", "compute_dtype": "input"})
+    assert compiled_against_eager(model, "full", {}) == 1
 
 
 def compiled_against_eager(model, name: str, options: dict) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.kernels.build import INT, INT64, POINTER, kernel, library
+from kvlab.kernels.linear import MAX_ROWS
 
 _ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, POINTER, INT, POINTER, INT, INT64, INT64,
          INT64)  # fmt: skip
@@ -41,9 +42,12 @@ def _int_products(xq: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_serves(x: torch.Tensor, codes: torch.Tensor) -> bool:
-    """Whether ``gemv_w8a8.c`` takes these: CPU tensors, x fp32 or bf16, the kernels built."""
+    """Whether ``gemv_w8a8.c`` takes these: CPU tensors, x fp32 or bf16 of at most
+    ``MAX_ROWS`` rows (more: a prefill, where torch's int8 matmul is faster), the kernels
+    built."""
     return (
-        x.device.type == "cpu"
+        len(x) <= MAX_ROWS
+        and x.device.type == "cpu"
         and codes.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and library() is not None
@@ -51,8 +55,8 @@ def kernel_serves(x: torch.Tensor, codes: torch.Tensor) -> bool:
 
 
 def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """:func:`w8a8_reference`'s product through the C kernel where it serves (eager, CPU),
-    else through the reference itself."""
+    """:func:`w8a8_reference`'s product through the C kernel where it serves (eager, CPU,
+    decode rows), else through the reference itself: the same numbers either way."""
     if torch.compiler.is_compiling() or not kernel_serves(x, codes):
         return w8a8_reference(x, codes, scale)
     x = x if x.stride(-1) == 1 else x.contiguous()
