@@ -28,8 +28,9 @@ from kvlab.tracking import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "kvlab/kernels"
-CASES = ("fp32", "bf16", "kivi8", "kivi4", "tokens4", "topk")  # kivi: channel keys, token values
-# topk: CSA's decode, each KV head over the top half of ``tokens`` entries, a block a slot
+CASES = ("fp32", "bf16", "kivi8", "kivi4", "tokens4", "topk", "paged")  # kivi: channel keys,
+# token values; topk: CSA's decode, each KV head over the top half of ``tokens`` entries, a
+# block a slot; paged: fp32 in blocks of 16 tokens, the row's table a shuffled pool
 
 
 def sources(spec: str, into: Path) -> Path:
@@ -62,6 +63,8 @@ def layer(case: str, tokens: int) -> Segment:
     k, v, q = torch.randn(1, 3, tokens, 64), torch.randn(1, 3, tokens, 64), torch.randn(1, 3, 3, 64)
     if case == "topk":
         return top_half(q, k, v)
+    if case == "paged":
+        return paged(q, k, v)
     if case in ("fp32", "bf16"):
         dtype = torch.float32 if case == "fp32" else torch.bfloat16
         keys, values = Stored(k.to(dtype)), Stored(v.to(dtype))
@@ -83,6 +86,25 @@ def top_half(q, k, v) -> Segment:
     lo, hi = torch.zeros(heads, dtype=torch.int64), torch.full((heads,), tokens // 2)
     single = [Stored(t.view(-1, 1, 1, t.shape[-1])) for t in (k, v)]
     return Segment(q.reshape(heads, 1, *q.shape[2:]), *single, table, lo, hi)
+
+
+def paged(q, k, v, block: int = 16) -> Segment:
+    """The row's tokens in blocks of ``block`` slots of a pool, in shuffled order (a paged
+    store's layout: (blocks, H_kv, block, D))."""
+    heads, tokens, dim = k.shape[1], k.shape[2], k.shape[3]
+    blocks = -(-tokens // block)
+    order = torch.randperm(blocks)
+
+    def pool(x):
+        padded = torch.zeros(1, heads, blocks * block, dim)
+        padded[:, :, :tokens] = x
+        pages = padded.view(heads, blocks, block, dim).transpose(0, 1)  # (blocks, H, block, D)
+        out = torch.empty_like(pages)
+        out[order] = pages
+        return Stored(out.contiguous())
+
+    table, lo, hi = order[None].contiguous(), torch.tensor([0]), torch.tensor([tokens])
+    return Segment(q, pool(k), pool(v), table, lo, hi)
 
 
 def _first(parts, fmt: str, bits: int, group: int) -> tuple:
