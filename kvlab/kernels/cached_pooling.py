@@ -172,6 +172,6 @@ class PoolingStructs:
 
 
 def _written(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple:
-    """The leading fields of a write's struct (``_WRITTEN``) for keys and values."""
+    """The leading fields of a write's struct (``WRITTEN``) for keys and values."""
     keys, values = pair
     return (keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], keys.shape[0], keys.shape[2])
