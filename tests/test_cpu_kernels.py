@@ -289,6 +289,24 @@ def test_w8a8_kernel_gives_its_reference_bit_for_bit(dtype, rows, out_features, 
         assert torch.equal(got[-1], torch.zeros_like(got[-1]))
 
 
+def test_w8a8_reference_without_an_int8_matmul_gives_the_same_products(monkeypatch):
+    """Where torch's int8 matmul refuses the shapes (CUDA's, under 17 rows), the reference
+    multiplies in float64, exactly: the same outputs."""
+    from kvlab.kernels import w8a8
+
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (64, 1536), dtype=torch.int8, generator=generator)
+    scale = torch.rand(64, generator=generator) / 100
+    x = 3 * torch.randn(3, 1536, generator=generator)
+    want = w8a8.w8a8_reference(x, codes, scale)
+
+    def refuse(*args):
+        raise RuntimeError("_int_mm: shapes not supported")
+
+    monkeypatch.setattr(torch, "_int_mm", refuse)
+    assert torch.equal(w8a8.w8a8_reference(x, codes, scale), want)
+
+
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
 @pytest.mark.parametrize(("x_dtype", "scale_dtype"), [(torch.float32, torch.float32),
                                                       (torch.bfloat16, torch.bfloat16),

@@ -34,11 +34,12 @@ def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) ->
 
 def _int_products(xq: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """xq (M, K) . codes (N, K)^T in int32: torch's int8 matmul (oneDNN on the CPU, ~15x an
-    int32 matmul's speed for a prefill), else an int32 matmul where it refuses."""
+    int32 matmul's speed for a prefill), else, where it refuses the shapes (CUDA's wants more
+    than 16 rows), a float64 matmul: exact, as every partial sum is an integer below 2^53."""
     try:
         return torch._int_mm(xq, codes.T)
     except RuntimeError:
-        return xq.int() @ codes.int().T
+        return (xq.double() @ codes.double().T).to(torch.int32)
 
 
 def kernel_serves(x: torch.Tensor, codes: torch.Tensor) -> bool:
