@@ -587,14 +587,6 @@ static void attend_chunk(const Job *job, int b, int h, int c) {
   }
 }
 
-void kvlab_decode_partials(const Job *job) {
-  const int B = job->B, H = job->H, C = job->n_chunks;
-#pragma omp parallel for collapse(3) schedule(dynamic, 1)
-  for (int b = 0; b < B; b++)
-    for (int h = 0; h < H; h++)
-      for (int c = 0; c < C; c++) attend_chunk(job, b, h, c);
-}
-
 /* Merge P partials of (row, KV head) r per query head into its attention output (G, D),
  * fp32 or bf16 (out_bf16); a row with nothing visible gets zeros. */
 static void combine_row(const float *m, const float *l, const float *o, int64_t r, int64_t P,
@@ -631,29 +623,17 @@ static void combine_row(const float *m, const float *l, const float *o, int64_t 
   }
 }
 
-/* Merge P partials per (row, KV head, query head) into the attention output (B, H, G, D),
- * fp32 or bf16 (out_bf16). Rows with nothing visible get zeros. */
-void kvlab_combine(const float *m, const float *l, const float *o, int64_t BH, int64_t P,
-                   int64_t G, int64_t D, void *out, int out_bf16) {
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < BH; r++) combine_row(m, l, o, r, P, G, D, out, out_bf16);
-}
-
 /* Every job's partials (each job's m, l, o point at its slice of shared buffers with
  * partial_total slots per (row, head)), then their merge into `out`, in one parallel
  * region: the chunks of all jobs are one pool of work (a pooling layer's per-head jobs
  * have a few chunks each, too few to share two threads job by job), then the rows. */
-#define MAX_JOBS 16 /* more jobs run one region each (none of kvlab's caches makes that many) */
 void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16) {
-  int64_t starts[MAX_JOBS + 1] = {0};
-  const int pooled = n_jobs <= MAX_JOBS;
+  int64_t starts[n_jobs + 1]; /* job j's chunks are items starts[j] .. starts[j + 1] - 1 */
+  starts[0] = 0;
   for (int j = 0; j < n_jobs; j++)
-    if (pooled)
-      starts[j + 1] = starts[j] + (int64_t)jobs[j].B * jobs[j].H * jobs[j].n_chunks;
-    else
-      kvlab_decode_partials(&jobs[j]);
+    starts[j + 1] = starts[j] + (int64_t)jobs[j].B * jobs[j].H * jobs[j].n_chunks;
   const Job *first = &jobs[0];
-  const int64_t BH = (int64_t)first->B * first->H, total = pooled ? starts[n_jobs] : 0;
+  const int64_t BH = (int64_t)first->B * first->H, total = starts[n_jobs];
 #pragma omp parallel
   {
 #pragma omp for schedule(dynamic, 1)
