@@ -201,44 +201,42 @@ static void write_row(void *keys, void *values, const int64_t *strides, int64_t 
   }
 }
 
-/* One KV head of an entry: out = sum_j rounded(weights[j] * part[from[j]]) over the
- * span's filled slots, each product rounded to the dtype and summed in fp32 in slot order
- * (torch's sum over the window), then rounded. */
+/* One KV head of an entry: out (dim values in the dtype) = sum_j rounded(weights[j] *
+ * part[from[j]]) over the span's filled slots, each product rounded to the dtype and summed
+ * in fp32 in slot order (torch's sum over the window), then rounded. */
 static void pool_head(const void *part, const int64_t *from, const void *weights,
                       int64_t span, int64_t slots, int64_t s_s, int bf16, int64_t dim,
-                      float *out) {
-  for (int64_t d = 0; d < dim; d++) out[d] = 0.0f;
+                      void *out) {
+  float acc[256];
+  for (int64_t d = 0; d < dim; d++) acc[d] = 0.0f;
   for (int64_t j = 0; j < span; j++) {
     if (from[j] < 0 || from[j] >= slots) continue;
     const float w = value_at(weights, bf16, j);
     for (int64_t d = 0; d < dim; d++)
-      out[d] += rounded(value_at(part, bf16, from[j] * s_s + d) * w, bf16);
+      acc[d] += rounded(value_at(part, bf16, from[j] * s_s + d) * w, bf16);
   }
-  for (int64_t d = 0; d < dim; d++) out[d] = rounded(out[d], bf16);
+  for (int64_t d = 0; d < dim; d++) store(out, bf16, d, acc[d]);
 }
 
-/* Row m's entry, if its window closes (PoolWrite), from its raw buffers. */
+/* Row m's entry, if its window closes (PoolWrite), from its raw buffers: the value pooled
+ * into place, the key pooled, then rotated into place as the step's keys are. */
 static void pool_row(const RawWrite *r, int64_t m, int64_t kv, int64_t dim, int bf16) {
   const PoolWrite *p = r->pool;
   const int64_t into = p->into[m], size = bf16 ? 2 : 4;
   if (into < 0 || into >= p->slots || m >= p->blocks || m >= r->blocks) return;
   const int64_t *from = p->sources + m * p->span;
   const char *weights = (const char *)p->weights + m * p->span * size;
-  float key[256], value[256];
+  const char *cos = (const char *)p->cos + m * dim * size;
+  const char *sin = (const char *)p->sin + m * dim * size;
+  float key[256]; /* room for dim values of either dtype */
   for (int64_t h = 0; h < kv; h++) {
     const int64_t raw_at = (m * r->s_b + h * r->s_h) * size;
+    const int64_t at = (m * p->s_b + h * p->s_h + into * p->s_s) * size;
     pool_head((const char *)r->keys + raw_at, from, weights, p->span, r->slots, r->s_s, bf16,
               dim, key);
+    rotate(key, dim, cos, sin, bf16, 1, 1, dim, (char *)p->keys + at);
     pool_head((const char *)r->values + raw_at, from, weights, p->span, r->slots, r->s_s,
-              bf16, dim, value);
-    const int64_t at = m * p->s_b + h * p->s_h + into * p->s_s;
-    for (int64_t d = 0; d < dim; d++) {
-      const float a = rounded(key[d] * value_at(p->cos, bf16, m * dim + d), bf16);
-      const float b = rounded(key[(d + dim / 2) % dim] * value_at(p->sin, bf16, m * dim + d),
-                              bf16);
-      store(p->keys, bf16, at + d, a + b);
-      store(p->values, bf16, at + d, value[d]);
-    }
+              bf16, dim, (char *)p->values + at);
   }
 }
 
