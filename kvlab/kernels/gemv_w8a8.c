@@ -14,6 +14,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "simd.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -66,15 +67,6 @@ static inline __attribute__((always_inline)) void int_dots(const int8_t *w, int6
     for (int j = 0; j < COUNT; j++) dots[j] += (int32_t)w[j * K + k] * xq[k];
 }
 
-#if defined(__AVX512F__)
-/* 16 values of x from element at, fp32 or bf16, as fp32. */
-static inline __m512 load16(const void *x, int x_bf16, int64_t at) {
-  if (!x_bf16) return _mm512_loadu_ps((const float *)x + at);
-  const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + at));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-#endif
-
 /* Row m of x (fp32 or bf16) quantized: its scale, its codes xq and xu = xq + 128 (IEEE
  * division and rounding to nearest even, vectorized or not: torch's numbers). */
 static float quantize_row(const void *x, int x_bf16, int64_t at, int64_t K, int8_t *xq,
@@ -83,7 +75,8 @@ static float quantize_row(const void *x, int x_bf16, int64_t at, int64_t K, int8
   int64_t k0 = 0;
 #if defined(__AVX512F__)
   __m512 tops = _mm512_setzero_ps();
-  for (; k0 + 16 <= K; k0 += 16) tops = _mm512_max_ps(tops, _mm512_abs_ps(load16(x, x_bf16, at + k0)));
+  for (; k0 + 16 <= K; k0 += 16)
+    tops = _mm512_max_ps(tops, _mm512_abs_ps(vload(x, x_bf16, at + k0)));
   top = _mm512_reduce_max_ps(tops);
 #endif
   for (int64_t k = k0; k < K; k++) {
@@ -95,7 +88,7 @@ static float quantize_row(const void *x, int x_bf16, int64_t at, int64_t K, int8
 #if defined(__AVX512F__)
   const __m512 dv = _mm512_set1_ps(d);
   for (; d > 0.f && k0 + 16 <= K; k0 += 16) {
-    const __m512 scaled = _mm512_div_ps(load16(x, x_bf16, at + k0), dv);
+    const __m512 scaled = _mm512_div_ps(vload(x, x_bf16, at + k0), dv);
     const __m512i code = _mm512_cvtps_epi32(
         _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     _mm_storeu_si128((__m128i *)(xq + k0), _mm512_cvtsepi32_epi8(code));
