@@ -6,7 +6,6 @@ shares it, so it is built once per step, before the layers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -17,6 +16,7 @@ from kvlab.cache.pooled.pooling import (
     visible_entries,
     window_slots,
 )
+from kvlab.kernels.cached_pooling import Closing
 
 
 @dataclass
@@ -60,7 +60,7 @@ class PoolingPlan:
     seen: torch.Tensor
     query_sources: Sources | None = None
     query_slots: torch.Tensor | None = None
-    fused_closing: Any = None  # the fused decode's pooling of this step (pooled/decode.py)
+    fused_closing: Closing | None = None  # the fused decode's pooling (pooled/decode.py)
 
 
 def plan_pooling(
