@@ -130,14 +130,16 @@ def environment() -> dict[str, Any]:
 
 
 def _cpu_kernels() -> dict[str, Any]:
-    """Which kernels this process runs linear layers (per weight dtype: the kernel, the
-    applicable ones and their timing, see :mod:`kvlab.models.cpu_kernels`) and decode
-    attention with."""
+    """Which kernels this process runs linear layers with (per weight dtype: the kernel, the
+    applicable ones and their timing, for decode widths, :mod:`kvlab.models.cpu_kernels`,
+    and for many rows, :mod:`kvlab.models.wide_kernels`) and decode attention with."""
     from kvlab.kernels import kernel_available
     from kvlab.models.cpu_kernels import chosen_kernels, onednn_bf16_reorder_works
+    from kvlab.models.wide_kernels import chosen_wide_kernels
 
     return {
         "linear": chosen_kernels(),
+        "wide_linear": chosen_wide_kernels(),
         "attention": "kvlab C decode attention" if kernel_available() else "torch",
         "onednn_bf16_reorder": onednn_bf16_reorder_works(),
     }

@@ -21,6 +21,7 @@ from kvlab.models.cpu_kernels import (
     linear_kernel,
     onednn_bf16_reorder_works,
 )
+from kvlab.models.wide_kernels import wide_kernel
 
 needs_onednn_bf16 = pytest.mark.skipif(
     not onednn_bf16_reorder_works(),
@@ -108,16 +109,20 @@ def test_a_loaded_model_runs_the_kernel_the_probe_chose(tiny_checkpoints, dtype)
     assert few_rows in choice["applicable"]
     if one_row == "onednn" or len(choice["few_rows_ms"]) < 2:
         assert few_rows == one_row
-    kvlab_rows = (1, 1) if one_row == "kvlab" else (2, 32)
-    if one_row == few_rows:
-        assert kernels == {KERNEL_TYPES.get(choice["kernel"], DecodeLinear)}
-    else:  # kvlab's kernel for the width it won, F.linear for the other
+    kvlab_rows = {("kvlab", "kvlab"): (1, 32), ("kvlab", "plain"): (1, 1),
+                  ("plain", "kvlab"): (2, 32)}.get((one_row, few_rows))  # fmt: skip
+    wide = wide_kernel(dtype)["kernel"]
+    if one_row == "onednn" or one_row == few_rows == wide == "plain":
+        assert kernels == {KERNEL_TYPES[one_row]}
+    else:  # kvlab's kernel for the widths it won, the wide choice for the others
         assert kernels == {DecodeLinear}
-        assert {m.kernel_rows for m in model.modules() if type(m) is DecodeLinear} == {kvlab_rows}
+        decode_linears = [m for m in model.modules() if type(m) is DecodeLinear]
+        assert {(m.kernel_rows, m.wide) for m in decode_linears} == {(kvlab_rows, wide)}
     if choice["kernel"] != "onednn":
         assert model.lm_head.weight is model.embed_tokens.weight  # the tie survives
-    recorded = environment()["cpu_kernels"]["linear"][str(dtype).removeprefix("torch.")]
-    assert recorded["kernel"] == choice["kernel"]
+    recorded = environment()["cpu_kernels"]
+    assert recorded["linear"][str(dtype).removeprefix("torch.")]["kernel"] == choice["kernel"]
+    assert recorded["wide_linear"][str(dtype).removeprefix("torch.")]["kernel"] == wide
 
 
 def test_a_choice_is_timed_again_and_each_kernel_keeps_its_best(tmp_path, monkeypatch):

@@ -26,25 +26,42 @@ MAX_ROWS = 32
 class DecodeLinear(nn.Module):
     """``nn.Linear`` whose few-row products (decode) run kvlab's CPU matrix-vector kernel;
     same parameters, same outputs up to fp32 rounding. ``kernel_rows``: the row counts
-    (first, last) the kernel takes, ``F.linear`` the others."""
+    (first, last) the kernel takes (None: none); the others go to ``wide``, the kernel
+    chosen for many rows (:mod:`kvlab.models.wide_kernels`: ``plain`` is ``F.linear``)."""
 
-    def __init__(self, linear: nn.Linear, kernel_rows: tuple[int, int] = (1, MAX_ROWS)):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        kernel_rows: tuple[int, int] | None = (1, MAX_ROWS),
+        wide: str = "plain",
+    ):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.kernel_rows = kernel_rows
+        self.kernel_rows, self.wide = kernel_rows, wide
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        first, last = self.kernel_rows
+        first, last = self.kernel_rows or (1, 0)
         if not first <= rows <= last or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
+            return wide_linear(x, self.weight, self.bias, self.wide)
         flat = x.reshape(rows, self.in_features)
         if torch.compiler.is_compiling():
             out = torch.ops.kvlab.small_linear(flat, self.weight, self.bias)
         else:  # eager: the op's Python wrapper costs more than a small layer's product
             out = _small_linear_impl(flat, self.weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str):
+    """``F.linear(x, weight, bias)`` through ``kernel``, the choice for many rows
+    (:func:`kvlab.models.wide_kernels.wide_kernel`): ``plain`` is ``F.linear``, ``onednn``
+    oneDNN's matmul on the plain weight. A compiled graph keeps ``F.linear``, which
+    inductor lowers itself."""
+    if kernel != "onednn" or x.device.type != "cpu" or torch.compiler.is_compiling():
+        return F.linear(x, weight, bias)
+    x = x if x.is_contiguous() else x.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 @torch.library.custom_op("kvlab::small_linear", mutates_args=())

@@ -30,7 +30,6 @@ import functools
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -38,6 +37,8 @@ from torch import nn
 
 from kvlab.kernels.build import cpu_identity, library, library_identity
 from kvlab.kernels.linear import MAX_ROWS, DecodeLinear
+from kvlab.models.kernel_timing import time_passes
+from kvlab.models.wide_kernels import wide_kernel
 from kvlab.paths import cache_dir
 from kvlab.quant.packing import block_int4
 
@@ -224,7 +225,7 @@ def _choice_path(name: str, applicable: list[str]) -> Path:
 
 def _time_kernels(kernels: list[str], dtype: torch.dtype, rows: int = 1) -> dict[str, float]:
     """Median ms of ``rows`` rows through every layer of a weight stack larger than the LLC,
-    per kernel (:func:`_time_passes`)."""
+    per kernel (:func:`~kvlab.models.kernel_timing.time_passes`)."""
     weights = _timed_weights(dtype)
     x = {k: torch.full((rows, 1, k), 0.01, dtype=dtype) for k in {s[1] for s in TIMED_SHAPES}}
 
@@ -232,7 +233,7 @@ def _time_kernels(kernels: list[str], dtype: torch.dtype, rows: int = 1) -> dict
         layers = [_WRAPPERS[kernel](linear) for linear in weights]
         return lambda: [layer(x[layer.in_features]) for layer in layers]
 
-    return _time_passes({kernel: stack_pass(kernel) for kernel in kernels})
+    return time_passes({kernel: stack_pass(kernel) for kernel in kernels})
 
 
 def _time_int8_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
@@ -254,7 +255,7 @@ def _time_int8_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
     def stack_pass(kernel: str):
         return lambda: [run[kernel](x[codes.shape[1]], codes, scale) for codes, scale in weights]
 
-    return _time_passes({kernel: stack_pass(kernel) for kernel in kernels})
+    return time_passes({kernel: stack_pass(kernel) for kernel in kernels})
 
 
 def _time_int4_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
@@ -279,22 +280,7 @@ def _time_int4_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
     def stack_pass(kernel: str):
         return lambda: [run[kernel](*layer) for layer in layers]
 
-    return _time_passes({kernel: stack_pass(kernel) for kernel in kernels})
-
-
-def _time_passes(passes: dict, reps: int = 9) -> dict[str, float]:
-    """Median ms of each kernel's pass over its stack (``passes``: kernel -> a call); the
-    kernels take turns pass by pass after two warm-up passes, so a machine's drift touches
-    all alike."""
-    samples: dict[str, list[float]] = {kernel: [] for kernel in passes}
-    with torch.inference_mode():
-        for rep in range(reps + 2):
-            for kernel, run_pass in passes.items():
-                start = time.perf_counter()
-                run_pass()
-                if rep >= 2:
-                    samples[kernel].append((time.perf_counter() - start) * 1e3)
-    return {kernel: round(sorted(t)[len(t) // 2], 3) for kernel, t in samples.items()}
+    return time_passes({kernel: stack_pass(kernel) for kernel in kernels})
 
 
 def _timed_shapes() -> list[tuple[int, int]]:
@@ -326,8 +312,10 @@ def chosen_kernels() -> dict[str, dict]:
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Swap every plain CPU ``nn.Linear`` for the kernel :func:`linear_kernel` chose for its
-    dtype; returns the count (0 where the plain layout is the best there is).
+    """Swap every plain CPU ``nn.Linear`` for the kernels chosen for its dtype: for decode
+    widths (:func:`linear_kernel`) and for many rows
+    (:func:`~kvlab.models.wide_kernels.wide_kernel`); returns the count (0 where the plain
+    layer is the best there is).
 
     A prepacked tied output head gets its own packed copy (the embedding keeps the plain
     layout for lookups); ``weight_bytes`` counts both. ``DecodeLinear`` keeps the layer's
@@ -341,17 +329,22 @@ def prepack_linears(model: nn.Module) -> int:
             if not child.weight.is_contiguous():
                 continue
             choice = linear_kernel(child.weight.dtype)
-            layer = _layer(child, choice["kernel"], choice["few_rows_kernel"])
+            wide = wide_kernel(child.weight.dtype)["kernel"]
+            layer = _layer(child, choice["kernel"], choice["few_rows_kernel"], wide)
             if layer is not child:
                 setattr(parent, name, layer)
                 swapped += 1
     return swapped
 
 
-def _layer(linear: nn.Linear, one_row: str, few_rows: str) -> nn.Module:
-    """``linear`` as the chosen kernels run it: one kernel for every width, or kvlab's
-    kernel for one row or for 2 to ``MAX_ROWS`` rows only, ``F.linear`` for the rest."""
-    if one_row == few_rows or one_row == "onednn":
-        return linear if one_row == "plain" else _WRAPPERS[one_row](linear)
-    kernel_rows = (1, 1) if one_row == "kvlab" else (2, MAX_ROWS)
-    return DecodeLinear(linear, kernel_rows)
+def _layer(linear: nn.Linear, one_row: str, few_rows: str, wide: str = "plain") -> nn.Module:
+    """``linear`` as the chosen kernels run it: oneDNN's prepacked layer for every width,
+    or kvlab's kernel for the decode widths it won (one row, 2 to ``MAX_ROWS`` rows, both
+    or neither) and ``wide`` for the other widths, or the plain layer where all are plain."""
+    if one_row == "onednn":
+        return PrepackedLinear(linear)
+    if one_row == few_rows == wide == "plain":
+        return linear
+    kvlab_rows = {("kvlab", "kvlab"): (1, MAX_ROWS), ("kvlab", "plain"): (1, 1),
+                  ("plain", "kvlab"): (2, MAX_ROWS)}  # fmt: skip
+    return DecodeLinear(linear, kvlab_rows.get((one_row, few_rows)), wide)
