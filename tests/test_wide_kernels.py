@@ -112,3 +112,37 @@ def test_a_wide_step_runs_the_chosen_kernel_with_the_plain_logits(tiny_checkpoin
     layers = model.config.num_layers
     assert calls == [(80, "onednn")] * (4 * layers + 1)  # qkv, o, gate_up, down; the head
     torch.testing.assert_close(*outs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [192, 200])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_every_int8_wide_kernel_gives_the_dequantized_product(dtype, in_features, rows):
+    """Int8 weights with a scale per output channel: each candidate against the dequantized
+    weight in fp32, in the activations' dtype (bf16: its output rounding); 200 channels:
+    PyTorch's kernel would crash there (K % 32), the widened product runs instead."""
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(-127, 128, (99, in_features), dtype=torch.int8, generator=generator)
+    scale = (torch.rand(99, generator=generator) / 100).to(dtype)
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    want = x.float() @ (codes.float() * scale.float()[:, None]).T
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    assert len(applicable_wide_kernels(torch.int8)) == 1 + onednn_linear_works(torch.float32)
+    for kernel in applicable_wide_kernels(torch.int8):
+        got = kernels_linear.int8_wide_linear(x, codes, scale, kernel)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_int8_layers_run_the_wide_kernel_chosen_for_many_rows_only(monkeypatch):
+    from kvlab.quant import rtn
+
+    layer = rtn.Int8Linear(nn.Linear(64, 48))
+    assert layer.wide_kernel == wide_kernel(torch.int8)["kernel"]
+    calls = []
+    inner = rtn.int8_wide_linear
+    monkeypatch.setattr(rtn, "int8_wide_linear", lambda *a: calls.append(len(a[0])) or inner(*a))
+    for rows in (1, 32, 33, 80):
+        layer(torch.randn(rows, 64))
+    kernels = {1: layer.decode_kernel, 32: layer.few_rows_kernel}  # decode widths' choice
+    assert calls == [rows for rows, kernel in kernels.items() if kernel == "plain"] + [33, 80]

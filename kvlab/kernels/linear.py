@@ -64,6 +64,20 @@ def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def int8_wide_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, kernel: str):
+    """x (M, K) times int8 weights (N, K) with one scale per output channel, in x's dtype,
+    through ``kernel`` (:func:`kvlab.models.wide_kernels.wide_kernel` for ``torch.int8``):
+    ``plain`` is PyTorch's ``_weight_int8pack_mm``; ``onednn`` multiplies the codes widened
+    to fp32 in oneDNN's fp32 matmul (a bf16 element times a code is exact in fp32) and
+    scales the fp32 sums, rounding once to x's dtype as PyTorch's kernel does. PyTorch's
+    kernel crashes on rows of K % 32 != 0 (torch 2.13, AVX-512 Zen4, bf16 rows: a
+    segmentation fault), so those take the widened product through ``F.linear``."""
+    if kernel == "plain" and x.shape[-1] % 32 == 0:
+        return torch.ops.aten._weight_int8pack_mm(x, codes, scale)
+    sums = wide_linear(x.float(), codes.float(), None, "onednn" if kernel == "onednn" else "plain")
+    return (sums * scale.float()).to(x.dtype)
+
+
 @torch.library.custom_op("kvlab::small_linear", mutates_args=())
 def _small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T + bias, few rows M, in x's dtype (fp32 accumulation)."""

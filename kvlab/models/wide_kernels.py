@@ -30,7 +30,7 @@ import os
 import torch
 
 from kvlab.kernels.build import cpu_identity
-from kvlab.kernels.linear import wide_linear
+from kvlab.kernels.linear import int8_wide_linear, wide_linear
 from kvlab.models.kernel_timing import time_passes
 from kvlab.paths import cache_dir
 
@@ -57,11 +57,13 @@ def onednn_linear_works(dtype: torch.dtype) -> bool:
 
 
 def applicable_wide_kernels(dtype: torch.dtype) -> list[str]:
-    """``plain`` always; ``onednn`` for fp32 and bf16 weights where oneDNN runs them."""
+    """``plain`` always; ``onednn`` for fp32 and bf16 weights where oneDNN runs them, and
+    for int8 weights (one scale per output channel) where it runs fp32."""
     kernels = ["plain"]
     if os.environ.get("KVLAB_CPU_PREPACK", "1") == "0":
         return kernels
-    if dtype in (torch.float32, torch.bfloat16) and onednn_linear_works(dtype):
+    runs = torch.float32 if dtype == torch.int8 else dtype
+    if runs in (torch.float32, torch.bfloat16) and onednn_linear_works(runs):
         kernels.append("onednn")
     return kernels
 
@@ -106,12 +108,20 @@ def _choose(dtype: torch.dtype) -> dict:
 
 
 def _time_wide_kernels(kernels: list[str], dtype: torch.dtype) -> dict[str, float]:
-    """Median ms of ``WIDE_ROWS`` rows through one layer of each ``WIDE_SHAPES``, per kernel."""
-    weights = [torch.full(shape, 0.01, dtype=dtype) for shape in WIDE_SHAPES]
-    x = {k: torch.full((WIDE_ROWS, k), 0.01, dtype=dtype) for _, k in WIDE_SHAPES}
+    """Median ms of ``WIDE_ROWS`` rows through one layer of each ``WIDE_SHAPES``, per kernel
+    (int8 weights: bf16 rows and scales, as ``quant=rtn_int8`` runs them)."""
+    if dtype == torch.int8:
+        scales = {n: torch.full((n,), 1 / 64, dtype=torch.bfloat16) for n, _ in WIDE_SHAPES}
+        weights = [torch.ones(shape, dtype=torch.int8) for shape in WIDE_SHAPES]
+        x = {k: torch.full((WIDE_ROWS, k), 0.01, dtype=torch.bfloat16) for _, k in WIDE_SHAPES}
+        run = lambda x, w, kernel: int8_wide_linear(x, w, scales[w.shape[0]], kernel)  # noqa: E731
+    else:
+        weights = [torch.full(shape, 0.01, dtype=dtype) for shape in WIDE_SHAPES]
+        x = {k: torch.full((WIDE_ROWS, k), 0.01, dtype=dtype) for _, k in WIDE_SHAPES}
+        run = lambda x, w, kernel: wide_linear(x, w, None, kernel)  # noqa: E731
 
     def one_pass(kernel: str):
-        return lambda: [wide_linear(x[w.shape[1]], w, None, kernel) for w in weights]
+        return lambda: [run(x[w.shape[1]], w, kernel) for w in weights]
 
     return time_passes({kernel: one_pass(kernel) for kernel in kernels}, reps=7)
 

@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.kernels.linear import MAX_ROWS, int4_linear, int8_linear
+from kvlab.kernels.linear import MAX_ROWS, int4_linear, int8_linear, int8_wide_linear
 from kvlab.kernels.w8a8 import w8a8_linear
 from kvlab.models.cpu_kernels import int4_kernel, int8_kernel
+from kvlab.models.wide_kernels import wide_kernel
 from kvlab.quant.base import QuantOptions, register_quantizer, replace_linears
 from kvlab.quant.packing import block_int4, pack, unblock_int4, unpack
 
@@ -177,9 +178,10 @@ def _int4_layout(codes: torch.Tensor, group_size: int, cpu_kernel: bool) -> str:
 class Int8Linear(nn.Module):
     """Linear layer over int8 weights with one symmetric scale per output channel. On the
     CPU, one row and 2 to ``MAX_ROWS`` rows each run the kernel :func:`int8_kernel` chose
-    for that width on this CPU (kvlab's or PyTorch's), more rows PyTorch's
-    ``_weight_int8pack_mm``. With ``int8_activations`` every row of the input is quantized
-    too and the product taken in int8 (:func:`~kvlab.kernels.w8a8.w8a8_linear`)."""
+    for that width on this CPU (kvlab's or PyTorch's), more rows the kernel
+    :func:`~kvlab.models.wide_kernels.wide_kernel` chose for int8 weights. With
+    ``int8_activations`` every row of the input is quantized too and the product taken in
+    int8 (:func:`~kvlab.kernels.w8a8.w8a8_linear`)."""
 
     def __init__(
         self,
@@ -199,6 +201,7 @@ class Int8Linear(nn.Module):
         cpu = weight.device.type == "cpu"
         choice = int8_kernel() if cpu else {"kernel": "plain", "few_rows_kernel": "plain"}
         self.decode_kernel, self.few_rows_kernel = choice["kernel"], choice["few_rows_kernel"]
+        self.wide_kernel = wide_kernel(torch.int8)["kernel"] if cpu else "plain"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
@@ -210,7 +213,8 @@ class Int8Linear(nn.Module):
         elif flat.device.type == "cpu" and kernel == "kvlab" and len(flat) <= MAX_ROWS:
             out = int8_linear(flat, self.qweight, scale, None)
         elif flat.device.type == "cpu":
-            out = torch.ops.aten._weight_int8pack_mm(flat, self.qweight, scale)
+            wide = self.wide_kernel if len(flat) > MAX_ROWS else "plain"
+            out = int8_wide_linear(flat, self.qweight, scale, wide)
         else:
             out = F.linear(flat, self.qweight.to(dtype) * scale[:, None])
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
