@@ -182,3 +182,33 @@ def test_a_short_step_reads_the_codes_in_place_as_the_decoded_history_gives(
         torch.testing.assert_close(got[row, real], want[row, real], atol=1e-5, rtol=0)
     torch.testing.assert_close(got_next, want_next, atol=1e-5, rtol=0)
     assert got_bytes == want_bytes
+
+
+@pytest.mark.parametrize("name, options", [("int8", {}), ("int4", {}), ("int2", {}),
+                                           ("int4", {"key_axis": "token"})])  # fmt: skip
+def test_a_first_prefill_attends_its_exact_prompt_as_full_does(
+    name, options, tiny_llama, monkeypatch
+):
+    """KIVI holds nothing before a first prefill and keeps the prompt's own tokens exact
+    while it attends: the step's logits are full's bit for bit (rows padded to one width,
+    groups closed within the step), through plain causal attention, reading no codes; a
+    second prompt chunk, which has a past, still reads it (codes and ring)."""
+    from kvlab.cache.stores.staged import StagedStore
+    from kvlab.engine import Engine
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (40, 23)]
+    full = Engine(tiny_llama, build_cache("full", tiny_llama.cache_spec()))
+    options = dict(group_size=4, residual=6, **options)  # head_dim 16
+    kivi = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec(), options))
+    reads = []
+    monkeypatch.setattr(StagedStore, "read", lambda *a, inner=StagedStore.read: reads.append(1)
+                        or inner(*a))  # fmt: skip
+    for engine in (full, kivi):
+        engine.cache.allocate(2, 64)
+    want, got = full.prefill(prompts, 64), kivi.prefill(prompts, 64)
+    assert torch.equal(got, want) and not reads
+    for engine in (full, kivi):
+        engine.cache.allocate(2, 64)
+    chunked = kivi.prefill(prompts, 24)  # the second chunk attends codes + ring + new
+    assert reads and torch.allclose(chunked, full.prefill(prompts, 24), atol=0.05)
