@@ -5,8 +5,9 @@ A decode step multiplies one row per sequence by every weight matrix: memory-bou
 speed is the bandwidth the kernel reads weights at. On the AMD EPYC here MKL's sgemv
 reads ~9 GB/s and oneDNN's packed kernel ~10; kvlab's kernel ~15-17 (the machine streams
 ~23). :class:`DecodeLinear` keeps the layer's own weight (ties stay tied, no copy) and uses
-the kernel for up to ``MAX_ROWS`` rows, ``F.linear`` for prefill. A torch custom op, so a
-compiled decode step calls it without a graph break.
+the kernel for up to ``MAX_ROWS`` rows, and for prefill the kernel chosen for many rows
+(:func:`wide_linear`: ``F.linear`` or oneDNN's matmul, :mod:`kvlab.models.wide_kernels`).
+A torch custom op, so a compiled decode step calls it without a graph break.
 """
 
 from __future__ import annotations
