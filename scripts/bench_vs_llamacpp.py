@@ -154,6 +154,13 @@ def measure(args) -> list[dict]:
     return rows
 
 
+def prefill_kernels(env: dict) -> str:
+    """The wide-step kernel each weight dtype ran (kvlab.models.wide_kernels), e.g.
+    ``float32 onednn, bfloat16 plain``: TTFT depends on it."""
+    chosen = env["cpu_kernels"]["wide_linear"]
+    return ", ".join(f"{dtype} {choice['kernel']}" for dtype, choice in chosen.items()) or "-"
+
+
 def print_table(rows: list[dict], args) -> None:
     env = environment()
     print(f"\nkvlab vs llama.cpp llama-bench, SmolLM2-135M-Instruct, {env['cpu']}, "
@@ -162,7 +169,8 @@ def print_table(rows: list[dict], args) -> None:
           f"{args.flash_attn} for f16 KV, 1 for quantized KV; kvlab's quantized rows' head: "
           f"{'int8' if args.head == 'gguf' else 'bf16'}; roof = bytes / "
           f"{rows[0]['bandwidth'] / 1e9:.1f} GB/s, the fastest of this run's streaming reads "
-          f"({', '.join(f'{b / 1e9:.1f}' for b in rows[0]['reads'])} GB/s)\n")  # fmt: skip
+          f"({', '.join(f'{b / 1e9:.1f}' for b in rows[0]['reads'])} GB/s); prefill "
+          f"linears: {prefill_kernels(env)}\n")  # fmt: skip
     print("| weights | KV (kvlab / llama.cpp) | depth | kvlab ITL ms | llama.cpp ITL ms | "
           "ITL ratio | bytes/step MB | roof ms | kvlab % of roof | kvlab TTFT ms | "
           "llama.cpp TTFT ms | TTFT ratio |")  # fmt: skip
