@@ -27,7 +27,6 @@ PyTorch's ``_weight_int8pack_mm`` (``plain``) and ``gemv_int8.c`` (``kvlab``).
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -37,14 +36,19 @@ from torch import nn
 
 from kvlab.kernels.build import cpu_identity, library, library_identity
 from kvlab.kernels.linear import MAX_ROWS, DecodeLinear
-from kvlab.models.kernel_timing import time_passes
+from kvlab.models.kernel_choice import (
+    MARGIN,
+    choice_path,
+    fastest,
+    forced_kernel,
+    time_passes,
+)
 from kvlab.models.wide_kernels import wide_kernel
-from kvlab.paths import cache_dir
 from kvlab.quant.packing import block_int4
 
 KERNELS = ("plain", "onednn", "kvlab")
-MARGIN = 0.05  # a candidate replaces the plain layer only when this much faster
-# ... and replaces kvlab's kernel only when this much faster: kvlab's kernels also let a
+# a candidate replaces kvlab's kernel only when this much faster (the plain layer: when
+# MARGIN faster, kernel_choice.py): kvlab's kernels also let a
 # decoder layer's step run in C (kvlab.models.fused_layer: the cache's attention inside,
 # Python per step 4.1 -> 0.7 ms), which the timed stack cannot show. Zen4, 2026-12-03:
 # PyTorch's int4 kernel timed 12% faster on the stack (3.9 vs 4.4 ms) while a decode step
@@ -154,11 +158,8 @@ def int8_kernel() -> dict:
 def _choose(name: str, applicable: list[str], timer) -> dict:
     """The choice among ``applicable`` kernels for weights ``name``: forced, the only one,
     cached, or timed by ``timer(kernels) -> {kernel: ms}`` (see the module docstring)."""
-    forced = os.environ.get("KVLAB_CPU_LINEAR")
-    if forced is not None:
-        if forced not in KERNELS:
-            raise ValueError(f"KVLAB_CPU_LINEAR={forced!r}: allowed: {', '.join(KERNELS)}")
-        kernel = forced if forced in applicable else "plain"
+    kernel = forced_kernel("KVLAB_CPU_LINEAR", KERNELS, applicable)
+    if kernel is not None:
         choice = {"kernel": kernel, "applicable": applicable, "decode_ms": {}, "forced": True}
         choice |= {"few_rows_kernel": kernel, "few_rows_ms": {}}
     elif len(applicable) == 1:
@@ -200,8 +201,7 @@ def _fastest(times: dict[str, float]) -> str:
     """The fastest kernel where it beats the default by its margin, else the default:
     kvlab's kernel by ``FUSED_MARGIN`` where it was timed, else ``plain`` by ``MARGIN``."""
     default, margin = ("kvlab", FUSED_MARGIN) if "kvlab" in times else ("plain", MARGIN)
-    best = min(times, key=times.get)
-    return best if times[best] < (1 - margin) * times[default] else default
+    return fastest(times, default, margin)
 
 
 def _few_rows_kernel(one_row: str, few_times: dict[str, float]) -> str:
@@ -219,13 +219,12 @@ def _choice_path(name: str, applicable: list[str]) -> Path:
     parts = (cpu_identity(), str(torch.get_num_threads()), torch.__version__,
              library_identity(), name, ",".join(applicable),
              f"{TIMED_ELEMENTS}{TIMED_SHAPES}{MARGIN}{FUSED_MARGIN}, kvlab first")  # fmt: skip
-    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    return cache_dir() / "kernel_choice" / f"{name}-{key}.json"
+    return choice_path(name, parts)
 
 
 def _time_kernels(kernels: list[str], dtype: torch.dtype, rows: int = 1) -> dict[str, float]:
     """Median ms of ``rows`` rows through every layer of a weight stack larger than the LLC,
-    per kernel (:func:`~kvlab.models.kernel_timing.time_passes`)."""
+    per kernel (:func:`~kvlab.models.kernel_choice.time_passes`)."""
     weights = _timed_weights(dtype)
     x = {k: torch.full((rows, 1, k), 0.01, dtype=dtype) for k in {s[1] for s in TIMED_SHAPES}}
 

@@ -23,7 +23,6 @@ result.json. ``KVLAB_CPU_WIDE_LINEAR=plain|onednn`` forces one where it applies;
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 
@@ -31,13 +30,17 @@ import torch
 
 from kvlab.kernels.build import cpu_identity
 from kvlab.kernels.linear import int8_wide_linear, wide_linear
-from kvlab.models.kernel_timing import time_passes
-from kvlab.paths import cache_dir
+from kvlab.models.kernel_choice import (
+    MARGIN,
+    choice_path,
+    fastest,
+    forced_kernel,
+    time_passes,
+)
 
 WIDE_KERNELS = ("plain", "onednn")
 WIDE_ROWS = 256  # the rows a wide step is timed at: a prefill chunk
 WIDE_SHAPES = ((1536, 576), (576, 1536), (960, 576))  # (out, in): the default model's linears
-MARGIN = 0.05  # oneDNN replaces F.linear only when this much faster
 _CHOSEN: dict[str, dict] = {}  # dtype name -> the choice
 
 
@@ -85,13 +88,8 @@ def wide_kernel(dtype: torch.dtype) -> dict:
 
 def _choose(dtype: torch.dtype) -> dict:
     applicable = applicable_wide_kernels(dtype)
-    forced = os.environ.get("KVLAB_CPU_WIDE_LINEAR")
-    if forced is not None:
-        if forced not in WIDE_KERNELS:
-            raise ValueError(
-                f"KVLAB_CPU_WIDE_LINEAR={forced!r}: allowed: {', '.join(WIDE_KERNELS)}"
-            )
-        kernel = forced if forced in applicable else "plain"
+    kernel = forced_kernel("KVLAB_CPU_WIDE_LINEAR", WIDE_KERNELS, applicable)
+    if kernel is not None:
         return {"kernel": kernel, "applicable": applicable, "wide_ms": {}, "forced": True}
     if len(applicable) == 1:
         return {"kernel": "plain", "applicable": applicable, "wide_ms": {}}
@@ -99,8 +97,7 @@ def _choose(dtype: torch.dtype) -> dict:
     if path.exists():
         return json.loads(path.read_text())
     times = _time_wide_kernels(applicable, dtype)
-    faster = times["onednn"] < (1 - MARGIN) * times["plain"]
-    choice = {"kernel": "onednn" if faster else "plain", "applicable": applicable,
+    choice = {"kernel": fastest(times), "applicable": applicable,
               "wide_ms": times, "rows": WIDE_ROWS}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(choice, indent=1))
@@ -129,5 +126,4 @@ def _time_wide_kernels(kernels: list[str], dtype: torch.dtype) -> dict[str, floa
 def _choice_path(dtype: torch.dtype, applicable: list[str]):
     parts = (cpu_identity(), str(torch.get_num_threads()), torch.__version__, str(dtype),
              ",".join(applicable), f"{WIDE_ROWS}{WIDE_SHAPES}{MARGIN}")  # fmt: skip
-    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    return cache_dir() / "kernel_choice" / f"wide-{str(dtype).removeprefix('torch.')}-{key}.json"
+    return choice_path(f"wide-{str(dtype).removeprefix('torch.')}", parts)
