@@ -75,7 +75,7 @@ def int8_wide_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     segmentation fault), so those take the widened product through ``F.linear``."""
     if kernel == "plain" and x.shape[-1] % 32 == 0:
         return torch.ops.aten._weight_int8pack_mm(x, codes, scale)
-    sums = wide_linear(x.float(), codes.float(), None, "onednn" if kernel == "onednn" else "plain")
+    sums = wide_linear(x.float(), codes.float(), None, kernel)
     return (sums * scale.float()).to(x.dtype)
 
 
