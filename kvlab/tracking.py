@@ -132,14 +132,17 @@ def environment() -> dict[str, Any]:
 def _cpu_kernels() -> dict[str, Any]:
     """Which kernels this process runs linear layers with (per weight dtype: the kernel, the
     applicable ones and their timing, for decode widths, :mod:`kvlab.models.cpu_kernels`,
-    and for many rows, :mod:`kvlab.models.wide_kernels`) and decode attention with."""
+    and for many rows, :mod:`kvlab.models.wide_kernels`; the order kvlab's one-row kernel
+    walks weights in, :mod:`kvlab.models.gemv_order`) and decode attention with."""
     from kvlab.kernels import kernel_available
     from kvlab.models.cpu_kernels import chosen_kernels, onednn_bf16_reorder_works
+    from kvlab.models.gemv_order import chosen_orders
     from kvlab.models.wide_kernels import chosen_wide_kernels
 
     return {
         "linear": chosen_kernels(),
         "wide_linear": chosen_wide_kernels(),
+        "gemv_order": chosen_orders(),
         "attention": "kvlab C decode attention" if kernel_available() else "torch",
         "onednn_bf16_reorder": onednn_bf16_reorder_works(),
     }

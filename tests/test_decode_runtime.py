@@ -128,8 +128,8 @@ def test_the_kernels_build_without_vector_extensions(tmp_path):
 def test_the_avx2_build_equals_the_reference_too(tmp_path):
     """On an AVX-512 CPU the kernel's AVX2 paths never run: build the kernels without
     AVX-512 (a compiler wrapper adding -mno-avx512f; the build is keyed by the compiler)
-    and run this file's kernel tests, the linear kernel's and the fused layer's in a process
-    that loads that build."""
+    and run this file's kernel tests, the linear kernels' (both one-row orders) and the fused
+    layer's in a process that loads that build."""
     from kvlab.kernels.build import _compiler, cpu_identity
 
     if " avx512f" not in cpu_identity():
@@ -146,7 +146,9 @@ def test_the_avx2_build_equals_the_reference_too(tmp_path):
             "test_w8a8_kernel_gives_its_reference_bit_for_bit",
         )
     ]
-    linears.append(str(Path(__file__).with_name("test_fused_layer.py")))
+    linears += [
+        str(Path(__file__).with_name(f"test_{name}.py")) for name in ("fused_layer", "gemv_order")
+    ]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, *linears]
     command += ["-k", "kernel and not avx2_build"]
     done = subprocess.run(

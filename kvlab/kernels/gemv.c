@@ -5,7 +5,8 @@
  * prefetched while one is read. Every tile size is a compile-time constant, so the
  * accumulators stay in registers (a runtime row count kept them in memory: 2x slower at
  * M = 8). Where the CPU has AVX512-BF16, bf16 weights and rows are multiplied by vdpbf16ps
- * without widening. Measured on a Xeon (AVX-512, 2 threads, SmolLM2-135M's 121 fp32
+ * without widening. One row of x walks the weight rows one after another instead (row_dot)
+ * where that was timed faster (gemv_order.h). Measured on a Xeon (AVX-512, 2 threads, SmolLM2-135M's 121 fp32
  * linears, scripts/bench_verify_step.py): 1 row 19-20 ms as MKL's sgemv, 5 rows 21.6 ms
  * against MKL's 38.5 (one weight row at a time, before tiles: 23.8 and 32.2 ms).
  */
@@ -13,6 +14,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "gemv_order.h"
 #include "simd.h"
 
 static inline const void *row_at(const void *p, int bf16, int64_t index) {
@@ -131,6 +133,43 @@ static inline __attribute__((always_inline)) int64_t tile_dots_bf16(
 }
 #endif
 
+/* Weight row w . x over K channels, four chains. One row after another is one memory stream
+ * per thread, which the hardware prefetchers follow without help: over the default model's
+ * 121 fp32 matrices (Zen4, 2 threads, a C harness) it read 36-42 GB/s, as fast as a
+ * streaming sum, where tiles of 4 rows read side by side with software prefetches read 31-33. */
+static inline __attribute__((always_inline)) float row_dot(const void *w, const int WB,
+                                                           const void *x, const int XB,
+                                                           int64_t K) {
+  int64_t k = 0;
+  float sum = 0.f;
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (WB && XB) {
+    const uint16_t *wb = w, *xb = x;
+    __m512 a[4] = {vzero(), vzero(), vzero(), vzero()};
+    for (; k + 128 <= K; k += 128)
+      for (int c = 0; c < 4; c++)
+        a[c] = _mm512_dpbf16_ps(a[c], (__m512bh)_mm512_loadu_si512(wb + k + 32 * c),
+                                (__m512bh)_mm512_loadu_si512(xb + k + 32 * c));
+    for (; k + 32 <= K; k += 32)
+      a[0] = _mm512_dpbf16_ps(a[0], (__m512bh)_mm512_loadu_si512(wb + k),
+                              (__m512bh)_mm512_loadu_si512(xb + k));
+    sum = vsum((a[0] + a[1]) + (a[2] + a[3]));
+  } else
+#endif
+  {
+#ifdef LANES
+    vec a[4] = {vzero(), vzero(), vzero(), vzero()};
+    for (; k + 4 * LANES <= K; k += 4 * LANES)
+      for (int c = 0; c < 4; c++)
+        a[c] = vfma(vload(w, WB, k + c * LANES), vload(x, XB, k + c * LANES), a[c]);
+    for (; k + LANES <= K; k += LANES) a[0] = vfma(vload(w, WB, k), vload(x, XB, k), a[0]);
+    sum = vsum((a[0] + a[1]) + (a[2] + a[3]));
+#endif
+  }
+  for (; k < K; k++) sum += value_at(w, WB, k) * value_at(x, XB, k);
+  return sum;
+}
+
 /* One tile: R weight rows from row n against rows m0.. m0 + M - 1 of x, finished in scalar
  * code past the vectors, bias added, stored to y (M_total, N). */
 static inline __attribute__((always_inline)) void tile(
@@ -166,12 +205,29 @@ static inline __attribute__((always_inline)) void tile(
       tile(w, WB, x, XB, xs, bias, bb, y, yb, N, K, n, m0, 1, MM);                  \
     break;
 
+int kvlab_rows_in_order[ORDER_FORMATS]; /* gemv_order.h; zero: the tiles */
+
+void kvlab_gemv_set_order(int format, int in_order) {
+  if (format >= 0 && format < ORDER_FORMATS) kvlab_rows_in_order[format] = in_order != 0;
+}
+
+int kvlab_gemv_order(int format) {
+  return format >= 0 && format < ORDER_FORMATS ? kvlab_rows_in_order[format] : 0;
+}
+
 /* Tiles of TILE_R(M) weight rows (1 for the last N % TILE_R) split across threads, each
  * against all M rows of x in chunks of at most TILE_M(R), so the weights stream from memory
  * once; WB, XB: weights / x in bf16. */
 static inline __attribute__((always_inline)) void tiles(
     const void *x, const int XB, int64_t xs, const void *w, const int WB, const void *bias,
     int bb, void *y, int yb, int64_t M, int64_t N, int64_t K) {
+  if (M == 1 && kvlab_rows_in_order[WB ? ORDER_BF16 : ORDER_FP32]) { /* one stream: row_dot */
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+      store(y, yb, n, row_dot(row_at(w, WB, n * K), WB, x, XB, K) +
+                          (bias ? value_at(bias, bb, n) : 0.f));
+    return;
+  }
   const int64_t R = TILE_R(M), chunk_max = TILE_M(R), full = N / R * R;
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < full / R + N % R; t++) {

@@ -79,6 +79,26 @@ def int8_wide_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, 
     return (sums * scale.float()).to(x.dtype)
 
 
+GEMV_ORDERS = ("tiles", "rows")  # how a one-row product walks a weight (gemv_order.h)
+_ORDER_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # gemv_order.h's
+
+
+def set_gemv_order(dtype: torch.dtype, order: str) -> None:
+    """How kvlab's one-row products walk weights of ``dtype`` (fp32, bf16: ``gemv.c``;
+    int8: ``gemv_int8.c``) from now on: ``rows`` one after another (one memory stream a
+    thread) or ``tiles`` of four side by side (:mod:`kvlab.models.gemv_order` chooses)."""
+    if order not in GEMV_ORDERS:
+        raise ValueError(f"gemv order {order!r}: allowed: {', '.join(GEMV_ORDERS)}")
+    kernel("kvlab_gemv_set_order", INT, INT)(_ORDER_FORMATS[dtype], GEMV_ORDERS.index(order))
+
+
+def gemv_order(dtype: torch.dtype) -> str:
+    """The order kvlab's one-row products walk weights of ``dtype`` in (see above)."""
+    getter = kernel("kvlab_gemv_order", INT)
+    getter.restype = INT
+    return GEMV_ORDERS[getter(_ORDER_FORMATS[dtype])]
+
+
 @torch.library.custom_op("kvlab::small_linear", mutates_args=())
 def _small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (M, K) @ weight (N, K)^T + bias, few rows M, in x's dtype (fp32 accumulation)."""

@@ -36,12 +36,17 @@ from torch import nn
 
 from kvlab.kernels.build import cpu_identity, library, library_identity
 from kvlab.kernels.linear import MAX_ROWS, DecodeLinear
+from kvlab.models.gemv_order import one_row_order
 from kvlab.models.kernel_choice import (
     MARGIN,
+    TIMED_ELEMENTS,
+    TIMED_SHAPES,
     choice_path,
     fastest,
     forced_kernel,
     time_passes,
+    timed_shapes,
+    timed_weights,
 )
 from kvlab.models.wide_kernels import wide_kernel
 from kvlab.quant.packing import block_int4
@@ -56,8 +61,6 @@ KERNELS = ("plain", "onednn", "kvlab")
 # bf16 layers timed 6% faster (9.5 vs 10.1 ms) and were chosen, and bf16 decoded op by op
 FUSED_MARGIN = 0.4
 RETIMINGS = 3  # a choice is timed on this many loads (each kernel's best kept), then cached
-TIMED_ELEMENTS = 128 * 2**20  # 512 MiB of fp32 weights (256 MiB bf16) per timing pass
-TIMED_SHAPES = ((1536, 576), (576, 1536))  # the default model's MLP, alternating
 FEW_ROWS = 5  # the width a few-row step is timed at: verifying 4 drafts, a small batch
 
 
@@ -132,8 +135,11 @@ def linear_kernel(dtype: torch.dtype) -> dict:
     "applicable", "decode_ms", "few_rows_kernel", "few_rows_ms"}`` (``decode_ms``: one row
     through the timed stack per candidate, empty when only one applies or the choice is
     forced; ``few_rows_*``: the same for ``FEW_ROWS`` rows, see :func:`_few_rows_kernel`)."""
+    applicable = applicable_kernels(dtype)
+    if "kvlab" in applicable:
+        one_row_order(dtype)  # how kvlab's kernel walks the weights, before it is timed
     timer = functools.partial(_time_kernels, dtype=dtype)
-    return _choose(str(dtype).removeprefix("torch."), applicable_kernels(dtype), timer)
+    return _choose(str(dtype).removeprefix("torch."), applicable, timer)
 
 
 @functools.cache
@@ -152,7 +158,10 @@ def int8_kernel() -> dict:
     """The kernel this CPU runs int8 weights (one scale per output channel) with for decode
     rows, as :func:`linear_kernel` decides: ``plain`` (PyTorch's ``_weight_int8pack_mm``)
     or ``kvlab`` (``gemv_int8.c``), timed on a stack of int8 weights."""
-    return _choose("int8", applicable_kernels(torch.int8), _time_int8_kernels)
+    applicable = applicable_kernels(torch.int8)
+    if "kvlab" in applicable:
+        one_row_order(torch.int8)  # how kvlab's kernel walks the codes, before it is timed
+    return _choose("int8", applicable, _time_int8_kernels)
 
 
 def _choose(name: str, applicable: list[str], timer) -> dict:
@@ -225,7 +234,7 @@ def _choice_path(name: str, applicable: list[str]) -> Path:
 def _time_kernels(kernels: list[str], dtype: torch.dtype, rows: int = 1) -> dict[str, float]:
     """Median ms of ``rows`` rows through every layer of a weight stack larger than the LLC,
     per kernel (:func:`~kvlab.models.kernel_choice.time_passes`)."""
-    weights = _timed_weights(dtype)
+    weights = timed_weights(dtype)
     x = {k: torch.full((rows, 1, k), 0.01, dtype=dtype) for k in {s[1] for s in TIMED_SHAPES}}
 
     def stack_pass(kernel: str):
@@ -242,7 +251,7 @@ def _time_int8_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
 
     weights = [
         (torch.ones(n, k, dtype=torch.int8), torch.full((n,), 1 / 64, dtype=torch.bfloat16))
-        for n, k in _timed_shapes()
+        for n, k in timed_shapes()
     ]
     run = {
         "plain": lambda x, codes, scale: torch.ops.aten._weight_int8pack_mm(x, codes, scale),
@@ -264,7 +273,7 @@ def _time_int4_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
 
     group, bf16 = 32, torch.bfloat16
     layers = []
-    for n, k in _timed_shapes():
+    for n, k in timed_shapes():
         codes, scale = torch.full((n, k), 9, dtype=torch.uint8), torch.full((k // group, n), 0.01)
         aten = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         blocks, planes = block_int4(codes, scale.to(bf16), scale.to(bf16))
@@ -280,23 +289,6 @@ def _time_int4_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
         return lambda: [run[kernel](*layer) for layer in layers]
 
     return time_passes({kernel: stack_pass(kernel) for kernel in kernels})
-
-
-def _timed_shapes() -> list[tuple[int, int]]:
-    """(out, in) of the timed stack: ``TIMED_SHAPES`` alternating, ``TIMED_ELEMENTS`` in all."""
-    count = TIMED_ELEMENTS // (TIMED_SHAPES[0][0] * TIMED_SHAPES[0][1])
-    return [TIMED_SHAPES[i % len(TIMED_SHAPES)] for i in range(count)]
-
-
-def _timed_weights(dtype: torch.dtype) -> list[nn.Linear]:
-    """Linear layers of ``TIMED_SHAPES`` (alternating) holding ``TIMED_ELEMENTS`` weights."""
-    layers = []
-    for out_features, in_features in _timed_shapes():
-        linear = nn.Linear(in_features, out_features, bias=False, device="meta")
-        weight = torch.full((out_features, in_features), 0.01, dtype=dtype)
-        linear.weight = nn.Parameter(weight, requires_grad=False)
-        layers.append(linear)
-    return layers
 
 
 _WRAPPERS = {"plain": lambda linear: linear, "onednn": PrepackedLinear, "kvlab": DecodeLinear}

@@ -13,10 +13,13 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from kvlab.paths import cache_dir
 
 MARGIN = 0.05  # a candidate replaces the default only when this much faster
+TIMED_ELEMENTS = 128 * 2**20  # 512 MiB of fp32 weights (256 MiB bf16) per timing pass
+TIMED_SHAPES = ((1536, 576), (576, 1536))  # the default model's MLP, alternating
 
 
 def forced_kernel(variable: str, allowed: tuple[str, ...], applicable: list[str]) -> str | None:
@@ -56,3 +59,20 @@ def choice_path(name: str, parts: tuple[str, ...]) -> Path:
     versions and settings it depends on)."""
     key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
     return cache_dir() / "kernel_choice" / f"{name}-{key}.json"
+
+
+def timed_shapes() -> list[tuple[int, int]]:
+    """(out, in) of the timed stack: ``TIMED_SHAPES`` alternating, ``TIMED_ELEMENTS`` in all."""
+    count = TIMED_ELEMENTS // (TIMED_SHAPES[0][0] * TIMED_SHAPES[0][1])
+    return [TIMED_SHAPES[i % len(TIMED_SHAPES)] for i in range(count)]
+
+
+def timed_weights(dtype: torch.dtype) -> list[nn.Linear]:
+    """Linear layers of ``TIMED_SHAPES`` (alternating) holding ``TIMED_ELEMENTS`` weights."""
+    layers = []
+    for out_features, in_features in timed_shapes():
+        linear = nn.Linear(in_features, out_features, bias=False, device="meta")
+        weight = torch.full((out_features, in_features), 0.01, dtype=dtype)
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        layers.append(linear)
+    return layers
