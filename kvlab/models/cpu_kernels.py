@@ -39,8 +39,10 @@ from kvlab.kernels.linear import MAX_ROWS, DecodeLinear
 from kvlab.models.gemv_order import one_row_order
 from kvlab.models.kernel_choice import (
     MARGIN,
+    RETIMINGS,
     TIMED_ELEMENTS,
     TIMED_SHAPES,
+    best_times,
     choice_path,
     fastest,
     forced_kernel,
@@ -60,7 +62,6 @@ KERNELS = ("plain", "onednn", "kvlab")
 # took 11.6-12.4 ms on it against 6.4-8.1 on kvlab's, 1024 tokens, the same run; oneDNN's
 # bf16 layers timed 6% faster (9.5 vs 10.1 ms) and were chosen, and bf16 decoded op by op
 FUSED_MARGIN = 0.4
-RETIMINGS = 3  # a choice is timed on this many loads (each kernel's best kept), then cached
 FEW_ROWS = 5  # the width a few-row step is timed at: verifying 4 drafts, a small batch
 
 
@@ -190,8 +191,8 @@ def _timed_choice(name: str, applicable: list[str], timer) -> dict:
     few_times = timer(few, rows=FEW_ROWS) if len(few) == 2 else {}
     timings = 1
     if cached is not None:  # a load only slows a kernel down: keep each one's best timing
-        times = _best(times, cached["decode_ms"])
-        few_times = _best(few_times, cached.get("few_rows_ms", {}))
+        times = best_times(times, cached["decode_ms"])
+        few_times = best_times(few_times, cached.get("few_rows_ms", {}))
         timings += cached.get("timings", 1)
     kernel = _fastest(times)
     choice = {"kernel": kernel, "applicable": applicable, "decode_ms": times}
@@ -200,10 +201,6 @@ def _timed_choice(name: str, applicable: list[str], timer) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(choice, indent=1))
     return choice
-
-
-def _best(times: dict[str, float], cached: dict[str, float]) -> dict[str, float]:
-    return {kernel: min(t, cached.get(kernel, t)) for kernel, t in times.items()}
 
 
 def _fastest(times: dict[str, float]) -> str:

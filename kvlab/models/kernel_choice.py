@@ -18,6 +18,7 @@ from torch import nn
 from kvlab.paths import cache_dir
 
 MARGIN = 0.05  # a candidate replaces the default only when this much faster
+RETIMINGS = 3  # a decode-width choice is timed on this many loads, each kernel's best kept
 TIMED_ELEMENTS = 128 * 2**20  # 512 MiB of fp32 weights (256 MiB bf16) per timing pass
 TIMED_SHAPES = ((1536, 576), (576, 1536))  # the default model's MLP, alternating
 
@@ -52,6 +53,11 @@ def fastest(times: dict[str, float], default: str = "plain", margin: float = MAR
     """The fastest of ``times`` where it beats ``default`` by ``margin``, else ``default``."""
     best = min(times, key=times.get)
     return best if times[best] < (1 - margin) * times[default] else default
+
+
+def best_times(times: dict[str, float], cached: dict[str, float]) -> dict[str, float]:
+    """Each kernel's faster of ``times`` and an earlier timing (a load only slows one down)."""
+    return {kernel: min(t, cached.get(kernel, t)) for kernel, t in times.items()}
 
 
 def choice_path(name: str, parts: tuple[str, ...]) -> Path:
