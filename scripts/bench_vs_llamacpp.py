@@ -161,6 +161,13 @@ def prefill_kernels(env: dict) -> str:
     return ", ".join(f"{dtype} {choice['kernel']}" for dtype, choice in chosen.items()) or "-"
 
 
+def decode_orders(env: dict) -> str:
+    """How kvlab's one-row kernels walked each weight dtype (kvlab.models.gemv_order), e.g.
+    ``float32 rows, bfloat16 tiles``: ITL depends on it."""
+    chosen = env["cpu_kernels"]["gemv_order"]
+    return ", ".join(f"{dtype} {choice['order']}" for dtype, choice in chosen.items()) or "-"
+
+
 def print_table(rows: list[dict], args) -> None:
     env = environment()
     print(f"\nkvlab vs llama.cpp llama-bench, SmolLM2-135M-Instruct, {env['cpu']}, "
@@ -170,7 +177,7 @@ def print_table(rows: list[dict], args) -> None:
           f"{'int8' if args.head == 'gguf' else 'bf16'}; roof = bytes / "
           f"{rows[0]['bandwidth'] / 1e9:.1f} GB/s, the fastest of this run's streaming reads "
           f"({', '.join(f'{b / 1e9:.1f}' for b in rows[0]['reads'])} GB/s); prefill "
-          f"linears: {prefill_kernels(env)}\n")  # fmt: skip
+          f"linears: {prefill_kernels(env)}; one-row order: {decode_orders(env)}\n")  # fmt: skip
     print("| weights | KV (kvlab / llama.cpp) | depth | kvlab ITL ms | llama.cpp ITL ms | "
           "ITL ratio | bytes/step MB | roof ms | kvlab % of roof | kvlab TTFT ms | "
           "llama.cpp TTFT ms | TTFT ratio |")  # fmt: skip

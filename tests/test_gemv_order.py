@@ -1,7 +1,7 @@
 """How kvlab's one-row kernels walk a weight (``rows`` one after another, or ``tiles`` of
 four side by side) changes speed only: both orders give the float64 product up to fp32
 summation order, for every pair of weight (fp32, bf16, int8 codes) and row precisions; the
-order is timed per weight dtype, kept at ``tiles`` unless ``rows`` is a margin faster,
+order is timed per weight dtype, kept at ``rows`` unless ``tiles`` is a margin faster,
 cached, set in the loaded kernels and recorded."""
 
 from __future__ import annotations
@@ -66,13 +66,13 @@ def test_either_one_row_kernel_order_gives_the_product(
     torch.testing.assert_close(out.double(), expected, rtol=tolerance, atol=tolerance)
 
 
-def test_rows_replace_tiles_only_where_a_margin_faster_timed_on_three_loads(
+def test_tiles_replace_rows_only_where_a_margin_faster_timed_on_three_loads(
     kept_orders, tmp_path, monkeypatch
 ):
     """The first load's timing decides for now; the next two time again, keep each order's
     best and decide again; later loads read the choice without timing."""
-    timings = iter([{"tiles": 10.0, "rows": 9.7}, {"tiles": 11.0, "rows": 8.0},
-                    {"tiles": 9.9, "rows": 9.0}, {"tiles": 10.0, "rows": 8.0}])  # fmt: skip
+    timings = iter([{"tiles": 9.7, "rows": 10.0}, {"tiles": 8.0, "rows": 11.0},
+                    {"tiles": 9.0, "rows": 9.9}, {"tiles": 10.0, "rows": 9.0}])  # fmt: skip
     calls = []
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
     monkeypatch.delenv("KVLAB_CPU_GEMV_ORDER", raising=False)
@@ -83,20 +83,20 @@ def test_rows_replace_tiles_only_where_a_margin_faster_timed_on_three_loads(
         return one_row_order(dtype)
 
     try:
-        first = load(torch.float32)  # 3% apart: the tiles stay
-        assert first == {"order": "tiles", "decode_ms": {"tiles": 10.0, "rows": 9.7},
+        first = load(torch.float32)  # 3% apart: the rows stay
+        assert first == {"order": "rows", "decode_ms": {"tiles": 9.7, "rows": 10.0},
                          "timings": 1}  # fmt: skip
-        assert gemv_order(torch.float32) == "tiles"
+        assert gemv_order(torch.float32) == "rows"
         second = load(torch.float32)  # the best of both timings: 20% apart
-        assert second["decode_ms"] == {"tiles": 10.0, "rows": 8.0} and second["timings"] == 2
-        assert second["order"] == "rows" and gemv_order(torch.float32) == "rows"
+        assert second["decode_ms"] == {"tiles": 8.0, "rows": 10.0} and second["timings"] == 2
+        assert second["order"] == "tiles" and gemv_order(torch.float32) == "tiles"
         assert load(torch.float32)["timings"] == 3
-        assert load(torch.float32)["order"] == "rows"  # read back, not timed again
+        assert load(torch.float32)["order"] == "tiles"  # read back, not timed again
         assert load(torch.bfloat16)["order"] == "rows"  # each dtype its own choice
         assert calls == [torch.float32] * 3 + [torch.bfloat16]
-        set_gemv_order(torch.bfloat16, "tiles")  # another build of the kernels is loaded
+        set_gemv_order(torch.float32, "rows")  # another build of the kernels is loaded
         apply_chosen_orders()
-        assert gemv_order(torch.bfloat16) == "rows"
+        assert gemv_order(torch.float32) == "tiles"
     finally:
         one_row_order.cache_clear()
 

@@ -205,7 +205,7 @@ static inline __attribute__((always_inline)) void tile(
       tile(w, WB, x, XB, xs, bias, bb, y, yb, N, K, n, m0, 1, MM);                  \
     break;
 
-int kvlab_rows_in_order[ORDER_FORMATS]; /* gemv_order.h; zero: the tiles */
+int kvlab_rows_in_order[ORDER_FORMATS] = {1, 1, 1}; /* gemv_order.h: rows until chosen */
 
 void kvlab_gemv_set_order(int format, int in_order) {
   if (format >= 0 && format < ORDER_FORMATS) kvlab_rows_in_order[format] = in_order != 0;

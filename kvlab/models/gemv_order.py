@@ -9,16 +9,19 @@ what this CPU measurably does:
 
 Both give the same products up to summation order (tests prove it). Which reads faster is
 the CPU's prefetchers' business. On the AMD EPYC Zen4 here (2 threads, 2026-12-04) a C
-harness over the default model's 121 fp32 matrices read 36-42 GB/s with ``rows``, as fast
-as a streaming sum, and 31-33 with ``tiles``; whole decode steps took 0.92-0.98x as long in
+harness over the default model's 121 fp32 matrices read 36-42 GB/s with ``rows``, as fast as
+a streaming sum, and 31-33 with ``tiles``; whole decode steps took 0.92-0.98x as long in
 fp32, 0.97x in bf16 and 0.92x with int8 weights (``scripts/bench_step_builds.py``). On a
-Xeon, when the kernel was written, one row at a time was 20% slower than the tiles. So both
-are timed in turns at one row over the stack :mod:`kvlab.models.cpu_kernels` times, and
-``rows`` replaces ``tiles`` only where it is ``MARGIN`` faster; the choice is timed again on
-the next loads (up to ``RETIMINGS``, each order's best kept, so one timing under another
-process's load does not decide for good), then read from ``$KVLAB_CACHE/kernel_choice``
-(keyed by CPU, threads, torch version and kernel build), recorded in result.json
-(``environment.cpu_kernels.gemv_order``), and forced by ``KVLAB_CPU_GEMV_ORDER=rows|tiles``.
+Xeon, when the kernel was written, a simpler one row at a time was 20% slower than the
+tiles. So both are timed in turns at one row over the stack :mod:`kvlab.models.cpu_kernels`
+times, and ``tiles`` replaces ``rows`` only where it is ``MARGIN`` faster. ``rows`` is the
+default because the stack, a Python call per matrix, understates what the order does in a
+fused step: int8 timed 4.17 against 4.24 ms there (1.5%), where its decode steps took 0.92x
+as long with ``rows``. The choice is timed again on the next loads (up to ``RETIMINGS``,
+each order's best kept, so one timing under another process's load does not decide for
+good), then read from ``$KVLAB_CACHE/kernel_choice`` (keyed by CPU, threads, torch version
+and kernel build), recorded in result.json (``environment.cpu_kernels.gemv_order``), and
+forced by ``KVLAB_CPU_GEMV_ORDER=rows|tiles``.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def chosen_orders() -> dict[str, dict]:
 def apply_chosen_orders() -> None:
     """Set the orders chosen so far in the loaded kernels again (after another build of
     them is loaded, as ``scripts/bench_step_builds.py`` does; a build without the choice
-    keeps its tiles)."""
+    keeps the tiles)."""
     loaded = build.library()  # looked up on the module: a script may have swapped it
     if loaded is None or not hasattr(loaded, "kvlab_gemv_set_order"):
         return
@@ -88,7 +91,7 @@ def _timed_choice(dtype: torch.dtype) -> dict:
     times, timings = _time_orders(dtype), 1
     if cached is not None:
         times, timings = best_times(times, cached["decode_ms"]), cached.get("timings", 1) + 1
-    choice = {"order": fastest(times, default="tiles"), "decode_ms": times, "timings": timings}
+    choice = {"order": fastest(times, default="rows"), "decode_ms": times, "timings": timings}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(choice, indent=1))
     return choice
@@ -126,5 +129,5 @@ def _timed_layers(dtype: torch.dtype) -> list[tuple]:
 
 def _choice_path(dtype: torch.dtype):
     parts = (cpu_identity(), str(torch.get_num_threads()), torch.__version__,
-             library_identity(), str(dtype), f"{GEMV_ORDERS}{MARGIN}")  # fmt: skip
+             library_identity(), str(dtype), f"{GEMV_ORDERS}{MARGIN}, rows first")  # fmt: skip
     return choice_path(f"gemv-order-{str(dtype).removeprefix('torch.')}", parts)
