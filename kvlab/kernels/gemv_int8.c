@@ -6,7 +6,7 @@
  * four prefetched), each code widened once for up to CODE_ROWS rows of x, output rows split
  * across threads; x (fp32 or bf16) is widened to fp32 once, before the threads start. One
  * row of x walks the rows one after another instead where that was timed faster
- * (gemv_order.h: on a Zen4, int8 decode steps 0.92x as long).
+ * (gemv_order.h: on a Zen4, int8 decode steps 0.92-0.98x as long in three runs of four).
  * Xeon (AVX-512), 2 threads, the default model's MLP shapes: one row 14.5 -> 20-21 GB/s
  * with the prefetch, five rows 7 -> 15.5-17 GB/s with the chunks (PyTorch's
  * _weight_int8pack_mm: 13 and 6.5).

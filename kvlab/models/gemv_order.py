@@ -11,17 +11,17 @@ Both give the same products up to summation order (tests prove it). Which reads 
 the CPU's prefetchers' business. On the AMD EPYC Zen4 here (2 threads, 2026-12-04) a C
 harness over the default model's 121 fp32 matrices read 36-42 GB/s with ``rows``, as fast as
 a streaming sum, and 31-33 with ``tiles``; whole decode steps took 0.92-0.98x as long in
-fp32, 0.97x in bf16 and 0.92x with int8 weights (``scripts/bench_step_builds.py``). On a
-Xeon, when the kernel was written, a simpler one row at a time was 20% slower than the
-tiles. So both are timed in turns at one row over the stack :mod:`kvlab.models.cpu_kernels`
-times, and ``tiles`` replaces ``rows`` only where it is ``MARGIN`` faster. ``rows`` is the
-default because the stack, a Python call per matrix, understates what the order does in a
-fused step: int8 timed 4.17 against 4.24 ms there (1.5%), where its decode steps took 0.92x
-as long with ``rows``. The choice is timed again on the next loads (up to ``RETIMINGS``,
-each order's best kept, so one timing under another process's load does not decide for
-good), then read from ``$KVLAB_CACHE/kernel_choice`` (keyed by CPU, threads, torch version
-and kernel build), recorded in result.json (``environment.cpu_kernels.gemv_order``), and
-forced by ``KVLAB_CPU_GEMV_ORDER=rows|tiles``.
+fp32 (seven A/B runs, either build first), 0.97x in bf16, and with int8 weights 0.92-0.98x
+in three runs and 1.08x in a fourth (``scripts/bench_step_builds.py``). On a Xeon, when the
+kernel was written, a simpler one row at a time was 20% slower than the tiles. So both are
+timed in turns at one row over the stack :mod:`kvlab.models.cpu_kernels` times, and
+``tiles`` replaces ``rows`` only where it is ``MARGIN`` faster. ``rows`` is the default
+because the stack, a Python call per matrix, understates what the order does in a fused
+step: fp32 timed 8-10% apart there, int8 1.5-6%. The choice is timed again on the next loads
+(up to ``RETIMINGS``, each order's best kept, so one timing under another process's load
+does not decide for good), then read from ``$KVLAB_CACHE/kernel_choice`` (keyed by CPU,
+threads, torch version and kernel build), recorded in result.json
+(``environment.cpu_kernels.gemv_order``), and forced by ``KVLAB_CPU_GEMV_ORDER=rows|tiles``.
 """
 
 from __future__ import annotations
