@@ -34,18 +34,7 @@ import torch
 from kvlab.kernels import build
 from kvlab.kernels.build import cpu_identity, library_identity
 from kvlab.kernels.linear import GEMV_ORDERS, DecodeLinear, int8_linear, set_gemv_order
-from kvlab.models.kernel_choice import (
-    MARGIN,
-    RETIMINGS,
-    TIMED_SHAPES,
-    best_times,
-    choice_path,
-    fastest,
-    forced_kernel,
-    time_passes,
-    timed_shapes,
-    timed_weights,
-)
+from kvlab.models import kernel_choice
 
 _CHOSEN: dict[str, dict] = {}  # dtype name -> the choice
 
@@ -55,7 +44,7 @@ def one_row_order(dtype: torch.dtype) -> dict:
     """The order kvlab's kernel walks ``dtype`` (fp32, bf16, int8) weights in for one row, set
     in the loaded kernels and returned with why: ``{"order", "decode_ms"}`` (``decode_ms``:
     each order's median ms over the timed stack; empty where forced)."""
-    forced = forced_kernel("KVLAB_CPU_GEMV_ORDER", GEMV_ORDERS, list(GEMV_ORDERS))
+    forced = kernel_choice.forced_kernel("KVLAB_CPU_GEMV_ORDER", GEMV_ORDERS, list(GEMV_ORDERS))
     if forced is not None:
         choice = {"order": forced, "decode_ms": {}, "forced": True}
     else:
@@ -86,12 +75,14 @@ def _timed_choice(dtype: torch.dtype) -> dict:
     choice is), then read from the cache."""
     path = _choice_path(dtype)
     cached = json.loads(path.read_text()) if path.exists() else None
-    if cached is not None and cached.get("timings", 1) >= RETIMINGS:
+    if cached is not None and cached.get("timings", 1) >= kernel_choice.RETIMINGS:
         return cached
     times, timings = _time_orders(dtype), 1
-    if cached is not None:
-        times, timings = best_times(times, cached["decode_ms"]), cached.get("timings", 1) + 1
-    choice = {"order": fastest(times, default="rows"), "decode_ms": times, "timings": timings}
+    if cached is not None:  # a load only slows an order down: keep each one's best
+        times = kernel_choice.best_times(times, cached["decode_ms"])
+        timings += cached.get("timings", 1)
+    order = kernel_choice.fastest(times, default="rows")
+    choice = {"order": order, "decode_ms": times, "timings": timings}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(choice, indent=1))
     return choice
@@ -110,17 +101,20 @@ def _time_orders(dtype: torch.dtype) -> dict[str, float]:
 
         return run
 
-    return time_passes({order: stack_pass(order) for order in GEMV_ORDERS})
+    return kernel_choice.time_passes({order: stack_pass(order) for order in GEMV_ORDERS})
 
 
 def _timed_layers(dtype: torch.dtype) -> list[tuple]:
     """(one-row product, its row) for every layer of the timed stack."""
     rows = {k: torch.full((1, k), 0.01, dtype=torch.bfloat16 if dtype == torch.int8 else dtype)
-            for _, k in TIMED_SHAPES}  # fmt: skip
+            for _, k in kernel_choice.TIMED_SHAPES}  # fmt: skip
     if dtype != torch.int8:
-        return [(DecodeLinear(linear), rows[linear.in_features]) for linear in timed_weights(dtype)]
+        return [
+            (DecodeLinear(linear), rows[linear.in_features])
+            for linear in kernel_choice.timed_weights(dtype)
+        ]
     layers = []
-    for n, k in timed_shapes():
+    for n, k in kernel_choice.timed_shapes():
         codes, scale = torch.ones(n, k, dtype=torch.int8), torch.full((n,), 1 / 64)
         layer = functools.partial(int8_linear, codes=codes, scale=scale.bfloat16(), bias=None)
         layers.append((layer, rows[k]))
@@ -128,6 +122,7 @@ def _timed_layers(dtype: torch.dtype) -> list[tuple]:
 
 
 def _choice_path(dtype: torch.dtype):
+    settings = f"{GEMV_ORDERS}{kernel_choice.MARGIN}, rows first"
     parts = (cpu_identity(), str(torch.get_num_threads()), torch.__version__,
-             library_identity(), str(dtype), f"{GEMV_ORDERS}{MARGIN}, rows first")  # fmt: skip
-    return choice_path(f"gemv-order-{str(dtype).removeprefix('torch.')}", parts)
+             library_identity(), str(dtype), settings)  # fmt: skip
+    return kernel_choice.choice_path(f"gemv-order-{str(dtype).removeprefix('torch.')}", parts)
