@@ -6,9 +6,10 @@
  * accumulators stay in registers (a runtime row count kept them in memory: 2x slower at
  * M = 8). Where the CPU has AVX512-BF16, bf16 weights and rows are multiplied by vdpbf16ps
  * without widening. One row of x walks the weight rows one after another instead (row_dot)
- * where that was timed faster (gemv_order.h). Measured on a Xeon (AVX-512, 2 threads, SmolLM2-135M's 121 fp32
- * linears, scripts/bench_verify_step.py): 1 row 19-20 ms as MKL's sgemv, 5 rows 21.6 ms
- * against MKL's 38.5 (one weight row at a time, before tiles: 23.8 and 32.2 ms).
+ * where that was timed faster (gemv_order.h). Measured on a Xeon (AVX-512, 2 threads,
+ * SmolLM2-135M's 121 fp32 linears, scripts/bench_verify_step.py): 1 row 19-20 ms as MKL's
+ * sgemv, 5 rows 21.6 ms against MKL's 38.5 (one weight row at a time, before tiles: 23.8
+ * and 32.2 ms).
  */
 #include <stdint.h>
 #include <string.h>
