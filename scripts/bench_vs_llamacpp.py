@@ -154,18 +154,13 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def prefill_kernels(env: dict) -> str:
-    """The wide-step kernel each weight dtype ran (kvlab.models.wide_kernels), e.g.
-    ``float32 onednn, bfloat16 plain``: TTFT depends on it."""
-    chosen = env["cpu_kernels"]["wide_linear"]
-    return ", ".join(f"{dtype} {choice['kernel']}" for dtype, choice in chosen.items()) or "-"
-
-
-def decode_orders(env: dict) -> str:
-    """How kvlab's one-row kernels walked each weight dtype (kvlab.models.gemv_order), e.g.
-    ``float32 rows, bfloat16 tiles``: ITL depends on it."""
-    chosen = env["cpu_kernels"]["gemv_order"]
-    return ", ".join(f"{dtype} {choice['order']}" for dtype, choice in chosen.items()) or "-"
+def chosen(env: dict, section: str, field: str) -> str:
+    """What each weight dtype ran under ``env["cpu_kernels"][section]``, e.g. ``float32
+    onednn, bfloat16 plain`` for the prefill linears (``wide_linear``, ``kernel``: TTFT
+    depends on it) or ``float32 rows`` for the one-row order (``gemv_order``, ``order``: ITL
+    does)."""
+    choices = env["cpu_kernels"][section]
+    return ", ".join(f"{dtype} {choice[field]}" for dtype, choice in choices.items()) or "-"
 
 
 def print_table(rows: list[dict], args) -> None:
@@ -177,7 +172,8 @@ def print_table(rows: list[dict], args) -> None:
           f"{'int8' if args.head == 'gguf' else 'bf16'}; roof = bytes / "
           f"{rows[0]['bandwidth'] / 1e9:.1f} GB/s, the fastest of this run's streaming reads "
           f"({', '.join(f'{b / 1e9:.1f}' for b in rows[0]['reads'])} GB/s); prefill "
-          f"linears: {prefill_kernels(env)}; one-row order: {decode_orders(env)}\n")  # fmt: skip
+          f"linears: {chosen(env, 'wide_linear', 'kernel')}; one-row order: "
+          f"{chosen(env, 'gemv_order', 'order')}\n")  # fmt: skip
     print("| weights | KV (kvlab / llama.cpp) | depth | kvlab ITL ms | llama.cpp ITL ms | "
           "ITL ratio | bytes/step MB | roof ms | kvlab % of roof | kvlab TTFT ms | "
           "llama.cpp TTFT ms | TTFT ratio |")  # fmt: skip

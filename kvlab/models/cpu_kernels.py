@@ -47,6 +47,7 @@ from kvlab.models.kernel_choice import (
     fastest,
     forced_kernel,
     time_passes,
+    timed_int8_weights,
     timed_shapes,
     timed_weights,
 )
@@ -246,10 +247,7 @@ def _time_int8_kernels(kernels: list[str], rows: int = 1) -> dict[str, float]:
     runs them): PyTorch's kernel against kvlab's."""
     from kvlab.kernels.linear import int8_linear
 
-    weights = [
-        (torch.ones(n, k, dtype=torch.int8), torch.full((n,), 1 / 64, dtype=torch.bfloat16))
-        for n, k in timed_shapes()
-    ]
+    weights = timed_int8_weights()
     run = {
         "plain": lambda x, codes, scale: torch.ops.aten._weight_int8pack_mm(x, codes, scale),
         "kvlab": lambda x, codes, scale: int8_linear(x, codes, scale, None),

@@ -113,12 +113,10 @@ def _timed_layers(dtype: torch.dtype) -> list[tuple]:
             (DecodeLinear(linear), rows[linear.in_features])
             for linear in kernel_choice.timed_weights(dtype)
         ]
-    layers = []
-    for n, k in kernel_choice.timed_shapes():
-        codes, scale = torch.ones(n, k, dtype=torch.int8), torch.full((n,), 1 / 64)
-        layer = functools.partial(int8_linear, codes=codes, scale=scale.bfloat16(), bias=None)
-        layers.append((layer, rows[k]))
-    return layers
+    return [
+        (functools.partial(int8_linear, codes=codes, scale=scale, bias=None), rows[codes.shape[1]])
+        for codes, scale in kernel_choice.timed_int8_weights()
+    ]
 
 
 def _choice_path(dtype: torch.dtype):

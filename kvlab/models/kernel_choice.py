@@ -82,3 +82,12 @@ def timed_weights(dtype: torch.dtype) -> list[nn.Linear]:
         linear.weight = nn.Parameter(weight, requires_grad=False)
         layers.append(linear)
     return layers
+
+
+def timed_int8_weights() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(codes, bf16 scale per output) of ``TIMED_SHAPES`` (alternating), ``TIMED_ELEMENTS``
+    codes in all: the timed stack as ``quant=rtn_int8`` holds it."""
+    return [
+        (torch.ones(n, k, dtype=torch.int8), torch.full((n,), 1 / 64, dtype=torch.bfloat16))
+        for n, k in timed_shapes()
+    ]
