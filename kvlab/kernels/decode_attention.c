@@ -314,9 +314,15 @@ static int fill_rows(const Job *job, const Store *s, int b, int h, int64_t t, in
   return filled;
 }
 
-/* Bytes from `p` on, a cache line at a time. */
+/* Bytes from `p` on, a cache line at a time, into L2 (locality 2: prefetcht1), not L1: an
+ * L1 prefetch holds one of the core's few L1 miss buffers until its line arrives, so a
+ * chunk's burst of them stalled the loads behind it (the prefetch instruction itself took
+ * 87% of the profile's samples in kvlab_prefetch_rows, fp32 rows). Into L2 the same
+ * prefetches cost 0.85x / 0.79x the attention time on fp32 rows at 4096 / 1024 tokens,
+ * 0.63x on a paged pool, 0.65x on a top-k table, 0.83x on 8-bit codes, 0.94x on 4-bit ones
+ * (scripts/bench_attention_builds.py, Zen4); 0.90-0.98x whole decode steps at 4096. */
 static inline void prefetch_bytes(const char *p, int64_t bytes) {
-  for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(p + byte);
+  for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(p + byte, 0, 2);
 }
 
 /* Ask for the rows of logical tokens t.. (< end) of a store, with their scales, ahead of
