@@ -2,9 +2,12 @@
  * the few rows of a decode or verification step, fp32 or bf16 weights and activations, fp32
  * accumulation. Decode is memory-bound: the kernel streams each weight row from memory once
  * for all M rows, tiles of weight rows split across threads (see "tiles"), the next tile
- * prefetched while one is read. Every tile size is a compile-time constant, so the
- * accumulators stay in registers (a runtime row count kept them in memory: 2x slower at
- * M = 8). Where the CPU has AVX512-BF16, bf16 weights and rows are multiplied by vdpbf16ps
+ * prefetched into L2 while one is read (into L1, each prefetch held one of the core's few L1
+ * miss buffers until its line came: over the default model's matrices the L2 hint took
+ * 0.84x / 0.76x the time at 5 rows of fp32 / bf16 and 0.85x at one fp32 row, on a Zen4;
+ * the int8 and int4 kernels prefetch the same way). Every tile size is a compile-time
+ * constant, so the accumulators stay in registers (a runtime row count kept them in memory:
+ * 2x slower at M = 8). Where the CPU has AVX512-BF16, bf16 weights and rows are multiplied by vdpbf16ps
  * without widening. One row of x walks the weight rows one after another instead (row_dot)
  * where that was timed faster (gemv_order.h). Measured on a Xeon (AVX-512, 2 threads,
  * SmolLM2-135M's 121 fp32 linears, scripts/bench_verify_step.py): 1 row 19-20 ms as MKL's
@@ -62,8 +65,8 @@ static inline __attribute__((always_inline)) int64_t tile_dots(
     for (; k0 + 2 * LANES <= K; k0 += 2 * LANES) {
       const vec x0 = vload(x, XB, k0), x1 = vload(x, XB, k0 + LANES);
       for (int r = 0; r < R; r++) {
-        __builtin_prefetch(row_at(w, WB, (R + r) * K + k0));
-        __builtin_prefetch(row_at(w, WB, (R + r) * K + k0 + LANES));
+        __builtin_prefetch(row_at(w, WB, (R + r) * K + k0), 0, 2);
+        __builtin_prefetch(row_at(w, WB, (R + r) * K + k0 + LANES), 0, 2);
         a[r][0] = vfma(vload(w, WB, r * K + k0), x0, a[r][0]);
         b[r] = vfma(vload(w, WB, r * K + k0 + LANES), x1, b[r]);
       }
@@ -72,7 +75,7 @@ static inline __attribute__((always_inline)) int64_t tile_dots(
   for (; k0 + LANES <= K; k0 += LANES) {
     vec wv[4];
     for (int r = 0; r < R; r++) {
-      __builtin_prefetch(row_at(w, WB, (R + r) * K + k0));
+      __builtin_prefetch(row_at(w, WB, (R + r) * K + k0), 0, 2);
       wv[r] = vload(w, WB, r * K + k0);
     }
     for (int m = 0; m < M; m++) {
@@ -108,8 +111,8 @@ static inline __attribute__((always_inline)) int64_t tile_dots_bf16(
       const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + k0);
       const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + k0 + 32);
       for (int r = 0; r < R; r++) {
-        __builtin_prefetch(w + (R + r) * K + k0);
-        __builtin_prefetch(w + (R + r) * K + k0 + 32);
+        __builtin_prefetch(w + (R + r) * K + k0, 0, 2);
+        __builtin_prefetch(w + (R + r) * K + k0 + 32, 0, 2);
         a[r][0] = _mm512_dpbf16_ps(a[r][0], (__m512bh)_mm512_loadu_si512(w + r * K + k0), x0);
         b[r] = _mm512_dpbf16_ps(b[r], (__m512bh)_mm512_loadu_si512(w + r * K + k0 + 32), x1);
       }
@@ -118,7 +121,7 @@ static inline __attribute__((always_inline)) int64_t tile_dots_bf16(
   for (; k0 + 32 <= K; k0 += 32) {
     __m512bh wv[4];
     for (int r = 0; r < R; r++) {
-      __builtin_prefetch(w + (R + r) * K + k0);
+      __builtin_prefetch(w + (R + r) * K + k0, 0, 2);
       wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k0);
     }
     for (int m = 0; m < M; m++) {
@@ -137,7 +140,8 @@ static inline __attribute__((always_inline)) int64_t tile_dots_bf16(
 /* Weight row w . x over K channels, four chains. One row after another is one memory stream
  * per thread, which the hardware prefetchers follow without help: over the default model's
  * 121 fp32 matrices (Zen4, 2 threads, a C harness) it read 36-42 GB/s, as fast as a
- * streaming sum, where tiles of 4 rows read side by side with software prefetches read 31-33. */
+ * streaming sum, where tiles of 4 rows read side by side with software prefetches into L1
+ * read 31-33 (into L2 the tiles come close: gemv_order.h times the two). */
 static inline __attribute__((always_inline)) float row_dot(const void *w, const int WB,
                                                            const void *x, const int XB,
                                                            int64_t K) {

@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void tile(const Int4 *w, int64_t b,
       for (int u = 0; u < U; u++)
         for (int v = 0; v < HALVES; v++) {
           const uint8_t *at = codes + (p + u) * BLOCK;
-          if (v == 0 && (p + u) % 4 == 0) __builtin_prefetch(at + 128 * BLOCK);
+          if (v == 0 && (p + u) % 4 == 0) __builtin_prefetch(at + 128 * BLOCK, 0, 2);
           vec lo, hi;
           vload_nibbles(at, v, &lo, &hi);
           for (int m = 0; m < M; m++) {
@@ -127,7 +127,7 @@ static inline __attribute__((always_inline)) void tile_bf16(const Int4 *w, int64
     for (int m = 0; m < M; m++) dot[m] = _mm512_setzero_ps();
     for (int64_t p = g * G / 2; p < (g + 1) * G / 2; p++) {
         const uint8_t *at = codes + p * BLOCK;
-        if (p % 4 == 0) __builtin_prefetch(at + 128 * BLOCK);
+        if (p % 4 == 0) __builtin_prefetch(at + 128 * BLOCK, 0, 2);
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at));
         const __m512i placed = _mm512_ternarylogic_epi32(
             _mm512_slli_epi32(v, 3), _mm512_slli_epi32(v, 15), places, 0xA8); /* (a|b)&c */

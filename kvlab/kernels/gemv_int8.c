@@ -41,7 +41,7 @@ static inline __attribute__((always_inline)) void dot_codes(const int8_t *w, int
   for (; k0 + 2 * LANES <= K; k0 += 2 * LANES) {
     const vec x0 = vload_f32(x + k0), x1 = vload_f32(x + k0 + LANES);
     for (int j = 0; j < COUNT; j++) {
-      if (COUNT > 1) __builtin_prefetch(w + (COUNT + j) * K + k0); /* one row: a stream */
+      if (COUNT > 1) __builtin_prefetch(w + (COUNT + j) * K + k0, 0, 2); /* one row: a stream */
       a[j] = vfma(vload_codes(w + j * K + k0), x0, a[j]);
       b[j] = vfma(vload_codes(w + j * K + k0 + LANES), x1, b[j]);
     }
@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void dot_codes_rows(const int8_t *w
   for (; k0 + LANES <= K; k0 += LANES) {
     vec wv[4];
     for (int j = 0; j < COUNT; j++) {
-      __builtin_prefetch(w + (COUNT + j) * K + k0);
+      __builtin_prefetch(w + (COUNT + j) * K + k0, 0, 2);
       wv[j] = vload_codes(w + j * K + k0);
     }
     for (int m = 0; m < M; m++) {
