@@ -1,18 +1,17 @@
-/* kvlab's CPU matrix-vector product for decode: y (M, N) = x (M, K) W (N, K)^T (+ bias) for
- * the few rows of a decode or verification step, fp32 or bf16 weights and activations, fp32
- * accumulation. Decode is memory-bound: the kernel streams each weight row from memory once
- * for all M rows, tiles of weight rows split across threads (see "tiles"), the next tile
- * prefetched into L2 while one is read (into L1, each prefetch held one of the core's few L1
- * miss buffers until its line came: over the default model's matrices the L2 hint took
- * 0.84x / 0.76x the time at 5 rows of fp32 / bf16 and 0.85x at one fp32 row, on a Zen4;
- * the int8 and int4 kernels prefetch the same way). Every tile size is a compile-time
- * constant, so the accumulators stay in registers (a runtime row count kept them in memory:
- * 2x slower at M = 8). Where the CPU has AVX512-BF16, bf16 weights and rows are multiplied by vdpbf16ps
- * without widening. One row of x walks the weight rows one after another instead (row_dot)
- * where that was timed faster (gemv_order.h). Measured on a Xeon (AVX-512, 2 threads,
- * SmolLM2-135M's 121 fp32 linears, scripts/bench_verify_step.py): 1 row 19-20 ms as MKL's
- * sgemv, 5 rows 21.6 ms against MKL's 38.5 (one weight row at a time, before tiles: 23.8
- * and 32.2 ms).
+/* kvlab's CPU matrix-vector product for decode: y (M, N) = x (M, K) W (N, K)^T (+ bias) for the few
+ * rows of a decode or verification step, fp32 or bf16 weights and activations, fp32 accumulation.
+ * Decode is memory-bound: the kernel streams each weight row from memory once for all M rows, tiles
+ * of weight rows split across threads (see "tiles"), the next tile prefetched into L2 while one is
+ * read (into L1, each prefetch held one of the core's few L1 miss buffers until its line came: over
+ * the default model's matrices the L2 hint took 0.84x / 0.76x the time at 5 rows of fp32 / bf16 and
+ * 0.85x at one fp32 row, on a Zen4; the int8 and int4 kernels prefetch the same way). Every tile
+ * size is a compile-time constant, so the accumulators stay in registers (a runtime row count kept
+ * them in memory: 2x slower at M = 8). Where the CPU has AVX512-BF16, bf16 weights and rows are
+ * multiplied by vdpbf16ps without widening. One row of x walks the weight rows one after another
+ * instead (row_dot) where that was timed faster (gemv_order.h). Measured on a Xeon (AVX-512, 2
+ * threads, SmolLM2-135M's 121 fp32 linears, scripts/bench_verify_step.py): 1 row 19-20 ms as MKL's
+ * sgemv, 5 rows 21.6 ms against MKL's 38.5 (one weight row at a time, before tiles: 23.8 and 32.2
+ * ms).
  */
 #include <stdint.h>
 #include <string.h>
