@@ -174,8 +174,9 @@ def test_kernel_reads_codes_without_dequantizing_as_the_reference(key_axis, bits
     groups in one pass of registers (1-4) or several (5, 9), words repeated across a vector
     (W < lanes) or read in place, token groups a whole number of vectors or not (then rows
     are dequantized as before), bf16 scales, channel key groups of 30 tokens that split the
-    runs into 30 (two rows past a block of four), and bounds 3..10 and 0..299 inside
-    groups."""
+    runs into 30 (on AVX-512, 8- and 4-bit codes of 64 or 128 channels: a block of sixteen
+    rows scored across lanes, then fourteen in blocks of four and two past them), and bounds
+    3..10 and 0..299 inside groups."""
 
     def encoded(codec, x):
         return [p.to(scale_dtype) if p.is_floating_point() else p for p in codec.encode(x)]
