@@ -2,8 +2,8 @@
 and bf16 weights, ``gemv_int8.c`` for int8) walk a weight matrix, chosen per weight dtype by
 what this CPU measurably does:
 
-- ``tiles``: four weight rows side by side, the next four prefetched in software (four
-  memory streams a thread);
+- ``tiles``: four weight rows side by side, the next four prefetched in software into L2
+  (four memory streams a thread);
 - ``rows``: one weight row after another, so each thread reads one memory stream, which
   the hardware prefetchers follow alone (llama.cpp's ggml walks its rows so).
 
@@ -13,7 +13,10 @@ harness over the default model's 121 fp32 matrices read 36-42 GB/s with ``rows``
 a streaming sum, and 31-33 with ``tiles``; whole decode steps took 0.92-0.98x as long in
 fp32 (seven A/B runs, either build first), 0.97x in bf16, and with int8 weights 0.92-0.98x
 in three runs and 1.08x in a fourth (``scripts/bench_step_builds.py``). On a Xeon, when the
-kernel was written, a simpler one row at a time was 20% slower than the tiles. So both are
+kernel was written, a simpler one row at a time was 20% slower than the tiles. Those were
+tiles with L1 prefetches; with the prefetches into L2 (0.85x the tiles' time at one fp32
+row) whole steps took 0.95x (fp32), 1.00x (bf16) and 1.11x (int8) the time of ``rows`` in
+one run each, close enough for the choice to go either way. So both are
 timed in turns at one row over the stack :mod:`kvlab.models.cpu_kernels` times, and
 ``tiles`` replaces ``rows`` only where it is ``MARGIN`` faster. ``rows`` is the default
 because the stack, a Python call per matrix, understates what the order does in a fused
