@@ -376,6 +376,14 @@ void kvlab_prefetch_rows(const Job *job, const Store *s, int b, int h, int64_t t
 }
 
 #if defined(__AVX512F__)
+/* Where the AVX-512 row walks hold every accumulator in registers: keys four rows at a time
+ * for up to 4 query heads (key_scores_4), values row by row at D = 64 for up to 4 heads or
+ * D = 128 for up to 3 (add_values_rows). bf16_in_place reads bf16 rows in place only there. */
+static inline int keys_in_registers(int G, int D) { return D % 16 == 0 && G <= 4; }
+static inline int values_in_registers(int G, int D) {
+  return (D == 64 && G <= 4) || (D == 128 && G <= 3);
+}
+
 /* key_scores for four rows at a time and a compile-time G (inlined per G): each row's
  * 16-channel slices loaded once for all G query heads, 4 * G chains in registers.
  * Returns the rows done. */
@@ -416,7 +424,7 @@ static void key_scores(const float *q, const float **rows, int n, int G, int D, 
                        float *scores, int stride, int bf16) {
   int i = 0;
 #if defined(__AVX512F__)
-  if (D % 16 == 0 && G <= 4) {
+  if (keys_in_registers(G, D)) {
     if (bf16) {
       KEY_SCORES_4(1)
     } else {
@@ -505,11 +513,11 @@ static inline __attribute__((always_inline)) void add_values_rows(
 }
 #endif
 
-#define VALUE_ROWS(GG, CC) \
-  if (G == GG && D == 16 * CC) { \
+#define VALUE_ROWS(GG, CC)                                           \
+  if (G == GG && D == 16 * CC) {                                     \
     if (bf16) add_values_rows(weights, stride, rows, n, GG, CC, out, 1); \
-    else add_values_rows(weights, stride, rows, n, GG, CC, out, 0); \
-    return; \
+    else add_values_rows(weights, stride, rows, n, GG, CC, out, 0);      \
+    return;                                                          \
   }
 
 /* out[g] += sum_i weights[g][i] * rows[i] for a run of n rows (bf16: rows in place as bf16,
@@ -517,8 +525,10 @@ static inline __attribute__((always_inline)) void add_values_rows(
 static void add_values(const float *weights, int stride, const float **rows, int n, int G,
                        int D, float *out, int bf16) {
 #if defined(__AVX512F__)
-  VALUE_ROWS(1, 4) VALUE_ROWS(2, 4) VALUE_ROWS(3, 4) VALUE_ROWS(4, 4)
-  VALUE_ROWS(1, 8) VALUE_ROWS(2, 8) VALUE_ROWS(3, 8)
+  if (values_in_registers(G, D)) {
+    VALUE_ROWS(1, 4) VALUE_ROWS(2, 4) VALUE_ROWS(3, 4) VALUE_ROWS(4, 4)
+    VALUE_ROWS(1, 8) VALUE_ROWS(2, 8) VALUE_ROWS(3, 8)
+  }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 16 == 0 && G <= 4) { /* a constant G keeps the accumulators in registers */
@@ -557,12 +567,11 @@ static void add_values(const float *weights, int stride, const float **rows, int
 
 /* Whether a store's bf16 rows are read in place and widened in registers rather than
  * widened into an fp32 tile first (a store and a load a row saved): on AVX-512, where the
- * row walks keep their accumulators in registers (keys: D % 16 == 0, G <= 4; values: D =
- * 64 with G <= 4 or 128 with G <= 3). The same products in the same order. */
+ * row walks keep their accumulators in registers. The same products in the same order. */
 static int bf16_in_place(const Store *s, int G, int D, int values) {
 #if defined(__AVX512F__)
   if (s->format != FMT_BF16) return 0;
-  return values ? (D == 64 && G <= 4) || (D == 128 && G <= 3) : D % 16 == 0 && G <= 4;
+  return values ? values_in_registers(G, D) : keys_in_registers(G, D);
 #else
   (void)s, (void)G, (void)D, (void)values;
   return 0;
