@@ -4,7 +4,7 @@
  * the rows in fp32, so the result is the dequantized layer's up to summation order. Decode
  * is memory-bound: weight rows are streamed four at a time (four memory streams, the next
  * four prefetched), each code widened once for up to CODE_ROWS rows of x, output rows split
- * across threads; x (fp32 or bf16) is widened to fp32 once, before the threads start. One
+ * across threads; x (fp32 or bf16) is widened to fp32 once by each thread. One
  * row of x walks the rows one after another instead where that was timed faster
  * (gemv_order.h: on a Zen4, int8 decode steps 0.92-0.98x as long in three runs of four),
  * in blocks (rows_in_order).
@@ -116,17 +116,17 @@ static inline __attribute__((always_inline)) void dot_codes_rows(const int8_t *w
       dot_codes_rows(q + n * K, K, xf + m0 * K, 1, MM, acc);    \
     break;
 
-/* One row of x (xf, widened) against the weight rows one after another (one memory stream
- * a thread), in blocks of ROW_BLOCK rows: the block's dot products first, in a loop of
- * nothing else, then its scales, biases and stores. With each row's scale, bias and store
- * after its dot product, a 576-code row's loop shared the core with their branches and
- * reloads: 0.79x the time over a step's 120 int8 matrices (Zen4, 2 threads, a C harness;
- * 32 GB/s where fp32 rows read 46). */
+/* One row of x (xf, widened) against this thread's share of the weight rows, one after
+ * another (one memory stream a thread), in blocks of ROW_BLOCK rows: the block's dot
+ * products first, in a loop of nothing else, then its scales, biases and stores. With each
+ * row's scale, bias and store after its dot product, a 576-code row's loop shared the core
+ * with their branches and reloads: 0.79x the time over a step's 120 int8 matrices (Zen4, 2
+ * threads, a C harness; 32 GB/s where fp32 rows read 46). */
 #define ROW_BLOCK 16
 static void rows_in_order(const int8_t *q, const float *xf, const void *scale, int scale_bf16,
                           const void *bias, int bias_bf16, void *y, int y_bf16, int64_t N,
                           int64_t K) {
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
   for (int64_t block = 0; block < (N + ROW_BLOCK - 1) / ROW_BLOCK; block++) {
     const int64_t n0 = ROW_BLOCK * block, count = N - n0 < ROW_BLOCK ? N - n0 : ROW_BLOCK;
     float sums[ROW_BLOCK];
@@ -138,22 +138,13 @@ static void rows_in_order(const int8_t *q, const float *xf, const void *scale, i
   }
 }
 
-/* x: (M, K) with row stride x_stride, fp32 or bf16; q: (N, K) int8 contiguous; scale: (N,)
- * and bias (N,) or NULL, fp32 or bf16; y: (M, N) contiguous, fp32 or bf16. Weight rows four
- * at a time (the next four prefetched) against chunks of up to CODE_ROWS rows of x. */
-void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
-                     const void *scale, int scale_bf16, const void *bias, int bias_bf16,
-                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K) {
-  float *xf = malloc(sizeof(float) * M * K);
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t k = 0; k < K; k++) xf[m * K + k] = value_at(x, x_bf16, m * x_stride + k);
-  if (M == 1 && kvlab_rows_in_order[ORDER_INT8]) {
-    rows_in_order(q, xf, scale, scale_bf16, bias, bias_bf16, y, y_bf16, N, K);
-    free(xf);
-    return;
-  }
+/* Tiles of four weight rows (the next four prefetched; 1 for the last N % 4), this thread's
+ * share, against chunks of up to CODE_ROWS rows of xf (M rows, widened). */
+static void tiles(const int8_t *q, const float *xf, const void *scale, int scale_bf16,
+                  const void *bias, int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N,
+                  int64_t K) {
   const int64_t quads = N / 4;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
   for (int64_t r = 0; r < quads + (N - 4 * quads); r++) {
     const int64_t n = r < quads ? 4 * r : 4 * quads + (r - quads), count = r < quads ? 4 : 1;
     for (int64_t m0 = 0; m0 < M; m0 += CODE_ROWS) {
@@ -179,5 +170,28 @@ void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *
       }
     }
   }
-  free(xf);
+}
+
+/* x: (M, K) with row stride x_stride, fp32 or bf16; q: (N, K) int8 contiguous; scale: (N,)
+ * and bias (N,) or NULL, fp32 or bf16; y: (M, N) contiguous, fp32 or bf16. Each thread
+ * widens x into a buffer of its own: one widened by the calling thread and read by the
+ * others took 1.4x the time over a step's int8 matrices wherever another parallel region
+ * ran between them, as attention does in a decode step (Zen4, 2 threads, a C harness;
+ * back to back, without one, the same time). */
+#define STACK_FLOATS 8192 /* a widened x of up to 32 KB on each thread's stack */
+void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
+                     const void *scale, int scale_bf16, const void *bias, int bias_bf16,
+                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K) {
+#pragma omp parallel
+  {
+    float on_stack[STACK_FLOATS];
+    float *xf = M * K <= STACK_FLOATS ? on_stack : malloc(sizeof(float) * M * K);
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t k = 0; k < K; k++) xf[m * K + k] = value_at(x, x_bf16, m * x_stride + k);
+    if (M == 1 && kvlab_rows_in_order[ORDER_INT8])
+      rows_in_order(q, xf, scale, scale_bf16, bias, bias_bf16, y, y_bf16, N, K);
+    else
+      tiles(q, xf, scale, scale_bf16, bias, bias_bf16, y, y_bf16, M, N, K);
+    if (xf != on_stack) free(xf);
+  }
 }
