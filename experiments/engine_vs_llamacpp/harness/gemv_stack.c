@@ -1,0 +1,85 @@
+/* The one-row weight kernels over a decode step's 120 matrices of SmolLM2-135M (qkv 960 x 576,
+ * o 576 x 576, gate/up 3072 x 576, down 576 x 1536, 30 times; 106 MB in int8), called from C,
+ * so no Python call sits between them. Prints the median time the kernels took a step (15
+ * rounds of 5 steps) and the bandwidth it means. With "between", an OpenMP region that
+ * sums 1000 numbers runs before each layer's first matrix, as attention's regions run in a
+ * decode step (its own time is not counted). Not a test; build against kvlab's library:
+ *
+ *   lib=$(python -c 'from kvlab.kernels import build; print(build.library()._name)')
+ *   gcc -O2 -march=native -fopenmp gemv_stack.c -o gemv_stack "$lib" -Wl,-rpath,"$(dirname "$lib")"
+ *   ./gemv_stack int8 rows between
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
+                     const void *scale, int scale_bf16, const void *bias, int bias_bf16,
+                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
+void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
+                const void *bias, int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N,
+                int64_t K);
+void kvlab_gemv_set_order(int format, int in_order);
+
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static int by_value(const void *a, const void *b) {
+  const double d = *(const double *)a - *(const double *)b;
+  return d < 0 ? -1 : d > 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 3) {
+    fprintf(stderr, "usage: %s fp32|bf16|int8 rows|tiles [between]\n", argv[0]);
+    return 2;
+  }
+  const int format = !strcmp(argv[1], "int8") ? 2 : !strcmp(argv[1], "bf16") ? 1 : 0;
+  const int size = format == 2 ? 1 : format == 1 ? 2 : 4, between = argc > 3;
+  kvlab_gemv_set_order(format, !strcmp(argv[2], "rows"));
+  const int64_t shapes[4][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}};
+  void *w[120];
+  uint16_t *scale = malloc(2 * 4096), *x = malloc(4 * 4096), *y = malloc(4 * 4096);
+  for (int i = 0; i < 4096; i++) {
+    scale[i] = 0x3c00;                          /* bf16 2^-7 */
+    x[i] = (uint16_t)(0x3f00 + (i % 64)); /* bf16 0.5 .. 0.99 */
+  }
+  double bytes = 0;
+  for (int i = 0; i < 120; i++) {
+    const int64_t n = shapes[i % 4][0] * shapes[i % 4][1] * size;
+    w[i] = aligned_alloc(64, n);
+    for (int64_t j = 0; j < n; j++) ((uint8_t *)w[i])[j] = (uint8_t)(j * 37 + i);
+    bytes += n;
+  }
+  volatile float sink = 0;
+  double times[15];
+  for (int r = 0; r < 15; r++) {
+    double kernels = 0;
+    for (int step = 0; step < 5; step++)
+      for (int i = 0; i < 120; i++) {
+        const int64_t N = shapes[i % 4][0], K = shapes[i % 4][1];
+        if (between && i % 4 == 0) {
+          float acc = 0;
+#pragma omp parallel for reduction(+ : acc)
+          for (int j = 0; j < 1000; j++) acc += (float)j;
+          sink += acc;
+        }
+        const double t0 = now();
+        if (format == 2)
+          kvlab_gemv_int8(x, 1, K, w[i], scale, 1, NULL, 0, y, 1, 1, N, K);
+        else
+          kvlab_gemv(x, format == 1, K, w[i], format == 1, NULL, 0, y, format == 1, 1, N, K);
+        kernels += now() - t0;
+      }
+    times[r] = kernels / 5;
+  }
+  qsort(times, 15, sizeof(double), by_value);
+  printf("%s %s%s: %.2f ms a step (median of 15), %.1f GB/s\n", argv[1], argv[2],
+         between ? " between" : "", times[7] * 1e3, bytes / times[7] / 1e9);
+  return 0;
+}
