@@ -7,7 +7,12 @@ every format alike), ITL as the median of per-step ratios to the first format. N
 
 A format is a ``quant`` preset; ``:head`` quantizes the tied output head too (its
 ``skip`` emptied; llama.cpp's Q8_0 and Q4_1 files hold that head in Q8_0). Activations and
-non-quantized weights are in ``--dtype``.
+non-quantized weights are in ``--dtype``, or in the format's own ``@dtype``: issue 23's
+bf16-vs-fp32 target interleaved, where bench_vs_llamacpp.py times each format in a window
+of its own (a shared machine's bandwidth moves between windows):
+
+    python scripts/bench_weight_formats.py --depth 1024 \
+        --formats none@float32,none@bfloat16,rtn_int8:head,rtn_int4_g32_asym:head
 """
 
 from __future__ import annotations
@@ -24,10 +29,16 @@ from kvlab.engine import Engine, GenerationConfig
 from kvlab.run import compose_run_config, load_run_model
 from kvlab.tracking import environment
 
+DTYPES = ("float32", "bfloat16", "float16")
+
 
 def load(spec: str, dtype: str) -> torch.nn.Module:
+    """The model for ``spec`` (``preset[:head][@dtype]``), in ``dtype`` unless it names one."""
+    spec, _, own_dtype = spec.partition("@")
+    if own_dtype and own_dtype not in DTYPES:
+        raise SystemExit(f"--formats: dtype {own_dtype!r} is not one of {', '.join(DTYPES)}")
     preset, _, extra = spec.partition(":")
-    overrides = [f"quant={preset}", f"model.dtype={dtype}"]
+    overrides = [f"quant={preset}", f"model.dtype={own_dtype or dtype}"]
     overrides += ["+quant.options.skip=[]"] if extra == "head" else []
     cfg = compose_run_config(overrides)
     return load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
@@ -71,7 +82,8 @@ def main() -> None:
             engines[spec].generate([prompt[:600]], GenerationConfig(4, stop_on_eos=False))
         times = interleaved_steps(engines, prompt, args.steps, args.rounds)
     env = environment()
-    print(f"decode at depth {args.depth}, {args.dtype} activations, {args.steps} steps x "
+    print(f"decode at depth {args.depth}, {args.dtype} activations (unless a format says), "
+          f"{args.steps} steps x "
           f"{args.rounds} rounds interleaved; {env['cpu']}, {torch.get_num_threads()} threads, "
           f"torch {env['torch']}\n")  # fmt: skip
     print(f"| format | ITL p50 ms | ITL / {formats[0]} (median of per-step ratios) |")
