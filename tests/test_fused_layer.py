@@ -115,6 +115,27 @@ def test_a_copied_model_plans_its_own_fused_layers(tiny_checkpoints):
 
 
 @needs_kernel
+def test_a_layer_that_decoded_in_inference_mode_decodes_outside_it(tiny_checkpoints):
+    """A layer keeps its step buffers per batch size and torch writes the activation into
+    one in place: buffers first made in inference mode (the engine's) serve a later
+    one-token step of the model called under ``no_grad``, where an inference tensor would
+    refuse the write, with the same logits."""
+    model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
+    prompt = torch.tensor([PROMPTS[0]])
+
+    def next_token_logits(mode) -> torch.Tensor:
+        cache = build_cache("full", model.cache_spec())
+        cache.allocate(1, prompt.shape[1] + 1)
+        with mode:
+            model(prompt, torch.arange(prompt.shape[1])[None], cache)
+            return model(torch.tensor([[7]]), torch.tensor([[prompt.shape[1]]]), cache)
+
+    want = next_token_logits(torch.inference_mode())
+    assert all(layer.fused.buffers for layer in model.layers)  # the fused path ran
+    assert torch.equal(next_token_logits(torch.no_grad()), want)
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("cache", "options", "in_c"),

@@ -167,7 +167,7 @@ class FusedDecode:
         self.plan = _LayerPlan(norms, (ctypes.c_float * 2)(*self.eps), *self.addresses[:3],
                                self.heads, self.kv_heads, self.dim)  # fmt: skip
         self.plan_address = ctypes.addressof(self.plan)
-        self.buffers: dict[int, list[torch.Tensor]] = {}  # per batch size (see _scratch)
+        self.buffers: dict[int, _StepBuffers] = {}  # per batch size (_step_buffers)
 
     def takes(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether this step's x (B, 1, hidden) and rotary table fit the fused path."""
@@ -219,28 +219,44 @@ class FusedDecode:
         """The layer's output where the cache hands its writes and attention over as C
         (``KVCache.fused_attention``): one call up to the activation, then the activation
         in torch and one call more; no cache or attention Python in between."""
-        batch, dtype = x.shape[0], self.dtype
-        qkv, rotated, out, mid, gate_up, scratch = self._scratch(batch)
+        batch = x.shape[0]
+        step = self._step_buffers(batch)
         self.decode_in(
             x.data_ptr(), self.bf16, batch, self.plan_address, rope.cos.data_ptr(),
-            rope.sin.data_ptr(), attention, blocks.data_ptr(), slots.data_ptr(), qkv.data_ptr(),
-            rotated.data_ptr(), out.data_ptr(), mid.data_ptr(), gate_up.data_ptr(),
-            scratch.data_ptr(),
+            rope.sin.data_ptr(), attention, blocks.data_ptr(), slots.data_ptr(), *step.decode_in,
         )  # fmt: skip
-        gate, up = gate_up.split_with_sizes([self.inner, self.inner], 1)
-        activation = F.silu(gate) * up  # (B, inner)
-        y = torch.empty(batch, 1, self.hidden, dtype=dtype)
-        self.out(activation.data_ptr(), mid.data_ptr(), self.bf16, batch, self.addresses[3],
-                 scratch.data_ptr(), y.data_ptr())  # fmt: skip
+        torch.mul(F.silu(step.gate, inplace=True), step.up, out=step.activation)
+        y = torch.empty(batch, 1, self.hidden, dtype=self.dtype)
+        self.out(step.activation_at, step.mid_at, self.bf16, batch, self.addresses[3],
+                 step.scratch_at, y.data_ptr())  # fmt: skip
         return y
 
-    def _scratch(self, batch: int) -> list[torch.Tensor]:
-        """The layer's own buffers for a step of ``batch`` rows, made once: qkv, rotated
-        heads, attention output, mid, gate/up and scratch. Only C reads them within the step
-        (the activation is a new tensor), so a step never sees an earlier step's."""
+    def _step_buffers(self, batch: int) -> _StepBuffers:
+        """The layer's own buffers for a step of ``batch`` rows, made once, and their
+        addresses: only C reads them within the step, and the activation in torch between
+        the calls, so a step never sees an earlier step's (the output is a new tensor)."""
         if batch not in self.buffers:
             heads, kv, dim, hidden = self.heads, self.kv_heads, self.dim, self.hidden
-            sizes = ((heads + 2 * kv) * dim, (heads + kv) * dim, heads * dim, hidden,
-                     2 * self.inner, 2 * hidden)  # fmt: skip
-            self.buffers[batch] = [torch.empty(batch, n, dtype=self.dtype) for n in sizes]
+            self.buffers[batch] = _StepBuffers(
+                batch, self.dtype, (heads + 2 * kv) * dim, (heads + kv) * dim, heads * dim,
+                hidden, self.inner,
+            )  # fmt: skip
         return self.buffers[batch]
+
+
+class _StepBuffers:
+    """One layer's scratch for a decode step of ``batch`` rows: qkv, rotated heads,
+    attention output, mid, gate/up (its halves as views) and scratch in the order
+    ``kvlab_layer_decode_in`` takes them (their addresses: :attr:`decode_in`), and the
+    activation ``kvlab_layer_out`` reads. Normal tensors even when made in inference mode:
+    torch writes the activation in place, which an inference tensor refuses outside it."""
+
+    def __init__(self, batch, dtype, qkv, rotated, attention, hidden, inner):
+        sizes = (qkv, rotated, attention, hidden, 2 * inner, 2 * hidden)
+        with torch.inference_mode(False):
+            self.tensors = [torch.empty(batch, n, dtype=dtype) for n in sizes]
+            self.gate, self.up = self.tensors[4].split_with_sizes([inner, inner], 1)
+            self.activation = torch.empty(batch, inner, dtype=dtype)
+        self.decode_in = tuple(t.data_ptr() for t in self.tensors)
+        self.activation_at = self.activation.data_ptr()
+        self.mid_at, self.scratch_at = self.decode_in[3], self.decode_in[5]
