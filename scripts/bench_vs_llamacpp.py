@@ -1,5 +1,6 @@
 """kvlab against llama.cpp's ``llama-bench`` on the same weights, depths and KV types, run
-alternately in rounds (medians over rounds), so a slow spell of the machine hits both:
+alternately in rounds (medians over rounds; every weight format within each round), so a
+slow spell of the machine hits both engines and every format:
 decode ITL at a depth (kvlab: p50 step of a ``--new-tokens`` run after a prompt of that
 many WikiText-2 tokens; llama.cpp: ``tg<new> @ d<depth>``), TTFT of a prompt of that length
 (llama.cpp: ``pp<depth>``), the bytes a kvlab step reads and the roof they set at the
@@ -120,21 +121,27 @@ def kvlab_engines(weights: Weights, kv_types: list[str], prompt: list[int], args
 
 
 def measure(args) -> list[dict]:
+    """Every weight format loaded first; then in each round every format, KV type and depth
+    in turn, kvlab then llama.cpp, so the ratios between formats come from the same spells
+    of the machine too (one format's window after another's put bf16/fp32 at 0.49 and at
+    0.74 in two runs on a Zen4 whose bandwidth moved)."""
     text = wikitext_prompt(max(args.depths))
     samples: dict[tuple, dict[str, list[float]]] = {}
     meta: dict[tuple, dict] = {}
     reads = []  # GB/s of the streaming reads this run made, one per weight format
+    loaded = {}
     for name in args.weights:
-        weights = WEIGHTS[name]
-        loaded = kvlab_engines(weights, args.kv, text, args)
-        roof = decode_roof(loaded["model"], refresh=True)  # read in this run
-        reads.append(roof.bandwidth)
-        for round_ in range(args.rounds):
-            for kv, engine in loaded["engines"].items():
+        loaded[name] = kvlab_engines(WEIGHTS[name], args.kv, text, args)
+        loaded[name]["roof"] = decode_roof(loaded[name]["model"], refresh=True)  # this run's
+        reads.append(loaded[name]["roof"].bandwidth)
+    for round_ in range(args.rounds):
+        for name in args.weights:
+            gguf, roof = PEER / "gguf" / WEIGHTS[name].gguf, loaded[name]["roof"]
+            for kv, engine in loaded[name]["engines"].items():
                 for depth in args.depths:
                     key = (name, kv, depth)
                     itl, ttft, kv_bytes = kvlab_run(engine, text[:depth], args)
-                    peer_itl, peer_ttft = llama_bench(PEER / "gguf" / weights.gguf, args, depth, kv)
+                    peer_itl, peer_ttft = llama_bench(gguf, args, depth, kv)
                     s = samples.setdefault(key, {"itl": [], "ttft": [], "p_itl": [], "p_ttft": []})
                     for field, value in zip(s, (itl, ttft, peer_itl, peer_ttft), strict=True):
                         s[field].append(value)
@@ -142,7 +149,7 @@ def measure(args) -> list[dict]:
                     print(f"round {round_} {name:5s} kv={kv:5s} depth={depth:5d} "
                           f"kvlab itl={itl:6.2f} ttft={ttft:7.0f}  llama.cpp itl={peer_itl:6.2f} "
                           f"ttft={peer_ttft:7.0f}", flush=True)  # fmt: skip
-        del loaded
+    del loaded
     rows, bandwidth = [], max(reads)  # the roof: what the memory delivered at best
     for key, s in samples.items():
         median = {field: statistics.median(values) for field, values in s.items()}
