@@ -174,10 +174,10 @@ static void tiles(const int8_t *q, const float *xf, const void *scale, int scale
 
 /* x: (M, K) with row stride x_stride, fp32 or bf16; q: (N, K) int8 contiguous; scale: (N,)
  * and bias (N,) or NULL, fp32 or bf16; y: (M, N) contiguous, fp32 or bf16. Each thread
- * widens x into a buffer of its own: one widened by the calling thread and read by the
- * others took 1.4x the time over a step's int8 matrices wherever another parallel region
- * ran between them, as attention does in a decode step (Zen4, 2 threads, a C harness;
- * back to back, without one, the same time). */
+ * widens x into a buffer on its own stack: one malloc'd buffer widened by the calling
+ * thread and read by the others took 4.4-4.7 ms over a step's int8 matrices against
+ * 3.1-3.3 wherever another parallel region ran between them, as attention's do in a decode
+ * step (Zen4, 2 threads, a C harness; back to back, 3.2 either way). */
 #define STACK_FLOATS 8192 /* a widened x of up to 32 KB on each thread's stack */
 void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, const void *bias, int bias_bf16,
