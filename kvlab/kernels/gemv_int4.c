@@ -122,12 +122,11 @@ static inline __attribute__((always_inline)) void tile_bf16(const Int4 *w, int64
   const uint8_t *codes = w->codes + b * (K / 2) * BLOCK;
   /* the nibbles' places as word indices: the even channel's in bits 0-3, the odd's 16-19 */
   const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
-  const __m512i values = _mm512_set_epi16( /* bf16 of n - 8 at index n (twice: 32 words) */
-      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, (short)0xBF80,
-      (short)0xC000, (short)0xC040, (short)0xC080, (short)0xC0A0, (short)0xC0C0,
-      (short)0xC0E0, (short)0xC100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80,
-      0x0000, (short)0xBF80, (short)0xC000, (short)0xC040, (short)0xC080, (short)0xC0A0,
-      (short)0xC0C0, (short)0xC0E0, (short)0xC100);
+  /* bf16 of n - 8 at word n (-8 .. 7), in both halves: vpermw indexes 32 words */
+  const __m512i values = _mm512_broadcast_i64x4(_mm256_setr_epi16(
+      (short)0xC100, (short)0xC0E0, (short)0xC0C0, (short)0xC0A0, (short)0xC080,
+      (short)0xC040, (short)0xC000, (short)0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040, 0x4080,
+      0x40A0, 0x40C0, 0x40E0));
   __m512 acc[INT4_ROWS];
   for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
