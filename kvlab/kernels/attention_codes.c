@@ -286,8 +286,8 @@ static void token_key_terms(const Store *s, int64_t z_at, int run, int gn, int g
   for (int i = 0; i < run; i++) {
     for (int g = 0; g < gn; g++) rb[g * TILE + i] = 0.f;
     for (int k = 0; k < groups; k++) {
-      rs[i * groups + k] = scalar_at(s->scale, s->scale_bf16, z_at + i * s->z_row + k);
-      const float z = scalar_at(s->zero, s->scale_bf16, z_at + i * s->z_row + k);
+      rs[i * groups + k] = value_at(s->scale, s->scale_bf16, z_at + i * s->z_row + k);
+      const float z = value_at(s->zero, s->scale_bf16, z_at + i * s->z_row + k);
       for (int g = 0; g < gn; g++) rb[g * TILE + i] += z * qsum[g * groups + k];
     }
   }
@@ -356,8 +356,8 @@ static inline __attribute__((always_inline)) void value_weights(
   for (int k = 0; k < groups; k++) {
     float a[TILE], z[TILE];
     for (int i = 0; i < n; i++) {
-      a[i] = scalar_at(s->scale, s->scale_bf16, z_at + i * s->z_row + k);
-      z[i] = scalar_at(s->zero, s->scale_bf16, z_at + i * s->z_row + k);
+      a[i] = value_at(s->scale, s->scale_bf16, z_at + i * s->z_row + k);
+      z[i] = value_at(s->zero, s->scale_bf16, z_at + i * s->z_row + k);
     }
     for (int g = 0; g < G; g++) {
       float zero_share = 0.f;

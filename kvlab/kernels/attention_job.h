@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h" /* bf16_value, value_at */
+
 #define MAX_D 256
 #define EMPTY (-1e30f) /* max of no scores (the build is -ffast-math: no infinities) */
 
@@ -32,17 +34,6 @@ typedef struct {
   float scale;
   float *m, *l, *o; /* (B, H, P, G), (B, H, P, G), (B, H, P, G, D) with P = partial_total */
 } Job;
-
-static inline float bf16_to_f32(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float out;
-  memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-static inline float scalar_at(const void *base, int bf16, int64_t i) {
-  return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
-}
 
 #define TILE 32
 

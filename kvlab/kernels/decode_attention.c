@@ -182,7 +182,7 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
         _mm256_storeu_ps(out + d, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
       }
 #endif
-      for (; d < D; d++) out[d] = bf16_to_f32(p[d]);
+      for (; d < D; d++) out[d] = bf16_value(p[d]);
     }
     return;
   }
@@ -196,7 +196,7 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
       const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
       float *out = tile + i * D;
       for (int g = 0; g < groups; g++) {
-        const float a = scalar_at(s->scale, s->scale_bf16, z_at + g);
+        const float a = value_at(s->scale, s->scale_bf16, z_at + g);
         int d = g * s->group;
 #if defined(__AVX2__) && defined(__F16C__)
         if (s->bits == 4 || s->bits == 5)
@@ -240,8 +240,8 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
     float sc[MAX_D], ze[MAX_D];
     const int64_t z_at = block * s->z_block + h * s->z_head + (slot / s->group) * s->z_row;
     for (int d = 0; d < D; d++) {
-      sc[d] = scalar_at(s->scale, s->scale_bf16, z_at + d);
-      ze[d] = scalar_at(s->zero, s->scale_bf16, z_at + d);
+      sc[d] = value_at(s->scale, s->scale_bf16, z_at + d);
+      ze[d] = value_at(s->zero, s->scale_bf16, z_at + d);
     }
     for (int i = 0; i < count; i++) {
       const uint32_t *w = (const uint32_t *)s->data + at + i * s->s_slot;
@@ -267,8 +267,8 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
       const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
       float *out = tile + i * D;
       for (int g = 0; g < groups; g++) {
-        const __m256 a = _mm256_set1_ps(scalar_at(s->scale, s->scale_bf16, z_at + g));
-        const __m256 z = _mm256_set1_ps(scalar_at(s->zero, s->scale_bf16, z_at + g));
+        const __m256 a = _mm256_set1_ps(value_at(s->scale, s->scale_bf16, z_at + g));
+        const __m256 z = _mm256_set1_ps(value_at(s->zero, s->scale_bf16, z_at + g));
         for (int c = g * s->group; c < (g + 1) * s->group; c += 8)
           _mm256_storeu_ps(out + c, _mm256_fmadd_ps(codes_8(w, W, bits, mask8, c), a, z));
       }
@@ -281,8 +281,8 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
     const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
     float sc[MAX_D], ze[MAX_D];
     for (int g = 0; g < groups; g++) {
-      const float a = scalar_at(s->scale, s->scale_bf16, z_at + g);
-      const float z = scalar_at(s->zero, s->scale_bf16, z_at + g);
+      const float a = value_at(s->scale, s->scale_bf16, z_at + g);
+      const float z = value_at(s->zero, s->scale_bf16, z_at + g);
       for (int d = 0; d < s->group; d++) sc[g * s->group + d] = a, ze[g * s->group + d] = z;
     }
     float *out = tile + i * D;
@@ -457,7 +457,7 @@ static void key_scores(const float *q, const float **rows, int n, int G, int D, 
     for (int g = 0; g < G; g++) {
       float acc = 0.f;
       for (int d = 0; d < D; d++)
-        acc += q[g * D + d] * (bf16 ? bf16_to_f32(((const uint16_t *)rows[i])[d]) : rows[i][d]);
+        acc += q[g * D + d] * (bf16 ? bf16_value(((const uint16_t *)rows[i])[d]) : rows[i][d]);
       scores[g * stride + i] = acc * scale;
     }
 }
