@@ -529,6 +529,8 @@ static void add_values(const float *weights, int stride, const float **rows, int
     VALUE_ROWS(1, 4) VALUE_ROWS(2, 4) VALUE_ROWS(3, 4) VALUE_ROWS(4, 4)
     VALUE_ROWS(1, 8) VALUE_ROWS(2, 8) VALUE_ROWS(3, 8)
   }
+#else
+  (void)bf16; /* bf16_in_place admits bf16 rows only where the AVX-512 walks above take them */
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 16 == 0 && G <= 4) { /* a constant G keeps the accumulators in registers */
