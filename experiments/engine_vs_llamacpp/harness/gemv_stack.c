@@ -3,7 +3,8 @@
  * so no Python call sits between them. Prints the median time the kernels took a step (15
  * rounds of 5 steps) and the bandwidth it means. With "between", an OpenMP region that
  * sums 1000 numbers runs before each layer's first matrix, as attention's regions run in a
- * decode step (its own time is not counted). Not a test; build against kvlab's library:
+ * decode step (its own time is not counted). int4: groups of 32 with bf16 scales and
+ * offsets (~66 MB). Not a test; build against kvlab's library:
  *
  *   lib=$(python -c 'from kvlab.kernels import build; print(build.library()._name)')
  *   gcc -O2 -march=native -fopenmp gemv_stack.c -o gemv_stack "$lib" -Wl,-rpath,"$(dirname "$lib")"
@@ -21,6 +22,9 @@ void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *
 void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
                 const void *bias, int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N,
                 int64_t K);
+void kvlab_gemv_int4(const void *x, int x_bf16, int64_t x_stride, const uint8_t *codes,
+                     const void *so, int so_bf16, int64_t G, const void *bias, int bias_bf16,
+                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
 void kvlab_gemv_set_order(int format, int in_order);
 
 static double now(void) {
@@ -36,14 +40,15 @@ static int by_value(const void *a, const void *b) {
 
 int main(int argc, char **argv) {
   if (argc < 3) {
-    fprintf(stderr, "usage: %s fp32|bf16|int8 rows|tiles [between]\n", argv[0]);
+    fprintf(stderr, "usage: %s fp32|bf16|int8|int4 rows|tiles [between]\n", argv[0]);
     return 2;
   }
+  const int int4 = !strcmp(argv[1], "int4");
   const int format = !strcmp(argv[1], "int8") ? 2 : !strcmp(argv[1], "bf16") ? 1 : 0;
   const int size = format == 2 ? 1 : format == 1 ? 2 : 4, between = argc > 3;
-  kvlab_gemv_set_order(format, !strcmp(argv[2], "rows"));
+  if (!int4) kvlab_gemv_set_order(format, !strcmp(argv[2], "rows"));
   const int64_t shapes[4][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}};
-  void *w[120];
+  void *w[120], *so[120];
   uint16_t *scale = malloc(2 * 4096), *x = malloc(4 * 4096), *y = malloc(4 * 4096);
   for (int i = 0; i < 4096; i++) {
     scale[i] = 0x3c00;                          /* bf16 2^-7 */
@@ -51,10 +56,15 @@ int main(int argc, char **argv) {
   }
   double bytes = 0;
   for (int i = 0; i < 120; i++) {
-    const int64_t n = shapes[i % 4][0] * shapes[i % 4][1] * size;
+    const int64_t count = shapes[i % 4][0] * shapes[i % 4][1];
+    const int64_t n = int4 ? count / 2 : count * size, groups = count / 32;
     w[i] = aligned_alloc(64, n);
     for (int64_t j = 0; j < n; j++) ((uint8_t *)w[i])[j] = (uint8_t)(j * 37 + i);
     bytes += n;
+    if (!int4) continue;
+    so[i] = aligned_alloc(64, 4 * groups); /* a bf16 scale and offset a group */
+    for (int64_t j = 0; j < 2 * groups; j++) ((uint16_t *)so[i])[j] = 0x3c00;
+    bytes += 4 * groups;
   }
   volatile float sink = 0;
   double times[15];
@@ -70,7 +80,9 @@ int main(int argc, char **argv) {
           sink += acc;
         }
         const double t0 = now();
-        if (format == 2)
+        if (int4)
+          kvlab_gemv_int4(x, 1, K, w[i], so[i], 1, 32, NULL, 0, y, 1, 1, N, K);
+        else if (format == 2)
           kvlab_gemv_int8(x, 1, K, w[i], scale, 1, NULL, 0, y, 1, 1, N, K);
         else
           kvlab_gemv(x, format == 1, K, w[i], format == 1, NULL, 0, y, format == 1, 1, N, K);
