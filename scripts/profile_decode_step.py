@@ -60,7 +60,7 @@ def label_kvlab_kernels() -> None:
 
 STUBBED = ("kvlab_gemv", "kvlab_gemv_int8", "kvlab_gemv_int4", "kvlab_rms_norm",
            "kvlab_decode_attention", "kvlab_layer_attention_in", "kvlab_layer_mlp_in",
-           "kvlab_layer_out", "kvlab_layer_decode_in")  # fmt: skip
+           "kvlab_layer_out", "kvlab_layer_decode_in", "kvlab_layer_decode")  # fmt: skip
 
 
 def python_only_ms(name: str, prompt: list[int], args, rounds: int = 5) -> tuple[float, float]:

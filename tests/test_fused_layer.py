@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvlab import load_model
@@ -76,6 +77,27 @@ def test_fused_layer_kernel_gives_the_op_by_op_logits(
     assert len(fused) == len(reference) == 6
     for got, want in zip(fused, reference, strict=True):
         assert torch.equal(got, want)
+
+
+def test_the_silu_table_gives_torchs_silu_in_the_shapes_the_one_call_layer_serves():
+    """A bf16 layer's one C call looks its SwiGLU activation up in ``silu_table``: every bf16
+    value, laid out as the gate halves of gate/up rows (B, 1, 2 * inner) of the shapes it
+    takes (inner a multiple of ONE_CALL_SPAN, B up to ``one_call_rows``), gets the bits
+    torch's ``F.silu`` gives there."""
+    table = fused_layer.silu_table()
+    bits = torch.arange(65536, dtype=torch.int32)
+    values = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
+    for inner in (fused_layer.ONE_CALL_SPAN, 1536, 8192):
+        rows = (fused_layer.TORCH_SERIAL_ELEMENTS - 1) // inner
+        for start in range(0, 65536, rows * inner):
+            part = values[start : start + rows * inner]
+            part = torch.cat([part, values[: (-part.numel()) % inner]]).view(-1, 1, inner)
+            gate_up = torch.cat([part, torch.ones_like(part)], dim=-1)
+            gate = gate_up.split(inner, dim=-1)[0]
+            looked_up = table[gate.reshape(-1).view(torch.int16).long() & 0xFFFF]
+            assert torch.equal(
+                F.silu(gate).reshape(-1).view(torch.int16), looked_up.view(torch.int16)
+            )
 
 
 @needs_kernel

@@ -178,6 +178,8 @@ typedef struct {
   float eps[2];
   const Linear *qkv_proj, *o_proj, *gate_up_proj;
   int64_t heads, kv_heads, dim;
+  const Linear *down_proj;
+  int64_t inner;
 } LayerPlan;
 
 void kvlab_decode_attention(const void *jobs, int n_jobs, void *out, int out_bf16);
@@ -290,4 +292,31 @@ void kvlab_layer_decode_in(const void *x, int bf16, int64_t M, const LayerPlan *
   attend_cached(cache, p, rotated, qkv, bf16, M, blocks, slots, attention);
   kvlab_layer_mlp_in(attention, x, bf16, M, p->o_proj, p->norms[1], p->eps[1],
                      p->gate_up_proj, mid, gate_up, scratch);
+}
+
+/* activation (M, inner) = silu(gate) * up of bf16 gate_up (M, 2 inner), gate first: silu
+ * looked up in `silu`, torch's own silu of every bf16 value (its 65536 bit patterns in
+ * order; kvlab.models.fused_layer.silu_table), and each product rounded to bf16 as torch's
+ * bf16 mul rounds it (the product of two bf16 values is exact in fp32). */
+static void swiglu_bf16(const uint16_t *gate_up, const uint16_t *silu, int64_t M,
+                        int64_t inner, uint16_t *activation) {
+  for (int64_t m = 0; m < M; m++) {
+    const uint16_t *gate = gate_up + m * 2 * inner, *up = gate + inner;
+    for (int64_t i = 0; i < inner; i++)
+      activation[m * inner + i] = to_bf16(bf16_value(silu[gate[i]]) * bf16_value(up[i]));
+  }
+}
+
+/* A bf16 layer's whole decode step in one call where the cache holds its keys and values
+ * in place: kvlab_layer_decode_in, the SwiGLU activation (swiglu_bf16) into `activation`
+ * (M, inner), then kvlab_layer_out into y (M, hidden). */
+void kvlab_layer_decode(const void *x, int64_t M, const LayerPlan *p, const void *cos,
+                        const void *sin, const CachedAttention *cache, const int64_t *blocks,
+                        const int64_t *slots, void *qkv, void *rotated, void *attention,
+                        void *mid, void *gate_up, void *scratch, const uint16_t *silu,
+                        void *activation, void *y) {
+  kvlab_layer_decode_in(x, 1, M, p, cos, sin, cache, blocks, slots, qkv, rotated, attention,
+                        mid, gate_up, scratch);
+  swiglu_bf16(gate_up, silu, M, p->inner, activation);
+  kvlab_layer_out(activation, mid, 1, M, p->down_proj, scratch, y);
 }

@@ -12,7 +12,10 @@ window, their raw buffers and CSA's top-k included: ``compressed``) it hands its
 and attention over as C (``KVCache.fused_attention``), and the first two calls become
 one, the cache's writes and the attention kernel inside it: ~60 us of Python a layer (the
 store's indexed writes, segments, backend checks, job structs; ~150 us for a pooling
-layer) down to the two calls and the activation.
+layer) down to the two calls and the activation. A bf16 layer makes one call in all: its
+activation is looked up in torch's own silu of every bf16 value (:func:`silu_table`),
+where torch's silu of the layer's shape runs serial and in whole vectors (0.93x the int4
+step of the two calls and torch's activation between, SmolLM2-135M, Zen4).
 
 It serves layers whose four linears run a kvlab matrix-vector kernel at this row count
 (:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16; ``Int8Linear`` and
@@ -24,6 +27,7 @@ other devices) takes the op-by-op path.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -65,7 +69,27 @@ class _LayerPlan(ctypes.Structure):  # decode_layer.c's LayerPlan
         ("qkv_proj", ctypes.c_void_p), ("o_proj", ctypes.c_void_p),
         ("gate_up_proj", ctypes.c_void_p), ("heads", ctypes.c_int64),
         ("kv_heads", ctypes.c_int64), ("dim", ctypes.c_int64),
+        ("down_proj", ctypes.c_void_p), ("inner", ctypes.c_int64),
     ]  # fmt: skip
+
+
+# torch runs an elementwise op of fewer elements than its grain size (at::internal::GRAIN_SIZE)
+# in one serial loop, and a contiguous run whose length is a multiple of its vector width
+# (x2, unrolled) all through the vectorized body: a bf16 silu of such a shape gives, element
+# by element, what the same silu gave over runs of ONE_CALL_SPAN (silu_table)
+TORCH_SERIAL_ELEMENTS = 32768
+ONE_CALL_SPAN = 128  # bf16 values: twice an unrolled 512-bit vector's
+
+
+@functools.cache
+def silu_table() -> torch.Tensor:
+    """torch's own ``F.silu`` of every bf16 value, bit pattern i at i (65536 bf16 values),
+    taken in runs of :data:`ONE_CALL_SPAN` values or more, each run serial and whole vectors:
+    ``kvlab_layer_decode`` looks the activation up in it, so its SwiGLU gives torch's bits."""
+    bits = torch.arange(65536, dtype=torch.int32)
+    values = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
+    with torch.no_grad():
+        return torch.cat([F.silu(run) for run in values.split(8 * ONE_CALL_SPAN)])
 
 
 def _linear(layer: nn.Module) -> _Linear:
@@ -165,9 +189,17 @@ class FusedDecode:
                                 POINTER, POINTER, POINTER, POINTER, *[POINTER] * 6)  # fmt: skip
         norms = (ctypes.c_void_p * 2)(*(n.data_ptr() for n in self.norms))
         self.plan = _LayerPlan(norms, (ctypes.c_float * 2)(*self.eps), *self.addresses[:3],
-                               self.heads, self.kv_heads, self.dim)  # fmt: skip
+                               self.heads, self.kv_heads, self.dim, self.addresses[3],
+                               self.inner)  # fmt: skip
         self.plan_address = ctypes.addressof(self.plan)
         self.buffers: dict[int, _StepBuffers] = {}  # per batch size (_step_buffers)
+        # bf16: the activation in C too where torch's silu would run serial whole vectors
+        self.one_call_rows = 0
+        if self.bf16 and self.inner % ONE_CALL_SPAN == 0:
+            self.one_call_rows = (TORCH_SERIAL_ELEMENTS - 1) // self.inner
+            self.silu_at = silu_table().data_ptr()
+            self.decode = kernel("kvlab_layer_decode", POINTER, INT64, POINTER, POINTER,
+                                 POINTER, POINTER, POINTER, POINTER, *[POINTER] * 9)  # fmt: skip
 
     def takes(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
         """Whether this step's x (B, 1, hidden) and rotary table fit the fused path."""
@@ -217,10 +249,19 @@ class FusedDecode:
 
     def _with_cached_attention(self, x, rope, attention: int, blocks, slots: torch.Tensor):
         """The layer's output where the cache hands its writes and attention over as C
-        (``KVCache.fused_attention``): one call up to the activation, then the activation
-        in torch and one call more; no cache or attention Python in between."""
+        (``KVCache.fused_attention``): one call in all for a bf16 layer of up to
+        ``one_call_rows`` rows, else one call up to the activation, the activation in torch
+        and one call more; no cache or attention Python in between."""
         batch = x.shape[0]
         step = self._step_buffers(batch)
+        if batch <= self.one_call_rows:
+            y = torch.empty(batch, 1, self.hidden, dtype=self.dtype)
+            self.decode(
+                x.data_ptr(), batch, self.plan_address, rope.cos.data_ptr(), rope.sin.data_ptr(),
+                attention, blocks.data_ptr(), slots.data_ptr(), *step.decode_in, self.silu_at,
+                step.activation_at, y.data_ptr(),
+            )  # fmt: skip
+            return y
         self.decode_in(
             x.data_ptr(), self.bf16, batch, self.plan_address, rope.cos.data_ptr(),
             rope.sin.data_ptr(), attention, blocks.data_ptr(), slots.data_ptr(), *step.decode_in,
