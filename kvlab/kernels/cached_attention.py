@@ -2,11 +2,12 @@
 layer (``decode_layer.c``'s ``kvlab_layer_decode_in``): the tensors the step's keys and
 values go to, the decode jobs of ``decode_attention.c`` over what the cache holds, and
 for a pooling layer (DeepSeek-V4's compressed attention) what :mod:`cached_pooling` adds.
-Built once per allocation; a step only points it at its tables and bounds."""
+Built once per allocation; a step writes its tables and bounds once for all layers."""
 
 from __future__ import annotations
 
 import ctypes
+import operator
 
 import torch
 
@@ -22,13 +23,29 @@ from kvlab.kernels.attention_c import (
 from kvlab.kernels.cached_pooling import WRITTEN, Pooling, PoolingStructs
 from kvlab.kernels.segments import FORMATS, Stored
 
+DATA_PTR = torch.Tensor.data_ptr
+
 
 class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
     _fields_ = [
         *WRITTEN, ("jobs", ctypes.c_void_p), ("n_jobs", ctypes.c_int64),
         ("queries", ctypes.c_void_p), ("raw", ctypes.c_void_p),
-        ("select", ctypes.c_void_p),
+        ("select", ctypes.c_void_p), ("step", ctypes.c_void_p),
     ]  # fmt: skip
+
+
+class _JobBounds(ctypes.Structure):  # decode_layer.c's JobBounds
+    _fields_ = [
+        ("table", ctypes.c_void_p), ("table_stride", ctypes.c_int64),
+        ("width", ctypes.c_int64), ("lo", ctypes.c_void_p), ("hi", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+MAX_JOBS = 4  # decode_layer.c's
+
+
+class _StepBounds(ctypes.Structure):  # decode_layer.c's StepBounds
+    _fields_ = [("jobs", _JobBounds * MAX_JOBS), ("work", ctypes.c_void_p)]
 
 
 class CachedAttention:
@@ -38,12 +55,13 @@ class CachedAttention:
     ``written`` (keys, values: (blocks, H_kv, slots, D)), and each of ``reads`` (keys,
     values as :class:`Stored`, ring) is one decode job through a block table (a contiguous
     store's rows, a paged store's pool, a KIVI store's codes and exact ring). Built once per
-    allocation: a step only points the jobs at its tables and bounds and at a work buffer
-    (:meth:`at`). The values are :func:`c_attention`'s over the same segments."""
+    allocation; in a step, C points the jobs at the bounds and work buffer of the step
+    struct at ``step`` (:class:`LayerAttentions`). The values are :func:`c_attention`'s over
+    the same segments."""
 
     def __init__(
         self, written, reads: list[tuple[Stored, Stored, int]], batch: int, group: int,
-        pooling: Pooling | None = None,
+        step: int, pooling: Pooling | None = None,
     ):  # fmt: skip
         keys, values = written
         blocks, heads, slots, dim = keys.shape
@@ -63,8 +81,9 @@ class CachedAttention:
             fill_job(job, item, self.queries.data_ptr(), dim**-0.5, (0, 0, 0), nowhere, 0)
         self.struct = _CachedAttention(
             keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], blocks, slots,
-            ctypes.addressof(self.jobs), len(reads), self.queries.data_ptr(),
+            ctypes.addressof(self.jobs), len(reads), self.queries.data_ptr(), step=step,
         )  # fmt: skip
+        self.floats = (None, 0)  # (table widths, work_floats for them)
         self.pooling = None if pooling is None else PoolingStructs(pooling)
         if pooling is not None:
             self.struct.raw, self.struct.select = self.pooling.pointers()
@@ -74,11 +93,12 @@ class CachedAttention:
     def serves(written, reads: list[tuple[Stored, Stored, int]], pooling=None) -> bool:
         """Whether the tensors fit it: written keys and values fp32 or bf16 CPU tensors of
         one shape, dtype and strides, rows contiguous, head_dim <= 256; every read store
-        one the C kernel reads; a pooling's buffers that fit (:meth:`Pooling.fits`); the
-        kernel built."""
+        one the C kernel reads, MAX_JOBS at most; a pooling's buffers that fit
+        (:meth:`Pooling.fits`); the kernel built."""
         keys, values = written
         return (
-            (pooling is None or pooling.fits(keys))
+            len(reads) <= MAX_JOBS
+            and (pooling is None or pooling.fits(keys))
             and keys.is_cpu
             and keys.dtype in (torch.float32, torch.bfloat16)
             and values.dtype == keys.dtype
@@ -94,45 +114,26 @@ class CachedAttention:
     def holds(self, written, reads, batch: int, pooling: Pooling | None = None) -> bool:
         """Whether it was built over these tensors, still where they were, for ``batch``
         rows (and the same top-k)."""
-        tensors = _tensors(written, reads, pooling)
         top_k = None if pooling is None else pooling.top_k
         return (
-            len(tensors) == len(self.pointers)
-            and top_k == (None if self.pooling is None else self.pooling.top_k)
+            self.queries.shape[0] == batch
             and (pooling is None) == (self.pooling is None)
-            and all(t.data_ptr() == p for t, p in zip(tensors, self.pointers, strict=True))
-            and self.queries.shape[0] == batch
+            and top_k == (None if self.pooling is None else self.pooling.top_k)
+            and tuple(map(DATA_PTR, _tensors(written, reads, pooling))) == self.pointers
         )
 
-    def chunks(self, bounds) -> list[int]:
-        """Each job's chunks over its block table (``bounds``: (table, lo, hi) per job)."""
-        return [
-            -(-(ring or table.shape[1] * size) // CHUNK)
-            for (table, _, _), ring, size in zip(bounds, self.rings, self.block_sizes, strict=True)
-        ]
-
-    def work_floats(self, chunks: list[int]) -> int:
-        """The work buffer (fp32 values) jobs of ``chunks`` (:meth:`chunks`) need."""
-        batch, heads, group, dim = self.queries.shape
-        return batch * heads * sum(chunks) * group * (dim + 2)
-
-    def at(self, bounds, chunks: list[int], work: torch.Tensor, pooling=None) -> int:
-        """The struct's address, job i over ``bounds[i]``: its block table (B, n) and the
-        logical tokens [lo[b], hi[b]) of each row (int64, contiguous), in ``chunks[i]``
-        chunks (:meth:`chunks`); their partial results in ``work`` (:meth:`work_floats` at
-        least); the pooling's step pointers."""
-        if self.pooling is not None:
-            self.pooling.at(pooling)
-        total, offset = sum(chunks), 0
-        batch, heads, group, _ = self.queries.shape
-        rows, base = batch * heads * total * group, work.data_ptr()
-        for job, (table, lo, hi), n_chunks in zip(self.jobs, bounds, chunks, strict=True):
-            job.table, job.lo, job.hi = table.data_ptr(), lo.data_ptr(), hi.data_ptr()
-            job.table_stride, job.n_chunks = table.stride(0), n_chunks
-            job.partial_offset, job.partial_total = offset, total
-            job.m, job.l, job.o = base, base + 4 * rows, base + 8 * rows
-            offset += n_chunks
-        return self.address
+    def work_floats(self, widths: tuple[int, ...]) -> int:
+        """The work buffer (fp32 values) the jobs need over tables ``widths`` blocks wide:
+        job i's partial results in ceil(span / CHUNK) chunks, its span the ring, else the
+        table's blocks (``point_jobs`` in decode_layer.c splits them so)."""
+        if self.floats[0] != widths:
+            chunks = sum(
+                -(-(ring or width * size) // CHUNK)
+                for width, ring, size in zip(widths, self.rings, self.block_sizes, strict=True)
+            )  # fmt: skip
+            batch, heads, group, dim = self.queries.shape
+            self.floats = (widths, batch * heads * chunks * group * (dim + 2))
+        return self.floats[1]
 
 
 def _tensors(written, reads, pooling: Pooling | None = None) -> list[torch.Tensor]:
@@ -144,34 +145,66 @@ def _tensors(written, reads, pooling: Pooling | None = None) -> list[torch.Tenso
 
 class LayerAttentions:
     """A store's :class:`CachedAttention` per layer, built on first use and again when the
-    layer's tensors move or the batch changes, and the work buffer they share (layers run
-    in turn)."""
+    layer's tensors move or the batch changes, and the step struct they all read: the step's
+    bounds, written once a step (every layer hands over the same tensors), and the work
+    buffer they share (layers run in turn)."""
 
     def __init__(self):
         self.layers: list[CachedAttention | None] = []
         self.work = torch.empty(0)
+        self.step = _StepBounds()
+        self.step_address = ctypes.addressof(self.step)
+        self.bounds: list[torch.Tensor] = []  # the step struct's tensors (held: ids stay theirs)
+        self.widths: tuple[int, ...] = ()
+        self.pointers: list[int] = []
 
     def at(self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None):
         """The address of ``layer``'s cached attention this step (see
         :class:`CachedAttention`; ``bounds``: (table, lo, hi) per read; ``pooling``: a
         :class:`Pooling`), or None where the tensors do not fit it."""
+        if not self._point_at(bounds):
+            return None
+        if pooling is not None and not (
+            all(index_applies(t) for t in pooling.indices()) and pooling.step_fits(batch)
+        ):
+            return None
         cached = self.layers[layer] if layer < len(self.layers) else None
-        indices = [t for b in bounds for t in b] + ([] if pooling is None else pooling.indices())
-        if not all(index_applies(t) for t in indices):
-            return None
-        if pooling is not None and not pooling.step_fits(batch):
-            return None
         if cached is None or not cached.holds(written, reads, batch, pooling):
             if not CachedAttention.serves(written, reads, pooling):
                 return None
-            cached = CachedAttention(written, reads, batch, group, pooling)
+            cached = CachedAttention(written, reads, batch, group, self.step_address, pooling)
             self.layers += [None] * (layer + 1 - len(self.layers))
             self.layers[layer] = cached
-        chunks = cached.chunks(bounds)
-        floats = cached.work_floats(chunks)
+        if len(bounds) != len(cached.rings):
+            return None
+        floats = cached.work_floats(self.widths)
         if self.work.numel() < floats:
             self.work = torch.empty(floats, dtype=torch.float32)
-        return cached.at(bounds, chunks, self.work, pooling)
+            self.step.work = self.work.data_ptr()
+        if cached.pooling is not None:
+            cached.pooling.at(pooling)
+        return cached.address
+
+    def _point_at(self, bounds) -> bool:
+        """Whether the step struct holds ``bounds`` ((table, lo, hi) per job: a block table
+        (B, n), the logical tokens [lo[b], hi[b]) of each row; int64, contiguous), writing
+        them where they are new; False where they do not fit. The same tensors, still where
+        they were, are the same bounds: a store replaces a table, never resizes one."""
+        tensors = [t for b in bounds for t in b]
+        if (
+            len(tensors) == len(self.bounds)
+            and all(map(operator.is_, tensors, self.bounds))
+            and list(map(DATA_PTR, tensors)) == self.pointers
+        ):
+            return True
+        if len(bounds) > MAX_JOBS or not all(index_applies(t) for t in tensors):
+            return False
+        for job, (table, lo, hi) in zip(self.step.jobs, bounds, strict=False):
+            job.table, job.lo, job.hi = table.data_ptr(), lo.data_ptr(), hi.data_ptr()
+            job.table_stride, job.width = table.stride(0), table.shape[1]
+        self.bounds, self.pointers = tensors, list(map(DATA_PTR, tensors))
+        self.widths = tuple(table.shape[1] for table, _, _ in bounds)
+        return True
 
     def fused(self, layer: int, written, reads, group: int, bounds, blocks, slots, pooling=None):
         """What a store's ``fused_attention`` returns: (address, blocks, slots, dtype), the

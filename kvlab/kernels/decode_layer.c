@@ -9,6 +9,7 @@
  * bf16), every activation row is contiguous and M rows of one token each are decoded. */
 #include <stdint.h>
 
+#include "attention_job.h" /* Job */
 #include "bf16.h"
 
 /* A linear layer: weight (out_features, in_features), bias (out_features,) or NULL. KIND
@@ -162,14 +163,32 @@ typedef struct {
   const PoolWrite *pool;
 } RawWrite;
 
+/* A step's bounds for one of a layer's decode jobs: its block table (B, width), rows
+ * table_stride apart, and each row's logical tokens [lo[b], hi[b]). */
+typedef struct {
+  const int64_t *table;
+  int64_t table_stride, width;
+  const int64_t *lo, *hi;
+} JobBounds;
+
+#define MAX_JOBS 4
+/* What every layer of a store reads in a decode step, written once a step
+ * (kvlab.kernels.cached_attention.LayerAttentions): its jobs' bounds, and the work buffer
+ * their partial results go to (the layers run in turn). */
+typedef struct {
+  JobBounds jobs[MAX_JOBS];
+  float *work;
+} StepBounds;
+
 typedef struct {
   void *keys, *values;
   int64_t s_b, s_h, s_s, blocks, slots;
-  const void *jobs;
+  Job *jobs;
   int64_t n_jobs;
   float *queries;
   const RawWrite *raw;
   const Selection *select;
+  const StepBounds *step;
 } CachedAttention;
 
 /* The layer's own pointers and shapes (kvlab.models.fused_layer.FusedDecode). */
@@ -182,7 +201,7 @@ typedef struct {
   int64_t inner;
 } LayerPlan;
 
-void kvlab_decode_attention(const void *jobs, int n_jobs, void *out, int out_bf16);
+void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16);
 void kvlab_top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_t G, int64_t D,
                          const void *keys, int k_bf16, int64_t s_row, int64_t s_head,
                          int64_t s_slot, const int64_t *seen, const int64_t *base,
@@ -242,6 +261,31 @@ static void pool_row(const RawWrite *r, int64_t m, int64_t kv, int64_t dim, int 
   }
 }
 
+/* The layer's jobs pointed at the step's bounds: job i over bounds i in ceil(span / chunk)
+ * chunks (span: its ring, else its table's blocks), the partial results of all jobs one
+ * after another in the step's work buffer, as CachedAttention.work_floats sizes it. */
+static void point_jobs(const CachedAttention *c) {
+  const StepBounds *s = c->step;
+  int32_t total = 0;
+  for (int64_t i = 0; i < c->n_jobs; i++) {
+    Job *job = &c->jobs[i];
+    const int64_t span = job->ring > 0 ? job->ring : s->jobs[i].width * job->block_size;
+    job->n_chunks = (int32_t)((span + job->chunk - 1) / job->chunk);
+    total += job->n_chunks;
+  }
+  const int64_t rows = (int64_t)c->jobs[0].B * c->jobs[0].H * total * c->jobs[0].G;
+  int32_t offset = 0;
+  for (int64_t i = 0; i < c->n_jobs; i++) {
+    Job *job = &c->jobs[i];
+    const JobBounds *b = &s->jobs[i];
+    job->table = b->table, job->table_stride = b->table_stride;
+    job->lo = b->lo, job->hi = b->hi;
+    job->partial_offset = offset, job->partial_total = total;
+    job->m = s->work, job->l = s->work + rows, job->o = s->work + 2 * rows;
+    offset += job->n_chunks;
+  }
+}
+
 /* Row m's new keys (rotated heads heads..heads + kv_heads - 1) and values (the last
  * kv_heads heads of qkv) written at slot slots[m] of block blocks[m], and before RoPE to
  * the raw write if any (then the row's closing window pooled, if the raw write pools);
@@ -269,6 +313,7 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
     for (int64_t i = 0; i < heads * dim; i++)
       c->queries[m * heads * dim + i] = value_at(rotated, bf16, m * width + i);
   }
+  point_jobs(c);
   const Selection *s = c->select;
   if (s)
     kvlab_top_k_entries(c->queries, 0, M * kv, kv, heads / kv, dim, s->keys, s->bf16, s->s_row,
