@@ -2,14 +2,16 @@
  * symmetric or asymmetric): y (M, N) = x (M, K) . W^T (+ bias) with
  * W[n][k] = (code[n][k] - 8) * scale[g][n] + offset[g][n], g = k / G, as
  * kvlab.quant.rtn.dequantize_int4 defines it. Vectors run along output channels, as in
- * PyTorch's int4 kernel: codes are held in blocks of 16 output channels, a byte per channel
- * and pair of input channels (kvlab.quant.rtn.block_int4: low nibble the even channel), so
- * one 16-byte load is two channels' codes for 16 outputs, each multiplied by one broadcast
- * value of x; scales and offsets are read as vectors, once per group, the offset term as
+ * PyTorch's int4 kernel: codes are held in blocks of 16 output channels and chunks of 8
+ * input channels, 64 bytes a chunk, one 32-bit word per output (kvlab.quant.packing.
+ * block_int4): nibble j of output r's word holds input channel 2j (j < 4) or 2(j - 4) + 1
+ * of the chunk, so one 64-byte load is 8 channels' codes for 16 outputs, and the word's
+ * low 16 bits and high 16 bits shifted by 4 i hold channels 2i and 2i + 1 in their low
+ * nibbles. Scales and offsets are read as vectors, once per group, the offset term as
  * (offset - 8 * scale) times the group's sum of x. No horizontal sums, nothing dequantized
  * into memory, fp32 accumulation: the dequantized layer's outputs up to summation order.
  * Blocks are split across threads, each streaming one block's codes for up to INT4_ROWS
- * rows of x. Needs N % 16 == 0, G % 4 == 0 and K % G == 0 (the caller checks). */
+ * rows of x. Needs N % 16 == 0, G % 8 == 0 and K % G == 0 (the caller checks). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,18 +20,23 @@
 #include "simd.h"
 
 #define BLOCK 16 /* output channels of a block */
+#define CHUNK_BYTES (4 * BLOCK) /* 8 input channels of a block */
+#define AHEAD (32 * CHUNK_BYTES) /* how far ahead of use a block's codes are asked for */
 #if defined(__AVX512F__)
 #define INT4_ROWS 4 /* rows of x a block takes at once */
 #define HALVES 1    /* vectors a block spans */
+#define FP_CHAINS 4 /* accumulators a row and vector (tile) */
 #elif defined(LANES)
 #define INT4_ROWS 2
 #define HALVES 2
+#define FP_CHAINS 2
 #else
 #define INT4_ROWS 1
 #endif
 
-/* What every block reads: its codes (N/16, K/2, 16), its scales and offsets (N/16, K/G, 2,
- * 16), x (M, K) widened to fp32 (and as given, where bf16) and each row's group sums. */
+/* What every block reads: its codes (N/16, K/8, 16, 4 bytes), its scales and offsets
+ * (N/16, K/G, 2, 16), x (M, K) widened to fp32 (and as given, where bf16) and each row's
+ * group sums. */
 typedef struct {
   const uint8_t *codes;
   const void *so; /* (N/16, K/G, 2, 16): each block's scales then offsets, group by group */
@@ -40,63 +47,70 @@ typedef struct {
   int64_t x_stride;
 } Int4;
 
-#ifdef LANES
-/* Lanes [h * LANES, (h + 1) * LANES) of a block's 16 code bytes at p, as fp32 codes: the
- * even channel's (low nibbles) in lo, the odd one's in hi. */
-static inline void vload_nibbles(const uint8_t *p, int h, vec *lo, vec *hi) {
-#if defined(__AVX512F__)
-  (void)h;
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-  *lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-  *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-#else
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
-  *lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-  *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-#endif
-}
+/* The input channel (of 8) nibble j of an output's word holds. */
+static inline int chunk_channel(int j) { return j < 4 ? 2 * j : 2 * (j - 4) + 1; }
 
-/* out[m * 16 + r] = output 16 b + r for rows m0 .. m0 + M of x: per group, even and odd
- * chains per vector (two pairs of channels in flight for one row), summed, scaled, plus
- * the offset term. (Four blocks at once, four memory streams, read slower here.) */
+#ifdef LANES
+#if defined(__AVX512F__)
+typedef __m512i words;
+static inline words vload_words(const uint8_t *p, int h) {
+  (void)h;
+  return _mm512_loadu_si512((const void *)p);
+}
+/* Nibble j of every word, as fp32 codes. */
+static inline vec vnibble(words w, int j) {
+  const __m512i shifted = _mm512_srli_epi32(w, 4 * j);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(shifted, _mm512_set1_epi32(15)));
+}
+#else
+typedef __m256i words;
+static inline words vload_words(const uint8_t *p, int h) {
+  return _mm256_loadu_si256((const __m256i *)(p + 4 * LANES * h));
+}
+static inline vec vnibble(words w, int j) {
+  const __m256i shifted = _mm256_srli_epi32(w, 4 * j);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(15)));
+}
+#endif
+
+/* out[m * 16 + r] = output 16 b + r for rows m0 .. m0 + M of x: per group, FP_CHAINS
+ * chains per row and vector (nibble j feeds chain j % FP_CHAINS), summed, scaled, plus the
+ * offset term. */
 static inline __attribute__((always_inline)) void tile(const Int4 *w, int64_t b, int64_t m0,
                                                        const int M, float *out) {
   const int64_t K = w->K, G = w->G, groups = K / G;
-  const uint8_t *codes = w->codes + b * (K / 2) * BLOCK;
+  const uint8_t *codes = w->codes + b * (K / 8) * CHUNK_BYTES;
   vec acc[INT4_ROWS][HALVES];
   for (int m = 0; m < M; m++)
     for (int v = 0; v < HALVES; v++) acc[m][v] = vzero();
-  const int U = M * HALVES <= 2 ? 2 : 1; /* 2 * U * HALVES chains cover the FMA latency */
   for (int64_t g = 0; g < groups; g++) {
-    vec even[INT4_ROWS][HALVES][2], odd[INT4_ROWS][HALVES][2];
+    vec dot[INT4_ROWS][HALVES][FP_CHAINS];
     for (int m = 0; m < M; m++)
       for (int v = 0; v < HALVES; v++)
-        for (int u = 0; u < U; u++) even[m][v][u] = odd[m][v][u] = vzero();
-    for (int64_t p = g * G / 2; p < (g + 1) * G / 2; p += U)
-      for (int u = 0; u < U; u++)
-        for (int v = 0; v < HALVES; v++) {
-          const uint8_t *at = codes + (p + u) * BLOCK;
-          if (v == 0 && (p + u) % 4 == 0) __builtin_prefetch(at + 128 * BLOCK, 0, 2);
-          vec lo, hi;
-          vload_nibbles(at, v, &lo, &hi);
+        for (int u = 0; u < FP_CHAINS; u++) dot[m][v][u] = vzero();
+    for (int64_t c = g * G / 8; c < (g + 1) * G / 8; c++) {
+      const uint8_t *at = codes + c * CHUNK_BYTES;
+      __builtin_prefetch(at + AHEAD, 0, 2);
+      for (int v = 0; v < HALVES; v++) {
+        const words word = vload_words(at, v);
+        for (int j = 0; j < 8; j++) {
+          const vec code = vnibble(word, j);
           for (int m = 0; m < M; m++) {
-            const float *x = w->x + (m0 + m) * K + 2 * (p + u);
-            even[m][v][u] = vfma(lo, vset1(x[0]), even[m][v][u]);
-            odd[m][v][u] = vfma(hi, vset1(x[1]), odd[m][v][u]);
+            const float *x = w->x + (m0 + m) * K + 8 * c + chunk_channel(j);
+            dot[m][v][j % FP_CHAINS] = vfma(code, vset1(x[0]), dot[m][v][j % FP_CHAINS]);
           }
         }
+      }
+    }
     for (int m = 0; m < M; m++)
       for (int v = 0; v < HALVES; v++)
-        for (int u = 1; u < U; u++) {
-          even[m][v][0] = even[m][v][0] + even[m][v][u];
-          odd[m][v][0] = odd[m][v][0] + odd[m][v][u];
-        }
+        for (int u = 1; u < FP_CHAINS; u++) dot[m][v][0] = dot[m][v][0] + dot[m][v][u];
     for (int v = 0; v < HALVES; v++) {
       const int64_t at = (b * groups + g) * 2 * BLOCK + v * LANES;
       const vec scale = vload(w->so, w->so_bf16, at);
       const vec shift = vfma(scale, vset1(-8.f), vload(w->so, w->so_bf16, at + BLOCK));
       for (int m = 0; m < M; m++) {
-        acc[m][v] = vfma(even[m][v][0] + odd[m][v][0], scale, acc[m][v]);
+        acc[m][v] = vfma(dot[m][v][0], scale, acc[m][v]);
         acc[m][v] = vfma(shift, vset1(w->sums[(m0 + m) * groups + g]), acc[m][v]);
       }
     }
@@ -108,24 +122,22 @@ static inline __attribute__((always_inline)) void tile(const Int4 *w, int64_t b,
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HAS_TILE_BF16 1
-#define CHAINS 4 /* a row's dot products in flight: vdpbf16ps' latency, not its rate */
-/* tile() for bf16 rows where the CPU has AVX512-BF16: each code byte's two nibbles become
- * the bf16 values of code - 8 (exact, -8..7), two channels a 32-bit lane, through a
- * 16-entry vpermw table, and vdpbf16ps multiplies 32 codes by a broadcast pair of x in
- * one instruction (products exact, fp32 accumulation). A group adds
- * scale * dot + offset * sum x. (The codes as 1 + n / 16 by two shifts, a ternlog and an
- * OR, with the group's sum of x taken off again after, took 1.12x the time with the
- * matrix in cache, one thread, Zen4.) U chains a row (CHAINS for one row, 2 for two, one
- * from three on) keep U * M vdpbf16ps in flight: one chain a row, as before, waited on
- * each one's latency (one row of x 0.77x the time in cache, 0.8x over a step's 120
- * matrices from memory, Zen4; 8 chains no faster than 4). */
-static inline __attribute__((always_inline)) void tile_bf16_chains(const Int4 *w, int64_t b,
-                                                                   int64_t m0, const int M,
-                                                                   const int U, float *out) {
+/* tile() for bf16 rows where the CPU has AVX512-BF16: a chunk's 16 words, shifted by 4 i,
+ * hold channels 2i and 2i + 1 in the low nibbles of their two halves, which a 16-entry
+ * vpermw table (it reads an index's low bits only) turns into the bf16 values of code - 8
+ * (exact, -8..7); vdpbf16ps multiplies those 32 codes by the broadcast pair x[2i], x[2i + 1]
+ * in one instruction (products exact, fp32 accumulation). A chunk: one load, three shifts,
+ * four lookups, four products. A group adds scale * dot + offset * sum x. U chains a row
+ * (4 for one row, 2 for two, one from three on) keep U * M vdpbf16ps in flight. (Zen4,
+ * against a byte per channel pair widened to words and masked, one row: 0.53x the time of
+ * a 3072 x 576 product and 0.84x of a 576 x 1536 one in cache, 0.83-0.86x over a step's
+ * 120 matrices from memory.) */
+static inline __attribute__((always_inline)) void tile_bf16(const Int4 *w, int64_t b,
+                                                            int64_t m0, const int M,
+                                                            float *out) {
+  const int U = M == 1 ? 4 : M == 2 ? 2 : 1;
   const int64_t K = w->K, G = w->G, groups = K / G;
-  const uint8_t *codes = w->codes + b * (K / 2) * BLOCK;
-  /* the nibbles' places as word indices: the even channel's in bits 0-3, the odd's 16-19 */
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+  const uint8_t *codes = w->codes + b * (K / 8) * CHUNK_BYTES;
   /* bf16 of n - 8 at word n (-8 .. 7), in both halves: vpermw indexes 32 words */
   const __m512i values = _mm512_broadcast_i64x4(_mm256_setr_epi16(
       (short)0xC100, (short)0xC0E0, (short)0xC0C0, (short)0xC0A0, (short)0xC080,
@@ -134,23 +146,24 @@ static inline __attribute__((always_inline)) void tile_bf16_chains(const Int4 *w
   __m512 acc[INT4_ROWS];
   for (int m = 0; m < M; m++) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
-    __m512 dot[INT4_ROWS][CHAINS];
+    __m512 dot[INT4_ROWS][4];
     for (int m = 0; m < M; m++)
       for (int u = 0; u < U; u++) dot[m][u] = _mm512_setzero_ps();
-    for (int64_t p = g * G / 2; p < (g + 1) * G / 2; p += U)
-      for (int u = 0; u < U; u++) {
-        const uint8_t *at = codes + (p + u) * BLOCK;
-        if ((p + u) % 4 == 0) __builtin_prefetch(at + 128 * BLOCK, 0, 2);
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at));
-        const __m512i index =
-            _mm512_ternarylogic_epi32(v, _mm512_slli_epi32(v, 12), nibbles, 0xA8); /* (a|b)&c */
+    for (int64_t c = g * G / 8; c < (g + 1) * G / 8; c++) {
+      const uint8_t *at = codes + c * CHUNK_BYTES;
+      __builtin_prefetch(at + AHEAD, 0, 2);
+      const __m512i word = _mm512_loadu_si512((const void *)at);
+      for (int i = 0; i < 4; i++) {
+        const __m512i index = i ? _mm512_srli_epi32(word, 4 * i) : word;
         const __m512bh codes_bf16 = (__m512bh)_mm512_permutexvar_epi16(index, values);
         for (int m = 0; m < M; m++) {
-          int32_t pair; /* x[2p], x[2p + 1] */
-          memcpy(&pair, w->x_bf16 + (m0 + m) * w->x_stride + 2 * (p + u), sizeof(pair));
-          dot[m][u] = _mm512_dpbf16_ps(dot[m][u], codes_bf16, (__m512bh)_mm512_set1_epi32(pair));
+          int32_t pair; /* x[8c + 2i], x[8c + 2i + 1] */
+          memcpy(&pair, w->x_bf16 + (m0 + m) * w->x_stride + 8 * c + 2 * i, sizeof(pair));
+          __m512 *chain = &dot[m][i % U];
+          *chain = _mm512_dpbf16_ps(*chain, codes_bf16, (__m512bh)_mm512_set1_epi32(pair));
         }
       }
+    }
     const int64_t at = (b * groups + g) * 2 * BLOCK;
     const __m512 scale = vload(w->so, w->so_bf16, at);
     const __m512 offset = vload(w->so, w->so_bf16, at + BLOCK);
@@ -162,17 +175,6 @@ static inline __attribute__((always_inline)) void tile_bf16_chains(const Int4 *w
   }
   for (int m = 0; m < M; m++) vstore(out + m * BLOCK, acc[m]);
 }
-
-static inline __attribute__((always_inline)) void tile_bf16(const Int4 *w, int64_t b,
-                                                            int64_t m0, const int M,
-                                                            float *out) {
-  if (M == 1 && w->G % (2 * CHAINS) == 0)
-    tile_bf16_chains(w, b, m0, 1, CHAINS, out);
-  else if (M <= 2)
-    tile_bf16_chains(w, b, m0, M, 2, out);
-  else
-    tile_bf16_chains(w, b, m0, M, 1, out);
-}
 #endif
 
 #ifndef LANES
@@ -180,7 +182,7 @@ static inline void tile(const Int4 *w, int64_t b, int64_t m0, const int M, float
   const int64_t K = w->K, G = w->G;
   for (int m = 0; m < M; m++)
     for (int r = 0; r < BLOCK; r++) {
-      const uint8_t *codes = w->codes + b * (K / 2) * BLOCK + r;
+      const uint8_t *codes = w->codes + b * (K / 8) * CHUNK_BYTES + 4 * r;
       const float *x = w->x + (m0 + m) * K;
       float sum = 0.f;
       for (int64_t g = 0; g < K / G; g++) {
@@ -188,9 +190,11 @@ static inline void tile(const Int4 *w, int64_t b, int64_t m0, const int M, float
         const float scale = value_at(w->so, w->so_bf16, at);
         const float shift = value_at(w->so, w->so_bf16, at + BLOCK) - 8.f * scale;
         float dot = 0.f;
-        for (int64_t p = g * G / 2; p < (g + 1) * G / 2; p++) {
-          const uint8_t byte = codes[p * BLOCK];
-          dot += (float)(byte & 15) * x[2 * p] + (float)(byte >> 4) * x[2 * p + 1];
+        for (int64_t c = g * G / 8; c < (g + 1) * G / 8; c++) {
+          uint32_t word;
+          memcpy(&word, codes + c * CHUNK_BYTES, sizeof(word));
+          for (int j = 0; j < 8; j++)
+            dot += (float)((word >> (4 * j)) & 15) * x[8 * c + chunk_channel(j)];
         }
         sum += dot * scale + shift * w->sums[(m0 + m) * (K / G) + g];
       }
@@ -209,7 +213,7 @@ static inline void tile(const Int4 *w, int64_t b, int64_t m0, const int M, float
     TILE(MM);         \
     break;
 
-/* x: (M, K), rows x_stride apart, fp32 or bf16; codes: (N/16, K/2, 16) bytes; so: scales
+/* x: (M, K), rows x_stride apart, fp32 or bf16; codes: (N/16, K/8, 16, 4) bytes; so: scales
  * and offsets (N/16, K/G, 2, 16), fp32 or bf16; bias (N,) or NULL; y: (M, N), fp32 or
  * bf16. */
 void kvlab_gemv_int4(const void *x, int x_bf16, int64_t x_stride, const uint8_t *codes,

@@ -172,7 +172,7 @@ def int4_linear(
 ) -> torch.Tensor:
     """x (M, K) @ W^T through ``gemv_int4.c``, W = (codes - 8) * scale + offset per group of
     ``group_size`` input channels, both in blocks of 16 outputs
-    (:func:`kvlab.quant.rtn.block_int4`): codes (N/16, K/2, 16), scale_offset
+    (:func:`kvlab.quant.packing.block_int4`): codes (N/16, K/2, 16), scale_offset
     (N/16, K/G, 2, 16); in x's dtype (fp32 accumulation). A custom op when compiling, a direct
     call in eager."""
     if torch.compiler.is_compiling():

@@ -27,16 +27,25 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.flatten(-2)
 
 
+# nibble j of an output's 32-bit word in a chunk of 8 input channels holds channel
+# CHUNK_CHANNELS[j]: the word's two 16-bit halves shifted by 4 i hold channels 2i and 2i + 1
+CHUNK_CHANNELS = (0, 2, 4, 6, 1, 3, 5, 7)
+_NIBBLE_OF_CHANNEL = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
 def block_int4(
     codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes (N, K) in 0..15 and scale, offset (K/G, N) in the blocks of 16 outputs that
-    ``gemv_int4.c`` streams: codes (N/16, K/2, 16) bytes, byte [b, p, r] holding output
-    16 b + r's codes of input channels 2p (low nibble) and 2p + 1 (high nibble); and
-    (N/16, K/G, 2, 16) scales and offsets, [b, g, 0] the scales of block b's group g."""
+    """Codes (N, K) in 0..15 (K % 8 == 0) and scale, offset (K/G, N) in the blocks of 16
+    outputs that ``gemv_int4.c`` streams: codes (N/16, K/2, 16) bytes, each block's chunks
+    of 8 input channels 64 bytes apart, a 32-bit word per output (little-endian), nibble j
+    (bits 4 j ..) of output 16 b + r's word in chunk c holding its code of input channel
+    8 c + ``CHUNK_CHANNELS[j]``; and (N/16, K/G, 2, 16) scales and offsets, [b, g, 0] the
+    scales of block b's group g."""
     out_features, in_features = codes.shape
-    pairs = codes.view(out_features // 16, 16, in_features // 2, 2)
-    blocks = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
+    chunks = codes.view(out_features // 16, 16, in_features // 8, 8)[..., list(CHUNK_CHANNELS)]
+    words = chunks[..., 0::2] | (chunks[..., 1::2] << 4)  # (N/16, 16, K/8, 4): byte q of a word
+    blocks = words.transpose(1, 2).reshape(out_features // 16, in_features // 2, 16)
     planes = torch.stack((scale, offset), dim=1)  # (K/G, 2, N)
     return blocks, planes.view(*planes.shape[:2], -1, 16).permute(2, 0, 1, 3).contiguous()
 
@@ -46,6 +55,8 @@ def unblock_int4(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`block_int4`: the (N, K) codes, scale and offset (K/G, N)."""
     count, pairs, _ = blocks.shape
-    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1)  # (N/16, K/2, 16, 2)
+    words = blocks.view(count, pairs // 4, 16, 4)  # (N/16, K/8, 16, 4 bytes)
+    nibbles = torch.stack((words & 15, words >> 4), dim=-1).flatten(-2)  # (..., 16, 8)
+    chunks = nibbles[..., list(_NIBBLE_OF_CHANNEL)].transpose(1, 2)  # (N/16, 16, K/8, 8)
     planes = scale_offset.permute(1, 2, 0, 3).flatten(2)  # (K/G, 2, N)
-    return codes.permute(0, 2, 1, 3).reshape(count * 16, pairs * 2), planes[:, 0], planes[:, 1]
+    return chunks.reshape(count * 16, pairs * 2), planes[:, 0], planes[:, 1]

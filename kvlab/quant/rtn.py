@@ -167,11 +167,11 @@ class Int4Linear(nn.Module):
 
 def _int4_layout(codes: torch.Tensor, group_size: int, cpu_kernel: bool) -> str:
     """``kvlab`` or ``aten`` on the CPU (as :func:`int4_kernel` chose; ``aten`` where kvlab's
-    blocks do not fit the shape: 16 outputs a block, groups of whole channel pairs), else
-    ``rows``."""
+    blocks do not fit the shape: 16 outputs a block, groups of whole chunks of 8 input
+    channels), else ``rows``."""
     if not cpu_kernel or codes.device.type != "cpu":
         return "rows"
-    fits = codes.shape[0] % 16 == 0 and group_size % 4 == 0
+    fits = codes.shape[0] % 16 == 0 and group_size % 8 == 0
     return "kvlab" if fits and int4_kernel()["kernel"] == "kvlab" else "aten"
 
 
