@@ -84,9 +84,7 @@ def test_the_silu_table_gives_torchs_silu_in_the_shapes_the_one_call_layer_serve
     value, laid out as the gate halves of gate/up rows (B, 1, 2 * inner) of the shapes it
     takes (inner a multiple of ONE_CALL_SPAN, B up to ``one_call_rows``), gets the bits
     torch's ``F.silu`` gives there."""
-    table = fused_layer.silu_table()
-    bits = torch.arange(65536, dtype=torch.int32)
-    values = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
+    table, values = fused_layer.silu_table(), fused_layer.every_bf16()
     for inner in (fused_layer.ONE_CALL_SPAN, 1536, 8192):
         rows = (fused_layer.TORCH_SERIAL_ELEMENTS - 1) // inner
         for start in range(0, 65536, rows * inner):

@@ -81,15 +81,19 @@ TORCH_SERIAL_ELEMENTS = 32768
 ONE_CALL_SPAN = 128  # bf16 values: twice an unrolled 512-bit vector's
 
 
+def every_bf16() -> torch.Tensor:
+    """Every bf16 value, bit pattern i at i (65536 values)."""
+    bits = torch.arange(65536, dtype=torch.int32)
+    return torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
+
+
 @functools.cache
 def silu_table() -> torch.Tensor:
-    """torch's own ``F.silu`` of every bf16 value, bit pattern i at i (65536 bf16 values),
-    taken in runs of :data:`ONE_CALL_SPAN` values or more, each run serial and whole vectors:
+    """torch's own ``F.silu`` of :func:`every_bf16` value, taken in runs of
+    :data:`ONE_CALL_SPAN` values or more, each run serial and whole vectors:
     ``kvlab_layer_decode`` looks the activation up in it, so its SwiGLU gives torch's bits."""
-    bits = torch.arange(65536, dtype=torch.int32)
-    values = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
     with torch.no_grad():
-        return torch.cat([F.silu(run) for run in values.split(8 * ONE_CALL_SPAN)])
+        return torch.cat([F.silu(run) for run in every_bf16().split(8 * ONE_CALL_SPAN)])
 
 
 def _linear(layer: nn.Module) -> _Linear:

@@ -30,7 +30,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 # nibble j of an output's 32-bit word in a chunk of 8 input channels holds channel
 # CHUNK_CHANNELS[j]: the word's two 16-bit halves shifted by 4 i hold channels 2i and 2i + 1
 CHUNK_CHANNELS = (0, 2, 4, 6, 1, 3, 5, 7)
-_NIBBLE_OF_CHANNEL = (0, 4, 1, 5, 2, 6, 3, 7)
+_NIBBLE_OF_CHANNEL = tuple(CHUNK_CHANNELS.index(channel) for channel in range(8))
 
 
 def block_int4(
