@@ -482,3 +482,25 @@ def test_indexer_kernel_chooses_the_entries_torch_top_k_chooses(dtype, dim):
         got = table[pair, :count] - base[pair]
         assert torch.equal(got, got.sort().values)  # entry order
         assert set(got.tolist()) == set(want.flatten(0, 1)[pair, :count].tolist())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_kernel_breaks_ties_to_the_lowest_entries(dtype):
+    """Scores of a few integer values (negative, zero and positive, many equal; a radix
+    select over their bits finds the k-th highest): the kernel keeps every entry above the
+    k-th highest score and the lowest-numbered of those equal to it, in entry order."""
+    from kvlab.kernels.indexer import top_k_table
+
+    batch, heads, group, slots, dim, top_k = 2, 3, 2, 300, 16, 37
+    queries = torch.zeros(batch, heads, group, dim, dtype=dtype)
+    queries[:, :, 0, 0] = 1.0  # the summed query picks channel 0 of each key
+    keys = torch.randint(-3, 4, (batch, heads, slots, dim), generator=GEN).to(dtype)
+    seen = torch.tensor([300, 41])
+    base = (torch.arange(batch * heads) * slots)[:, None]
+    table = top_k_table(queries, keys, seen, base, top_k)
+    scores = keys[..., 0].float().flatten(0, 1)
+    for pair in range(batch * heads):
+        n = int(seen[pair // heads])
+        ranked = sorted(range(n), key=lambda j: (-float(scores[pair, j]), j))[:top_k]
+        assert (table[pair] - base[pair]).tolist() == sorted(ranked)

@@ -2,7 +2,7 @@
  * (row, KV head) pair scores its visible entries by q . k with its query heads' queries
  * summed, and keeps the top_k highest, in one pass over the entries' keys: no score tensor,
  * no masked fill, no sort. The scores are fp32 dot products; the k-th highest is found by
- * quickselect and the chosen entries are written in entry order (ties at the threshold to
+ * a radix select and the chosen entries are written in entry order (ties at the threshold to
  * the lowest entries), which is the order decode attention then reads them in. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -11,29 +11,48 @@
 #include "bf16.h"
 #include "simd.h"
 
-/* The k-th highest (k >= 1) of n scores, reordering `work` (a copy). */
-static float kth_highest(float *work, int64_t n, int64_t k) {
-  int64_t lo = 0, hi = n - 1, want = k - 1; /* descending order: index k - 1 */
-  while (lo < hi) {
-    const float pivot = work[lo + (hi - lo) / 2];
-    int64_t i = lo, j = hi;
-    while (i <= j) {
-      while (work[i] > pivot) i++;
-      while (work[j] < pivot) j--;
-      if (i <= j) {
-        const float t = work[i];
-        work[i++] = work[j];
-        work[j--] = t;
-      }
+/* A score's bits as an unsigned key in the same order (a larger float, a larger key). */
+static inline uint32_t order_key(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof(u));
+  return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+static inline float key_score(uint32_t key) {
+  const uint32_t u = key & 0x80000000u ? key & 0x7FFFFFFFu : ~key;
+  float x;
+  memcpy(&x, &u, sizeof(x));
+  return x;
+}
+
+/* The k-th highest (1 <= k <= n) of n scores, by their keys' bits 11, 11 and 10 at a time
+ * (a radix select): each pass counts the candidates' next bits, walks the counts from the
+ * top to the bucket that holds the k-th, and keeps only that bucket's candidates (in
+ * `keys`, n of scratch). No branch depends on the data the way a quickselect's partition
+ * does (it mispredicted about every other comparison). */
+static float kth_highest(const float *scores, int64_t n, int64_t k, uint32_t *keys) {
+  static const int widths[3] = {11, 11, 10};
+  int64_t m = n, want = k;
+  uint32_t prefix = 0;
+  int shift = 32;
+  for (int64_t j = 0; j < n; j++) keys[j] = order_key(scores[j]);
+  for (int pass = 0; pass < 3; pass++) {
+    const uint32_t buckets = 1u << widths[pass];
+    shift -= widths[pass];
+    int64_t count[1 << 11];
+    memset(count, 0, sizeof(int64_t) * buckets);
+    for (int64_t j = 0; j < m; j++) count[(keys[j] >> shift) & (buckets - 1)]++;
+    uint32_t b = buckets - 1;
+    while (count[b] < want) want -= count[b--];
+    prefix |= b << shift;
+    int64_t kept = 0; /* the candidates in bucket b, to the front */
+    for (int64_t j = 0; j < m; j++) {
+      keys[kept] = keys[j];
+      kept += ((keys[j] >> shift) & (buckets - 1)) == b;
     }
-    if (want <= j)
-      hi = j;
-    else if (want >= i)
-      lo = i;
-    else
-      return work[want];
+    m = kept;
   }
-  return work[want];
+  return key_score(prefix);
 }
 
 /* q . key over D channels, q in fp32, key fp32 or bf16. */
@@ -50,20 +69,28 @@ static float dot(const float *q, const void *key, int bf16, int64_t D) {
 }
 
 /* The table of pair r (top_k entries, base + j of the chosen j in entry order; the rest
- * base, past hi: never read) from its n scores, `work` n floats of scratch. */
+ * base, past hi: never read) from its n scores, `work` n floats of scratch. Entries above
+ * the k-th highest score are kept, then those equal to it in entry order until k are; the
+ * kept entries' numbers go to `work` without a branch (entry j's number is stored at the
+ * count kept so far, <= j, and counts only where kept). */
 static void choose(const float *scores, int64_t n, int64_t top_k, int64_t base, float *work,
                    int64_t *table) {
   const int64_t k = n < top_k ? n : top_k;
   int64_t written = 0;
   if (k > 0) {
-    memcpy(work, scores, sizeof(float) * n);
-    const float threshold = kth_highest(work, n, k);
+    uint32_t *kept = (uint32_t *)work;
+    const float threshold = kth_highest(scores, n, k, kept);
     int64_t above = 0;
     for (int64_t j = 0; j < n; j++) above += scores[j] > threshold;
     int64_t ties = k - above; /* entries equal to the threshold to keep */
-    for (int64_t j = 0; j < n && written < k; j++)
-      if (scores[j] > threshold || (scores[j] == threshold && ties-- > 0))
-        table[written++] = base + j;
+    for (int64_t j = 0; j < n; j++) {
+      const int equal = scores[j] == threshold;
+      const int keep = (scores[j] > threshold) | (equal & (ties > 0));
+      ties -= equal & keep;
+      kept[written] = (uint32_t)j;
+      written += keep;
+    }
+    for (int64_t i = 0; i < written; i++) table[i] = base + kept[i];
   }
   for (; written < top_k; written++) table[written] = base;
 }
