@@ -48,14 +48,16 @@ def sources(spec: str, into: Path) -> Path:
     return into
 
 
-def compiled(folder: Path, out: Path) -> ctypes.CDLL:
-    """The kernels of ``folder`` built as kvlab builds them, loaded."""
-    saved = build.SOURCES, build.HEADERS
+def compiled(folder: Path, out: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernels of ``folder`` built as kvlab builds them, loaded; ``defines``: extra
+    ``-D`` flags (``-DKVLAB_TIMERS``: kernel timers, see kvlab/kernels/timers.h)."""
+    saved = build.SOURCES, build.HEADERS, build.FLAGS
     build.SOURCES, build.HEADERS = sorted(folder.glob("*.c")), sorted(folder.glob("*.h"))
+    build.FLAGS = [*build.FLAGS, *defines]
     try:
         build._compile(build._compiler(), out)
     finally:
-        build.SOURCES, build.HEADERS = saved
+        build.SOURCES, build.HEADERS, build.FLAGS = saved
     return ctypes.CDLL(str(out))
 
 

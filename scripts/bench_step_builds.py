@@ -8,12 +8,19 @@ generate the same tokens. Not a test.
     python scripts/bench_step_builds.py --a HEAD --weights fp32 --cache full --depth 1024
 
 A and B are git revisions or folders of kernel sources (``*.c`` and ``*.h``), as in
-scripts/bench_attention_builds.py.
+scripts/bench_attention_builds.py. ``--timers`` builds both with ``-DKVLAB_TIMERS`` (see
+kvlab/kernels/timers.h) and also prints how much of each build's step its decode attention
+and its CSA indexer took (their calls timed in C, all layers of a step summed): the split
+of a step between attention and the rest, within the same turns.
+
+    # where int4 KV spends a step at 4096 tokens, against a variant of the kernels
+    python scripts/bench_step_builds.py --b /tmp/variant --cache int4 --depth 4096 --timers
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import tempfile
 from pathlib import Path
@@ -38,9 +45,28 @@ def switch(library) -> None:
     fused_layer.weights_changed()
 
 
-def interleaved_steps(engine: Engine, prompt: list[int], libraries: dict, args) -> dict:
-    """{build: [ms of each kept step]} over one generation whose steps alternate builds."""
+TIMED = ("attention", "indexer")  # kvlab/kernels/timers.h's timers, in its order
+
+
+def reset_timers(library) -> None:
+    if hasattr(library, "kvlab_timers_read"):  # builds older than timers.c have none
+        library.kvlab_timers_reset()
+
+
+def timed_ms(library, steps: int) -> dict[str, tuple[float, float]]:
+    """{timer: (ms a step, calls a step)} since the library's timers were last reset (no
+    calls where the build has no timers, or was built without -DKVLAB_TIMERS)."""
+    seconds, calls = (ctypes.c_double * len(TIMED))(), (ctypes.c_int64 * len(TIMED))()
+    if hasattr(library, "kvlab_timers_read"):
+        library.kvlab_timers_read(seconds, calls)
+    return {name: (seconds[i] * 1e3 / steps, calls[i] / steps) for i, name in enumerate(TIMED)}
+
+
+def interleaved_steps(engine: Engine, prompt: list[int], libraries: dict, args):
+    """({build: [ms of each kept step]}, {build: [timed_ms of each kept turn]}) over one
+    generation whose steps alternate builds."""
     steps = {name: [] for name in libraries}
+    timers = {name: [] for name in libraries}
     order = list(libraries.items()) * (args.rounds + 1)  # the first round: warm-up
     cfg = GenerationConfig(1 + len(order) * args.block, stop_on_eos=False)
     run = engine.stream([prompt], cfg)
@@ -48,12 +74,33 @@ def interleaved_steps(engine: Engine, prompt: list[int], libraries: dict, args) 
     next(tokens)  # prefill and the first token
     for turn, (name, library) in enumerate(order):
         switch(library)
+        next(tokens)  # the turn's first step: its warm-up, not kept
         first = len(run.stats.step_s)
-        for _ in range(args.block):
+        reset_timers(library)
+        for _ in range(args.block - 1):
             next(tokens)
         if turn >= len(libraries):
-            steps[name].extend(s * 1e3 for s in run.stats.step_s[first + 1 :])
-    return steps
+            steps[name].extend(s * 1e3 for s in run.stats.step_s[first:])
+            timers[name].append(timed_ms(library, args.block - 1))
+    return steps, timers
+
+
+def timer_table(timers: dict) -> str:
+    """Each timer's median ms a step for A and B (and calls a step), as a markdown table."""
+    lines = [
+        "| kernel | calls a step | A ms a step | B ms a step | B / A |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in TIMED:
+        a, b = ([turn[name] for turn in timers[build_]] for build_ in ("A", "B"))
+        calls = max(statistics.median(c for _, c in turns) for turns in (a, b))
+        if calls == 0:
+            continue
+        ms_a, ms_b = (statistics.median(ms for ms, _ in turns) for turns in (a, b))
+        ratio = f"{ms_b / ms_a:.3f}" if ms_a and ms_b else "-"
+        a_text, b_text = (f"{ms:.2f}" if ms else "- (no timers)" for ms in (ms_a, ms_b))
+        lines.append(f"| {name} | {calls:.0f} | {a_text} | {b_text} | {ratio} |")
+    return "\n".join(lines)
 
 
 def same_tokens(engine: Engine, libraries: dict, prompt: list[int]) -> bool:
@@ -74,10 +121,16 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=1024)
     parser.add_argument("--block", type=int, default=9, help="steps a build runs in a turn")
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--timers", action="store_true",
+                        help="build with -DKVLAB_TIMERS: also each build's attention and "
+                        "indexer ms a step")  # fmt: skip
     args = parser.parse_args()
+    if args.block < 2:
+        parser.error(f"--block={args.block}: a turn needs its warm-up step and one more (>= 2)")
+    defines = ("-DKVLAB_TIMERS",) if args.timers else ()
     with tempfile.TemporaryDirectory() as tmp:
         folders = {"A": sources(args.a, Path(tmp) / "a"), "B": sources(args.b, Path(tmp) / "b")}
-        libraries = {name: compiled(folder, Path(tmp) / f"{name}.so")
+        libraries = {name: compiled(folder, Path(tmp) / f"{name}.so", defines)
                      for name, folder in folders.items()}  # fmt: skip
         model = load_weights(WEIGHTS[args.weights])
         engine = Engine(model, cache_factory(args.cache, model, {})(static=False), compile=False)
@@ -85,7 +138,7 @@ def main() -> None:
         original = build.library
         try:
             identical = same_tokens(engine, libraries, prompt[:64])
-            steps = interleaved_steps(engine, prompt, libraries, args)
+            steps, timers = interleaved_steps(engine, prompt, libraries, args)
         finally:
             build.library = original
             build.kernel.cache_clear()
@@ -98,6 +151,11 @@ def main() -> None:
           f"medians of {len(steps['A'])} steps\n")  # fmt: skip
     print("| A ms | B ms | B / A | same tokens |\n|---:|---:|---:|---|")
     print(f"| {a:.2f} | {b:.2f} | {b / a:.3f} | {'yes' if identical else 'NO'} |")
+    if args.timers:
+        print(
+            f"\nkernel time inside those steps (medians of {args.rounds} turns, "
+            f"{args.block - 1} steps each):\n\n{timer_table(timers)}"
+        )
 
 
 if __name__ == "__main__":

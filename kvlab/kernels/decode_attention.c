@@ -29,6 +29,7 @@
 
 #include "attention_job.h"
 #include "simd.h"
+#include "timers.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -675,7 +676,7 @@ static void combine_row(const float *m, const float *l, const float *o, int64_t 
  * partial_total slots per (row, head)), then their merge into `out`, in one parallel
  * region: the chunks of all jobs are one pool of work (a pooling layer's per-head jobs
  * have a few chunks each, too few to share two threads job by job), then the rows. */
-void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16) {
+static void decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16) {
   int64_t starts[n_jobs + 1]; /* job j's chunks are items starts[j] .. starts[j + 1] - 1 */
   starts[0] = 0;
   for (int j = 0; j < n_jobs; j++)
@@ -697,4 +698,8 @@ void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16
       combine_row(first->m, first->l, first->o, r, first->partial_total, first->G, first->D,
                   out, out_bf16);
   }
+}
+
+void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16) {
+  TIMED(TIMER_ATTENTION, decode_attention(jobs, n_jobs, out, out_bf16));
 }

@@ -10,6 +10,7 @@
 
 #include "bf16.h"
 #include "simd.h"
+#include "timers.h"
 
 /* A score's bits as an unsigned key in the same order (a larger float, a larger key). */
 static inline uint32_t order_key(float x) {
@@ -104,10 +105,10 @@ static void choose(const float *scores, int64_t n, int64_t top_k, int64_t base, 
  * base[r] + j of the chosen entries, the first min(seen, top_k) filled. One parallel
  * region: the pairs' queries summed, their entries scored SCORED at a time (a decode step
  * has a few pairs, too few to share two threads pair by pair), then each pair's choice. */
-void kvlab_top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_t G, int64_t D,
-                         const void *keys, int k_bf16, int64_t s_row, int64_t s_head,
-                         int64_t s_slot, const int64_t *seen, const int64_t *base,
-                         int64_t top_k, int64_t *out) {
+static void top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_t G, int64_t D,
+                          const void *keys, int k_bf16, int64_t s_row, int64_t s_head,
+                          int64_t s_slot, const int64_t *seen, const int64_t *base,
+                          int64_t top_k, int64_t *out) {
   int64_t most = 1;
   for (int64_t r = 0; r < R; r++) most = seen[r / H] > most ? seen[r / H] : most;
   const int64_t blocks = (most + SCORED - 1) / SCORED;
@@ -139,4 +140,12 @@ void kvlab_top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_
       choose(scores + r * most, seen[r / H], top_k, base[r], work + r * most, out + r * top_k);
   }
   free(summed);
+}
+
+void kvlab_top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_t G, int64_t D,
+                         const void *keys, int k_bf16, int64_t s_row, int64_t s_head,
+                         int64_t s_slot, const int64_t *seen, const int64_t *base,
+                         int64_t top_k, int64_t *out) {
+  TIMED(TIMER_INDEXER, top_k_entries(q, q_bf16, R, H, G, D, keys, k_bf16, s_row, s_head, s_slot,
+                                     seen, base, top_k, out));
 }
