@@ -1,0 +1,104 @@
+"""KV strategies' decode steps side by side in one process, each split into its decode
+attention, its CSA indexer and the rest: one generation per strategy on the default model,
+their steps in turns (``--block`` steps each, the first of each turn dropped as its
+warm-up), with the kernels built with ``-DKVLAB_TIMERS`` (kvlab/kernels/timers.h) so the
+attention and indexer calls of the same steps are timed in C. Ratios are to the first
+strategy. Where a strategy's step goes, and so what would move its ratio to ``full``:
+its attention, or what it does around it. Not a test.
+
+    python scripts/bench_cache_split.py --caches full,int4,compressed --depth 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+from bench_attention_builds import KERNELS, ROOT, compiled, sources
+from bench_step_builds import TIMED, reset_timers, switch, timed_ms
+from bench_vs_llamacpp import WEIGHTS, load_weights, wikitext_prompt
+
+from kvlab.cache import cache_factory
+from kvlab.engine import Engine, GenerationConfig
+from kvlab.kernels import build
+from kvlab.models import fused_layer
+from kvlab.tracking import environment
+
+
+def split_steps(model, prompt: list[int], caches: list[str], args) -> dict:
+    """{cache: (ms of each kept step, [timed_ms of each kept turn])}, turns in rounds."""
+    runs = {}
+    for cache in caches:
+        engine = Engine(model, cache_factory(cache, model, {})(static=False), compile=False)
+        run = engine.stream([prompt], GenerationConfig(2 + (args.rounds + 1) * args.block,
+                                                       stop_on_eos=False))  # fmt: skip
+        tokens = iter(run)
+        next(tokens)  # prefill and the first token
+        runs[cache] = (run, tokens)
+    kept = {cache: ([], []) for cache in caches}
+    for round_ in range(args.rounds + 1):  # the first round: warm-up
+        for cache, (run, tokens) in runs.items():
+            library = build.library()
+            next(tokens)  # the turn's first step: its warm-up, not kept
+            first = len(run.stats.step_s)
+            reset_timers(library)
+            for _ in range(args.block - 1):
+                next(tokens)
+            if round_:
+                kept[cache][0].extend(s * 1e3 for s in run.stats.step_s[first:])
+                kept[cache][1].append(timed_ms(library, args.block - 1))
+    return kept
+
+
+def table(kept: dict) -> str:
+    lines = [
+        "| cache | step ms | / first | attention ms | indexer ms | rest ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    first = None
+    for cache, (steps, turns) in kept.items():
+        step = statistics.median(steps)
+        first = first or step
+        timed = {name: statistics.median(turn[name][0] for turn in turns) for name in TIMED}
+        rest = step - sum(timed.values())
+        lines.append(f"| {cache} | {step:.2f} | {step / first:.3f} | {timed['attention']:.2f} | "
+                     f"{timed['indexer']:.2f} | {rest:.2f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--caches", default="full,int4,compressed", type=lambda s: s.split(","))
+    parser.add_argument("--weights", default="fp32", choices=sorted(WEIGHTS))
+    parser.add_argument("--depth", type=int, default=4096)
+    parser.add_argument("--block", type=int, default=9, help="steps a cache runs in a turn")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--kernels", default=str(ROOT / KERNELS),
+                        help="git revision or folder of kernel sources (default: the working "
+                        "tree)")  # fmt: skip
+    args = parser.parse_args()
+    if args.block < 2:
+        parser.error(f"--block={args.block}: a turn needs its warm-up step and one more (>= 2)")
+    original = build.library
+    with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        folder = sources(args.kernels, Path(tmp) / "kernels")
+        switch(compiled(folder, Path(tmp) / "timed.so", ("-DKVLAB_TIMERS",)))
+        try:
+            model = load_weights(WEIGHTS[args.weights])
+            kept = split_steps(model, wikitext_prompt(args.depth), args.caches, args)
+        finally:
+            build.library = original
+            build.kernel.cache_clear()
+            fused_layer.weights_changed()
+    env = environment()
+    print(f"decode steps of SmolLM2-135M, weights {args.weights}, depth {args.depth}, kernels "
+          f"{args.kernels} (timed build); {env['cpu']}, {torch.get_num_threads()} threads, "
+          f"torch {env['torch']}; {args.rounds} turns of {args.block} steps a cache, the "
+          f"first of each dropped; medians\n\n{table(kept)}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
