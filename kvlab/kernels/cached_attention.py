@@ -157,6 +157,7 @@ class LayerAttentions:
         self.bounds: list[torch.Tensor] = []  # the step struct's tensors (held: ids stay theirs)
         self.widths: tuple[int, ...] = ()
         self.pointers: list[int] = []
+        self.pooling_fits: tuple = (None, [])  # (batch, a step's pooling indices) found to fit
 
     def at(self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None):
         """The address of ``layer``'s cached attention this step (see
@@ -164,9 +165,7 @@ class LayerAttentions:
         :class:`Pooling`), or None where the tensors do not fit it."""
         if not self._point_at(bounds):
             return None
-        if pooling is not None and not (
-            all(index_applies(t) for t in pooling.indices()) and pooling.step_fits(batch)
-        ):
+        if pooling is not None and not self._pooling_fits(pooling, batch):
             return None
         cached = self.layers[layer] if layer < len(self.layers) else None
         if cached is None or not cached.holds(written, reads, batch, pooling):
@@ -184,6 +183,20 @@ class LayerAttentions:
         if cached.pooling is not None:
             cached.pooling.at(pooling)
         return cached.address
+
+    def _pooling_fits(self, pooling: Pooling, batch: int) -> bool:
+        """Whether a pooling's step tensors fit the C structs (int64, contiguous, shaped for
+        ``batch``): checked once for the layers of a step that hand over the same tensors
+        (held, so they are still those tensors)."""
+        indices = pooling.indices()
+        last_batch, last = self.pooling_fits
+        same = len(indices) == len(last) and all(map(operator.is_, indices, last))
+        if same and batch == last_batch:
+            return True
+        if not (all(index_applies(t) for t in indices) and pooling.step_fits(batch)):
+            return False
+        self.pooling_fits = (batch, indices)
+        return True
 
     def _point_at(self, bounds) -> bool:
         """Whether the step struct holds ``bounds`` ((table, lo, hi) per job: a block table

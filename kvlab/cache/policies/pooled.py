@@ -62,8 +62,10 @@ class Pooled(Policy):
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         codec = self.options.codec(self.spec.head_dim)
         self.layers = {n: PooledLayer(pool, self.spec, codec) for n, pool in self.pools.items()}
-        for pooled in self.layers.values():
+        shared = {}  # layers of one geometry read the same bounds a step: one step struct,
+        for pooled in self.layers.values():  # written by its first layer, not by each
             pooled.allocate(batch_size, max_tokens)
+            pooled.attentions = shared.setdefault(pooled.geometry, pooled.attentions)
 
     def row_state(self):
         return [entry for pooled in self.layers.values() for entry in pooled.row_state()]
