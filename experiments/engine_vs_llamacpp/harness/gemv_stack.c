@@ -16,6 +16,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "timing.h"
+
 void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, const void *bias, int bias_bf16,
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
@@ -26,17 +28,6 @@ void kvlab_gemv_int4(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
                      const void *so, int so_bf16, int64_t G, const void *bias, int bias_bf16,
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
 void kvlab_gemv_set_order(int format, int in_order);
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + 1e-9 * t.tv_nsec;
-}
-
-static int by_value(const void *a, const void *b) {
-  const double d = *(const double *)a - *(const double *)b;
-  return d < 0 ? -1 : d > 0;
-}
 
 int main(int argc, char **argv) {
   if (argc < 3) {

@@ -13,25 +13,14 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "timing.h"
+
 void kvlab_top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_t G, int64_t D,
                          const void *keys, int k_bf16, int64_t s_row, int64_t s_head,
                          int64_t s_slot, const int64_t *seen, const int64_t *base,
                          int64_t top_k, int64_t *out);
 
 enum { H = 3, G = 3, D = 64, ENTRIES = 1024, TOP_K = 512, SETS = 64, ROUNDS = 31 };
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static float uniform(void) { return rand() / (float)RAND_MAX - 0.5f; }
-
-static int by_value(const void *a, const void *b) {
-  const double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
 
 int main(void) {
   float *keys = malloc(sizeof(float) * SETS * H * ENTRIES * D), q[H * G * D];

@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include "../../../kvlab/kernels/attention_job.h"
+#include "timing.h"
 
 enum { LAYERS = 30, H = 3, G = 3, D = 64, W = D * 4 / 32, GROUP = 32, TOKENS = 4096 };
 enum { CAPACITY = 4608, CHUNK = 256, CHUNKS = CAPACITY / CHUNK, STEPS = 41, MAX_LIBS = 8 };
@@ -34,19 +35,6 @@ enum { CAPACITY = 4608, CHUNK = 256, CHUNKS = CAPACITY / CHUNK, STEPS = 41, MAX_
 static const int64_t WEIGHT_FLOATS = WEIGHT_MB * 1024 * 1024 / 4 + 1;
 
 typedef void (*attention_fn)(const Job *, int, void *, int);
-
-static double now(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static float uniform(void) { return rand() / (float)RAND_MAX - 0.5f; }
-
-static int by_value(const void *a, const void *b) {
-  const double x = *(const double *)a, y = *(const double *)b;
-  return (x > y) - (x < y);
-}
 
 /* Layer l's job over its own codes: keys (H, CAPACITY, W) words with a scale and zero row
  * of D per GROUP tokens, values the same words with a scale and zero per token and group. */
