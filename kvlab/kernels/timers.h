@@ -1,7 +1,8 @@
 /* Wall time of kernel calls, for benchmarks that split a decode step (scripts/
  * bench_step_builds.py --timers): built in only with -DKVLAB_TIMERS, where TIMED adds two
  * clock reads (~50 ns) a call; otherwise TIMED is the call itself. Totals are per process,
- * read and reset through kvlab_timers_read / kvlab_timers_reset (timers.c). */
+ * read and reset through kvlab_timers_read / kvlab_timers_reset (timers.c); the timed
+ * functions are called from one thread at a time, as kvlab calls them, so no atomics. */
 #ifndef KVLAB_TIMERS_H
 #define KVLAB_TIMERS_H
 

@@ -62,8 +62,10 @@ class Pooled(Policy):
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         codec = self.options.codec(self.spec.head_dim)
         self.layers = {n: PooledLayer(pool, self.spec, codec) for n, pool in self.pools.items()}
-        shared = {}  # layers of one geometry read the same bounds a step: one step struct,
-        for pooled in self.layers.values():  # written by its first layer, not by each
+        # layers of one geometry read the same bounds a step: they share one step struct,
+        # which the first of them writes and the others find in place
+        shared = {}
+        for pooled in self.layers.values():
             pooled.allocate(batch_size, max_tokens)
             pooled.attentions = shared.setdefault(pooled.geometry, pooled.attentions)
 
