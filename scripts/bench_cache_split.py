@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 from bench_attention_builds import KERNELS, ROOT, compiled, sources
-from bench_step_builds import TIMED, reset_timers, switch, timed_ms
+from bench_step_builds import switch, timed_turn
 from bench_vs_llamacpp import WEIGHTS, load_weights, wikitext_prompt
 
 from kvlab.cache import cache_factory
 from kvlab.engine import Engine, GenerationConfig
-from kvlab.kernels import build
+from kvlab.kernels import build, timers
 from kvlab.models import fused_layer
 from kvlab.tracking import environment
 
@@ -41,15 +41,10 @@ def split_steps(model, prompt: list[int], caches: list[str], args) -> dict:
     kept = {cache: ([], []) for cache in caches}
     for round_ in range(args.rounds + 1):  # the first round: warm-up
         for cache, (run, tokens) in runs.items():
-            library = build.library()
-            next(tokens)  # the turn's first step: its warm-up, not kept
-            first = len(run.stats.step_s)
-            reset_timers(library)
-            for _ in range(args.block - 1):
-                next(tokens)
+            steps, timed = timed_turn(run, tokens, build.library(), args.block)
             if round_:
-                kept[cache][0].extend(s * 1e3 for s in run.stats.step_s[first:])
-                kept[cache][1].append(timed_ms(library, args.block - 1))
+                kept[cache][0].extend(steps)
+                kept[cache][1].append(timed)
     return kept
 
 
@@ -62,7 +57,7 @@ def table(kept: dict) -> str:
     for cache, (steps, turns) in kept.items():
         step = statistics.median(steps)
         first = first or step
-        timed = {name: statistics.median(turn[name][0] for turn in turns) for name in TIMED}
+        timed = {name: statistics.median(turn[name][0] for turn in turns) for name in timers.NAMES}
         rest = step - sum(timed.values())
         lines.append(f"| {cache} | {step:.2f} | {step / first:.3f} | {timed['attention']:.2f} | "
                      f"{timed['indexer']:.2f} | {rest:.2f} |")  # fmt: skip

@@ -20,7 +20,6 @@ of a step between attention and the rest, within the same turns.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import tempfile
 from pathlib import Path
@@ -31,7 +30,7 @@ from bench_vs_llamacpp import WEIGHTS, load_weights, wikitext_prompt
 
 from kvlab.cache import cache_factory
 from kvlab.engine import Engine, GenerationConfig
-from kvlab.kernels import build
+from kvlab.kernels import build, timers
 from kvlab.models import fused_layer
 from kvlab.models.gemv_order import apply_chosen_orders
 from kvlab.tracking import environment
@@ -45,28 +44,31 @@ def switch(library) -> None:
     fused_layer.weights_changed()
 
 
-TIMED = ("attention", "indexer")  # kvlab/kernels/timers.h's timers, in its order
-
-
-def reset_timers(library) -> None:
-    if hasattr(library, "kvlab_timers_read"):  # builds older than timers.c have none
-        library.kvlab_timers_reset()
-
-
 def timed_ms(library, steps: int) -> dict[str, tuple[float, float]]:
     """{timer: (ms a step, calls a step)} since the library's timers were last reset (no
     calls where the build has no timers, or was built without -DKVLAB_TIMERS)."""
-    seconds, calls = (ctypes.c_double * len(TIMED))(), (ctypes.c_int64 * len(TIMED))()
-    if hasattr(library, "kvlab_timers_read"):
-        library.kvlab_timers_read(seconds, calls)
-    return {name: (seconds[i] * 1e3 / steps, calls[i] / steps) for i, name in enumerate(TIMED)}
+    seconds, calls = timers.read(library)
+    return {
+        name: (seconds[i] * 1e3 / steps, calls[i] / steps) for i, name in enumerate(timers.NAMES)
+    }
+
+
+def timed_turn(run, tokens, library, block: int) -> tuple[list[float], dict]:
+    """One turn of ``block`` steps of a streamed generation: the first its warm-up, then the
+    ms of each other step and their timed_ms."""
+    next(tokens)  # the turn's first step: its warm-up, not kept
+    first = len(run.stats.step_s)
+    timers.reset(library)
+    for _ in range(block - 1):
+        next(tokens)
+    return [s * 1e3 for s in run.stats.step_s[first:]], timed_ms(library, block - 1)
 
 
 def interleaved_steps(engine: Engine, prompt: list[int], libraries: dict, args):
     """({build: [ms of each kept step]}, {build: [timed_ms of each kept turn]}) over one
     generation whose steps alternate builds."""
     steps = {name: [] for name in libraries}
-    timers = {name: [] for name in libraries}
+    timed = {name: [] for name in libraries}
     order = list(libraries.items()) * (args.rounds + 1)  # the first round: warm-up
     cfg = GenerationConfig(1 + len(order) * args.block, stop_on_eos=False)
     run = engine.stream([prompt], cfg)
@@ -74,25 +76,21 @@ def interleaved_steps(engine: Engine, prompt: list[int], libraries: dict, args):
     next(tokens)  # prefill and the first token
     for turn, (name, library) in enumerate(order):
         switch(library)
-        next(tokens)  # the turn's first step: its warm-up, not kept
-        first = len(run.stats.step_s)
-        reset_timers(library)
-        for _ in range(args.block - 1):
-            next(tokens)
+        kept, turn_timed = timed_turn(run, tokens, library, args.block)
         if turn >= len(libraries):
-            steps[name].extend(s * 1e3 for s in run.stats.step_s[first:])
-            timers[name].append(timed_ms(library, args.block - 1))
-    return steps, timers
+            steps[name].extend(kept)
+            timed[name].append(turn_timed)
+    return steps, timed
 
 
-def timer_table(timers: dict) -> str:
+def timer_table(timed: dict) -> str:
     """Each timer's median ms a step for A and B (and calls a step), as a markdown table."""
     lines = [
         "| kernel | calls a step | A ms a step | B ms a step | B / A |",
         "|---|---:|---:|---:|---:|",
     ]
-    for name in TIMED:
-        a, b = ([turn[name] for turn in timers[build_]] for build_ in ("A", "B"))
+    for name in timers.NAMES:
+        a, b = ([turn[name] for turn in timed[build_]] for build_ in ("A", "B"))
         calls = max(statistics.median(c for _, c in turns) for turns in (a, b))
         if calls == 0:
             continue
@@ -138,7 +136,7 @@ def main() -> None:
         original = build.library
         try:
             identical = same_tokens(engine, libraries, prompt[:64])
-            steps, timers = interleaved_steps(engine, prompt, libraries, args)
+            steps, timed = interleaved_steps(engine, prompt, libraries, args)
         finally:
             build.library = original
             build.kernel.cache_clear()
@@ -154,7 +152,7 @@ def main() -> None:
     if args.timers:
         print(
             f"\nkernel time inside those steps (medians of {args.rounds} turns, "
-            f"{args.block - 1} steps each):\n\n{timer_table(timers)}"
+            f"{args.block - 1} steps each):\n\n{timer_table(timed)}"
         )
 
 
