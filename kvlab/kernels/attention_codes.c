@@ -346,44 +346,60 @@ void kvlab_codes_key_scores(const Job *job, int b, int h, int64_t t0, int64_t t1
   }
 }
 
-/* A run's value weights, before its rows are read: wts[g][k][i] = p_g,i a_i,k (row i's
- * scale of channel group k folded into head g's softmax weight) and sums[g][k] += sum_i
- * p_g,i z_i,k (the zeros' share, added to the output once). Loops over the run's rows, so
- * the compiler vectorizes them; the row loop then only unpacks codes and multiplies. */
+#define VALUE_TILE 128 /* value rows weighted at a time */
+
+/* w[i] = p[i] a[i Z] and *zero_share += sum_i p[i] z[i Z] for a group's fp32 scales and
+ * zeros Z apart: with Z a constant, vectorized with the loads deinterleaved. */
+static inline __attribute__((always_inline)) void group_weights(
+    const float *a, const float *z, const int Z, int n, const float *p, float *w,
+    float *zero_share) {
+  float share = 0.f;
+  for (int i = 0; i < n; i++) w[i] = p[i] * a[i * Z], share += p[i] * z[i * Z];
+  *zero_share += share;
+}
+
+/* A run's value weights, before its rows are read: wts[(g * groups + k) * VALUE_TILE + i] =
+ * p_g,i a_i,k (row i's scale of channel group k folded into head g's softmax weight) and
+ * sums[g][k] += sum_i p_g,i z_i,k (the zeros' share, added to the output once). Loops over
+ * the run's rows, so the compiler vectorizes them; the row loop then only unpacks codes and
+ * multiplies. fp32 scales are read where they lie (a copy written as floats and read back
+ * as vectors stalls on store forwarding); bf16 ones through a widened copy. */
 static inline __attribute__((always_inline)) void value_weights(
     const Store *s, int64_t z_at, int n, const float *p, int stride, const int G, int groups,
-    float wts[][MAX_VECS][TILE], float *sums) {
+    float *wts, float *sums) {
+  float a[VALUE_TILE], z[VALUE_TILE];
   for (int k = 0; k < groups; k++) {
-    float a[TILE], z[TILE];
-    for (int i = 0; i < n; i++) {
-      a[i] = value_at(s->scale, s->scale_bf16, z_at + i * s->z_row + k);
-      z[i] = value_at(s->zero, s->scale_bf16, z_at + i * s->z_row + k);
+    const float *ak = a, *zk = z;
+    int Z = 1;
+    if (s->scale_bf16) {
+      for (int i = 0; i < n; i++) {
+        a[i] = value_at(s->scale, s->scale_bf16, z_at + i * s->z_row + k);
+        z[i] = value_at(s->zero, s->scale_bf16, z_at + i * s->z_row + k);
+      }
+    } else {
+      ak = (const float *)s->scale + z_at + k, zk = (const float *)s->zero + z_at + k;
+      Z = (int)s->z_row;
     }
     for (int g = 0; g < G; g++) {
-      float zero_share = 0.f;
-      for (int i = 0; i < n; i++) {
-        wts[g][k][i] = p[g * stride + i] * a[i];
-        zero_share += p[g * stride + i] * z[i];
-      }
-      sums[g * groups + k] += zero_share;
+      float *w = wts + (g * groups + k) * VALUE_TILE, *share = sums + g * groups + k;
+      const float *pg = p + g * stride;
+      if (Z == 1) group_weights(ak, zk, 1, n, pg, w, share);
+      else if (Z == 2) group_weights(ak, zk, 2, n, pg, w, share);
+      else group_weights(ak, zk, Z, n, pg, w, share);
     }
   }
 }
 
-/* acc[g][v] += (p_g a) c over n rows of token codes, sums[g][group] += p_g z: G heads and
- * C = D / LANES vectors in registers, each row read once; REPEAT: the row's W < LANES
- * words are repeated across a vector (unpack_plan). */
+/* acc[g][v] += (p_g a) c over the rows of tokens t0..t1 of row b, head h, in token codes,
+ * sums[g][group] += p_g z: G heads and C = D / LANES vectors in registers for the whole
+ * range, each row read once; REPEAT: the row's W < LANES words are repeated across a
+ * vector (unpack_plan). */
 static inline __attribute__((always_inline)) void token_values(
-    const Job *job, const Unpack *u, int64_t block, int h, int64_t slot, int n,
-    const float *p, int stride, const int G, const int C, const int REPEAT, float *o,
-    float *sums) {
+    const Job *job, const Unpack *u, int b, int h, int64_t t0, int64_t t1, const float *p,
+    int stride, const int G, const int C, const int REPEAT, float *o, float *sums) {
   const Store *s = &job->v;
   const int groups = job->D / s->group, per_group = s->group / LANES;
-  const uint32_t *w = (const uint32_t *)s->data + block * s->s_block + h * s->s_head +
-                      slot * s->s_slot;
-  float wts[4][MAX_VECS][TILE];
-  value_weights(s, block * s->z_block + h * s->z_head + slot * s->z_row, n, p, stride, G,
-                groups, wts, sums);
+  float wts[G * groups * VALUE_TILE];
   ivec shift[MAX_VECS];
   int offset[MAX_VECS];
   for (int v = 0; v < C; v++) shift[v] = iload_lanes(u->shift[v]), offset[v] = u->offset[v];
@@ -391,14 +407,24 @@ static inline __attribute__((always_inline)) void token_values(
   vec acc[4][MAX_VECS];
   for (int g = 0; g < G; g++)
     for (int v = 0; v < C; v++) acc[g][v] = vload_f32(o + (g * C + v) * LANES);
-  for (int i = 0; i < n; i++) {
-    const uint32_t *wi = w + i * s->s_slot;
-    const ivec rep = REPEAT ? repeat_words(wi, u->W) : iset(0);
-    for (int v = 0; v < C; v++) {
-      const vec c = widen(REPEAT ? rep : iload(wi + offset[v]), shift[v], mask);
-      for (int g = 0; g < G; g++)
-        acc[g][v] = vfma(vset1(wts[g][v / per_group][i]), c, acc[g][v]);
+  for (int64_t t = t0; t < t1;) {
+    int64_t block, slot, run = block_run(job, b, t, t1, &block, &slot);
+    const int n = run < VALUE_TILE ? (int)run : VALUE_TILE;
+    const uint32_t *w = (const uint32_t *)s->data + block * s->s_block + h * s->s_head +
+                        slot * s->s_slot;
+    value_weights(s, block * s->z_block + h * s->z_head + slot * s->z_row, n, p + (t - t0),
+                  stride, G, groups, wts, sums);
+    for (int i = 0; i < n; i++) {
+      const uint32_t *wi = w + i * s->s_slot;
+      const ivec rep = REPEAT ? repeat_words(wi, u->W) : iset(0);
+      for (int v = 0; v < C; v++) {
+        const vec c = widen(REPEAT ? rep : iload(wi + offset[v]), shift[v], mask);
+        for (int g = 0; g < G; g++)
+          acc[g][v] = vfma(vset1(wts[(g * groups + v / per_group) * VALUE_TILE + i]), c,
+                           acc[g][v]);
+      }
     }
+    t += n;
   }
   for (int g = 0; g < G; g++)
     for (int v = 0; v < C; v++) vstore(o + (g * C + v) * LANES, acc[g][v]);
@@ -411,14 +437,13 @@ int kvlab_codes_values_apply(const Job *job) {
   return (C == 4 || C == 8) && job->G <= 4 && job->G * C <= VALUE_ACCUMULATORS;
 }
 
-#define VALUES_CASE(GG, CC)                                                                \
-  if (G == GG && C == CC) {                                                                \
-    if (u.repeat)                                                                          \
-      token_values(job, &u, block, h, slot, run, p + (t - t0), n, GG, CC, 1, o, sums);     \
-    else                                                                                   \
-      token_values(job, &u, block, h, slot, run, p + (t - t0), n, GG, CC, 0, o, sums);     \
-    t += run;                                                                              \
-    continue;                                                                              \
+#define VALUES_CASE(GG, CC)                                                 \
+  if (G == GG && C == CC) {                                                 \
+    if (u.repeat)                                                           \
+      token_values(job, &u, b, h, t0, t1, p, n, GG, CC, 1, o, sums);        \
+    else                                                                    \
+      token_values(job, &u, b, h, t0, t1, p, n, GG, CC, 0, o, sums);        \
+    break;                                                                  \
   }
 
 /* o[g] = sum_t p[g * n + t - t0] * value t for t0 <= t < t1 of row b, head h, values in
@@ -431,9 +456,7 @@ void kvlab_codes_add_values(const Job *job, int b, int h, int64_t t0, int64_t t1
   unpack_plan(s, D, &u);
   float sums[4 * MAX_D];
   memset(sums, 0, sizeof(float) * G * groups);
-  for (int64_t t = t0; t < t1;) {
-    int64_t block, slot;
-    const int run = next_run(job, b, t, t1, &block, &slot);
+  do {
     VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4)
     VALUES_CASE(1, 8)
 #if VALUE_ACCUMULATORS >= 16
@@ -443,7 +466,7 @@ void kvlab_codes_add_values(const Job *job, int b, int h, int64_t t0, int64_t t1
     VALUES_CASE(3, 8)
 #endif
     return; /* not reached: kvlab_codes_values_apply admits only the cases above */
-  }
+  } while (0);
   for (int g = 0; g < G; g++) /* (no division per channel: a chunk's dozens of them cost
                                   a sixth of its value pass) */
     for (int k = 0; k < groups; k++)

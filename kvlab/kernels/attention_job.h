@@ -37,10 +37,10 @@ typedef struct {
 
 #define TILE 32
 
-/* The next run of logical tokens t.. (< end) that share a block (and a key scale row):
- * sets block and slot, returns its length (<= TILE). */
-static inline int next_run(const Job *job, int b, int64_t t, int64_t end, int64_t *block,
-                           int64_t *slot) {
+/* The run of logical tokens t.. (< end) that lie in one block (and one pass of the ring):
+ * sets block and slot, returns its length. */
+static inline int64_t block_run(const Job *job, int b, int64_t t, int64_t end, int64_t *block,
+                                int64_t *slot) {
   const int64_t u = job->ring > 0 ? t % job->ring : t;
   const int64_t bs = job->block_size;
   *block = job->table[b * job->table_stride + u / bs];
@@ -48,6 +48,14 @@ static inline int next_run(const Job *job, int b, int64_t t, int64_t end, int64_
   int64_t run = end - t;
   if (run > bs - *slot) run = bs - *slot;
   if (job->ring > 0 && run > job->ring - u) run = job->ring - u;
+  return run;
+}
+
+/* The next run of logical tokens t.. (< end) that share a block and a key scale row: sets
+ * block and slot, returns its length (<= TILE). */
+static inline int next_run(const Job *job, int b, int64_t t, int64_t end, int64_t *block,
+                           int64_t *slot) {
+  int64_t run = block_run(job, b, t, end, block, slot);
   const Store *stores[2] = {&job->k, &job->v};
   for (int i = 0; i < 2; i++) {
     if (stores[i]->format != FMT_CHANNEL_CODES) continue;
