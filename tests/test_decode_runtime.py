@@ -20,6 +20,7 @@ from kvlab.cache.codecs import Fp4Codec, Fp8Codec
 from kvlab.cache.codecs.fp8 import FORMATS as FP8_FORMATS
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import Segment, Stored, decode_attention, kernel_available, reference_attention
+from kvlab.kernels.attention_c import CHUNK, chunk_tokens
 from kvlab.kernels.attention_c import c_kernel_applies as _kernel_applies
 from kvlab.kernels.int_codes import BITS, ChannelCodes, TokenCodes
 
@@ -68,6 +69,29 @@ def test_kernel_equals_reference_over_a_contiguous_store(case):
     keys, values = stored_case(case)
     segment = contiguous_segment(keys, values, [0, 5], [300, 123])
     assert _kernel_applies(segment)  # the C kernel, not the fallback, computes `out`
+    out = decode_attention([segment], D**-0.5, torch.float32)
+    torch.testing.assert_close(out, reference_attention([segment], D**-0.5), atol=1e-5, rtol=0)
+
+
+def test_long_spans_take_longer_chunks_while_every_thread_has_work():
+    """chunk_tokens: 4 chunks a (row, head) and 4 work items a thread at the least."""
+    assert [chunk_tokens(span, 3, threads=2) for span in (300, 2047, 2048, 4095, 4096)] == [
+        CHUNK, CHUNK, 512, 512, 1024
+    ]  # fmt: skip
+    assert chunk_tokens(4096, 3, threads=16) == CHUNK  # 12 chunks of 1024 or 24 of 512: few
+    assert chunk_tokens(4096, 8 * 3, threads=16) == 1024
+    assert chunk_tokens(4096, 3, threads=4) == 512
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["fp32", "codes4"])
+def test_long_spans_attend_as_the_reference(case):
+    """Over 2048 slots and more (chunks of 512 on up to 3 threads, :func:`chunk_tokens`):
+    rows that end mid-chunk, a chunk boundary inside a key scale group of 30 tokens, and a
+    row that starts past the first chunk attend as the reference does."""
+    keys, values = stored_case(case, 2130)  # 71 key groups of 30
+    segment = contiguous_segment(keys, values, [0, 700], [2130, 1500])
+    assert _kernel_applies(segment)
     out = decode_attention([segment], D**-0.5, torch.float32)
     torch.testing.assert_close(out, reference_attention([segment], D**-0.5), atol=1e-5, rtol=0)
 

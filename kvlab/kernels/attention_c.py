@@ -12,8 +12,28 @@ import torch
 from kvlab.kernels.build import INT, POINTER, kernel, library
 from kvlab.kernels.segments import FORMATS, TABLES, Segment, Stored
 
-CHUNK = 256  # tokens per partial result
+CHUNK = 256  # tokens per partial result, at the least
+LONG_CHUNKS = (1024, 512)  # the longer chunks a long span may take, longest first
+MIN_CHUNKS = 4  # chunks a (row, head) keeps at the least, and work items a thread
 MAX_HEAD_DIM = 256
+
+
+def chunk_tokens(span: int, pairs: int, threads: int | None = None) -> int:
+    """Tokens per chunk (one partial softmax, one work item of the C kernel's threads) for a
+    job over ``span`` slots of ``pairs`` (row, KV head) pairs: the longest of
+    :data:`LONG_CHUNKS` that leaves each pair MIN_CHUNKS chunks and each thread MIN_CHUNKS
+    work items, else :data:`CHUNK`. A chunk costs a fixed share (its setup, its partials'
+    merge, a cold start of the rows it streams), so long spans take longer ones: at 4096
+    tokens on 2 threads, chunks of 512 took 0.79-0.85x the attention time of chunks of
+    256 for int4 and int8 codes and 0.91-1.0x for fp32, and chunks of 1024 0.81-0.89x
+    that of 512 for the codes; no difference at 1024 tokens (bench_cache_split.py,
+    Zen4)."""
+    threads = torch.get_num_threads() if threads is None else threads
+    for chunk in LONG_CHUNKS:
+        chunks = span // chunk
+        if chunks >= MIN_CHUNKS and pairs * chunks >= MIN_CHUNKS * threads:
+            return chunk
+    return CHUNK
 
 
 def c_attention(segments: list[Segment], scale: float, out_dtype: torch.dtype) -> torch.Tensor:
@@ -134,8 +154,18 @@ def _c_store(data, fmt, bits, group, scale_t, zero_t) -> _Store:
     return store
 
 
-def _n_chunks(table: torch.Tensor, block_size: int, ring: int) -> int:
-    return -(-(ring or table.shape[1] * block_size) // CHUNK)
+def _span(table: torch.Tensor, block_size: int, ring: int) -> int:
+    """The slots a job may read: its ring, else its table's blocks."""
+    return ring or table.shape[1] * block_size
+
+
+def _chunk(q: torch.Tensor, table: torch.Tensor, block_size: int, ring: int) -> int:
+    """:func:`chunk_tokens` for a job of queries ``q`` (B, H_kv, G, D)."""
+    return chunk_tokens(_span(table, block_size, ring), q.shape[0] * q.shape[1])
+
+
+def _n_chunks(q: torch.Tensor, table: torch.Tensor, block_size: int, ring: int) -> int:
+    return -(-_span(table, block_size, ring) // _chunk(q, table, block_size, ring))
 
 
 @torch.library.custom_op("kvlab::decode_attention", mutates_args=())
@@ -170,7 +200,7 @@ def _decode_attention_impl(
 def _attend(items: list[tuple], scale: float, bf16: bool) -> torch.Tensor:
     """One C call: every segment's partials into one buffer, then their merge."""
     batch, heads, group, dim = items[0][0].shape
-    chunks = [_n_chunks(item[7], item[1].shape[2], item[10][6]) for item in items]
+    chunks = [_n_chunks(item[0], item[7], item[1].shape[2], item[10][6]) for item in items]
     rows, total = batch * heads * sum(chunks) * group, sum(chunks)
     work = torch.empty(rows * (dim + 2), dtype=torch.float32)  # maxima, sums, outputs
     jobs, offset = (JobStruct * len(items))(), 0
@@ -197,7 +227,8 @@ def fill_job(job: JobStruct, item: tuple, query: int, scale: float, partials, wo
     job.lo, job.hi = lo.data_ptr(), hi.data_ptr()
     job.table_stride, job.block_size, job.ring = table.stride(0), kd.shape[2], fmt[6]
     job.B, job.H, job.G, job.D, job.scale = batch, heads, group, dim, scale
-    job.chunk, job.n_chunks, job.partial_offset = CHUNK, n_chunks, offset
+    job.chunk = _chunk(q, table, kd.shape[2], fmt[6])
+    job.n_chunks, job.partial_offset = n_chunks, offset
     job.partial_total = total
     job.m = work.data_ptr()
     job.l, job.o = job.m + 4 * rows, job.m + 8 * rows

@@ -12,7 +12,6 @@ import operator
 import torch
 
 from kvlab.kernels.attention_c import (
-    CHUNK,
     MAX_HEAD_DIM,
     JobStruct,
     fill_job,
@@ -83,6 +82,7 @@ class CachedAttention:
             keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], blocks, slots,
             ctypes.addressof(self.jobs), len(reads), self.queries.data_ptr(), step=step,
         )  # fmt: skip
+        self.chunks = [job.chunk for job in self.jobs]  # fixed here, as C's point_jobs reads
         self.floats = (None, 0)  # (table widths, work_floats for them)
         self.pooling = None if pooling is None else PoolingStructs(pooling)
         if pooling is not None:
@@ -124,13 +124,12 @@ class CachedAttention:
 
     def work_floats(self, widths: tuple[int, ...]) -> int:
         """The work buffer (fp32 values) the jobs need over tables ``widths`` blocks wide:
-        job i's partial results in ceil(span / CHUNK) chunks, its span the ring, else the
-        table's blocks (``point_jobs`` in decode_layer.c splits them so)."""
+        job i's partial results in ceil(span / chunk) chunks, its span the ring, else the
+        table's blocks, its chunk the one chosen when it was built (``point_jobs`` in
+        decode_layer.c splits them so, also after a paged table widens)."""
         if self.floats[0] != widths:
-            chunks = sum(
-                -(-(ring or width * size) // CHUNK)
-                for width, ring, size in zip(widths, self.rings, self.block_sizes, strict=True)
-            )  # fmt: skip
+            jobs = zip(widths, self.rings, self.block_sizes, self.chunks, strict=True)
+            chunks = sum(-(-(ring or width * size) // chunk) for width, ring, size, chunk in jobs)
             batch, heads, group, dim = self.queries.shape
             self.floats = (widths, batch * heads * chunks * group * (dim + 2))
         return self.floats[1]
