@@ -16,7 +16,7 @@ from torch import nn
 from kvlab import load_model
 from kvlab.cache import build_cache
 from kvlab.engine import Engine, GenerationConfig
-from kvlab.kernels import kernel_available
+from kvlab.kernels import attention_c, cached_attention, kernel_available
 from kvlab.kernels.linear import DecodeLinear
 from kvlab.models import fused_layer, llama
 from kvlab.quant import quantize_, rtn
@@ -179,6 +179,27 @@ def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     runs = (PROMPTS, PROMPTS[:2])
     taken = fused_equals_op_by_op(model, 4, cache, options, runs, monkeypatch)
     assert bool(taken) == in_c
+
+
+@needs_kernel
+@pytest.mark.parametrize(("cache", "options"), [("paged", {"block_size": 4}), ("full", {})])
+def test_fused_layer_kernel_takes_its_chunks_from_the_span(
+    cache, options, tiny_checkpoints, monkeypatch
+):
+    """The fused layer's jobs take their chunk from their table's span each step
+    (CachedAttention.work_floats; chunk_tokens here made to take chunks of 8 slots once a
+    span has one), and C splits them and sizes their partials as that says: the op-by-op
+    layers' logits bit for bit over several chunks a job."""
+    monkeypatch.setattr(attention_c, "LONG_CHUNKS", (8,))
+    monkeypatch.setattr(attention_c, "MIN_CHUNKS", 1)
+    chosen = []
+    original = cached_attention.chunk_tokens
+    monkeypatch.setattr(
+        cached_attention, "chunk_tokens", lambda *a: chosen.append(original(*a)) or chosen[-1]
+    )
+    model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
+    taken = fused_equals_op_by_op(model, 6, cache, options, (PROMPTS[1:2],), monkeypatch)
+    assert taken and 8 in chosen
 
 
 def fused_equals_op_by_op(model, steps: int, cache: str, options: dict, runs, monkeypatch):

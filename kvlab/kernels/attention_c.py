@@ -24,8 +24,8 @@ def chunk_tokens(span: int, pairs: int, threads: int | None = None) -> int:
     :data:`LONG_CHUNKS` that leaves each pair MIN_CHUNKS chunks and each thread MIN_CHUNKS
     work items, else :data:`CHUNK`. A chunk costs a fixed share (its setup, its partials'
     merge, a cold start of the rows it streams), so long spans take longer ones: at 4096
-    tokens on 2 threads, chunks of 512 took 0.79-0.85x the attention time of chunks of
-    256 for int4 and int8 codes and 0.91-1.0x for fp32, and chunks of 1024 0.81-0.89x
+    tokens on 2 threads, chunks of 512 took 0.79-0.91x the attention time of chunks of
+    256 for int4 and int8 codes and 0.91-1.01x for fp32, and chunks of 1024 0.81-0.93x
     that of 512 for the codes; no difference at 1024 tokens (bench_cache_split.py,
     Zen4)."""
     threads = torch.get_num_threads() if threads is None else threads

@@ -14,6 +14,7 @@ import torch
 from kvlab.kernels.attention_c import (
     MAX_HEAD_DIM,
     JobStruct,
+    chunk_tokens,
     fill_job,
     index_applies,
     kernel_available,
@@ -82,7 +83,6 @@ class CachedAttention:
             keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], blocks, slots,
             ctypes.addressof(self.jobs), len(reads), self.queries.data_ptr(), step=step,
         )  # fmt: skip
-        self.chunks = [job.chunk for job in self.jobs]  # fixed here, as C's point_jobs reads
         self.floats = (None, 0)  # (table widths, work_floats for them)
         self.pooling = None if pooling is None else PoolingStructs(pooling)
         if pooling is not None:
@@ -123,14 +123,20 @@ class CachedAttention:
         )
 
     def work_floats(self, widths: tuple[int, ...]) -> int:
-        """The work buffer (fp32 values) the jobs need over tables ``widths`` blocks wide:
-        job i's partial results in ceil(span / chunk) chunks, its span the ring, else the
-        table's blocks, its chunk the one chosen when it was built (``point_jobs`` in
-        decode_layer.c splits them so, also after a paged table widens)."""
+        """The work buffer (fp32 values) the jobs need over tables ``widths`` blocks wide,
+        each job's chunk (:func:`chunk_tokens`) set for its span there: the ring, else the
+        table's blocks, so a paged table takes longer chunks as it widens. Job i's partial
+        results are ceil(span / chunk) chunks (``point_jobs`` in decode_layer.c splits them
+        so, from the chunk set here)."""
         if self.floats[0] != widths:
-            jobs = zip(widths, self.rings, self.block_sizes, self.chunks, strict=True)
-            chunks = sum(-(-(ring or width * size) // chunk) for width, ring, size, chunk in jobs)
             batch, heads, group, dim = self.queries.shape
+            chunks = 0
+            for job, width, ring, size in zip(
+                self.jobs, widths, self.rings, self.block_sizes, strict=True
+            ):
+                span = ring or width * size
+                job.chunk = chunk_tokens(span, batch * heads)
+                chunks += -(-span // job.chunk)
             self.floats = (widths, batch * heads * chunks * group * (dim + 2))
         return self.floats[1]
 
