@@ -25,7 +25,11 @@
 #include "timing.h"
 
 enum { LAYERS = 30, H = 3, G = 3, D = 64, W = D * 4 / 32, GROUP = 32, TOKENS = 4096 };
-enum { CAPACITY = 4608, CHUNK = 256, CHUNKS = CAPACITY / CHUNK, STEPS = 41, MAX_LIBS = 8 };
+#ifndef CHUNK_TOKENS /* what attention_c.chunk_tokens picks for this span on 2 threads; */
+#define CHUNK_TOKENS 1024 /* -DCHUNK_TOKENS=256: the chunks before session k */
+#endif
+enum { CAPACITY = 4608, CHUNK = CHUNK_TOKENS, CHUNKS = (CAPACITY + CHUNK - 1) / CHUNK };
+enum { STEPS = 41, MAX_LIBS = 8 };
 #ifndef WEIGHT_MB /* -DWEIGHT_MB=0 -DKV_LAYERS=1: the codes stay in cache (compute alone) */
 #define WEIGHT_MB 18 /* a layer's fp32 matrices */
 #endif
