@@ -7,11 +7,17 @@ strategy. Where a strategy's step goes, and so what would move its ratio to ``fu
 its attention, or what it does around it. Not a test.
 
     python scripts/bench_cache_split.py --caches full,int4,compressed --depth 4096
+
+A cache written ``NAME@CHUNKS/MIN`` runs its turns with the decode attention's chunk rule
+set so (``kvlab.kernels.attention_c.chunk_tokens``: LONG_CHUNKS the dot-separated CHUNKS,
+longest first, none if empty; MIN_CHUNKS = MIN): ``int4@/4`` is int4 with chunks of 256
+at any span, ``int4@2048.1024.512/2`` allows chunks of 2048, in turns with ``int4``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 from pathlib import Path
@@ -23,25 +29,43 @@ from bench_vs_llamacpp import WEIGHTS, load_weights, wikitext_prompt
 
 from kvlab.cache import cache_factory
 from kvlab.engine import Engine, GenerationConfig
-from kvlab.kernels import build, timers
+from kvlab.kernels import attention_c, build, timers
 from kvlab.models import fused_layer
 from kvlab.tracking import environment
+
+
+@contextlib.contextmanager
+def chunk_rule(cache: str):
+    """The chunk rule ``cache``'s ``@CHUNKS/MIN`` asks for (see the module doc), while it
+    runs; the library's own without one."""
+    saved = attention_c.LONG_CHUNKS, attention_c.MIN_CHUNKS
+    if "@" in cache:
+        chunks, _, least = cache.split("@", 1)[1].partition("/")
+        attention_c.LONG_CHUNKS = tuple(int(c) for c in chunks.split(".") if c)
+        attention_c.MIN_CHUNKS = int(least or saved[1])
+    try:
+        yield
+    finally:
+        attention_c.LONG_CHUNKS, attention_c.MIN_CHUNKS = saved
 
 
 def split_steps(model, prompt: list[int], caches: list[str], args) -> dict:
     """{cache: (ms of each kept step, [timed_ms of each kept turn])}, turns in rounds."""
     runs = {}
     for cache in caches:
-        engine = Engine(model, cache_factory(cache, model, {})(static=False), compile=False)
+        name = cache.split("@", 1)[0]
+        engine = Engine(model, cache_factory(name, model, {})(static=False), compile=False)
         run = engine.stream([prompt], GenerationConfig(2 + (args.rounds + 1) * args.block,
                                                        stop_on_eos=False))  # fmt: skip
         tokens = iter(run)
-        next(tokens)  # prefill and the first token
+        with chunk_rule(cache):
+            next(tokens)  # prefill and the first token
         runs[cache] = (run, tokens)
     kept = {cache: ([], []) for cache in caches}
     for round_ in range(args.rounds + 1):  # the first round: warm-up
         for cache, (run, tokens) in runs.items():
-            steps, timed = timed_turn(run, tokens, build.library(), args.block)
+            with chunk_rule(cache):
+                steps, timed = timed_turn(run, tokens, build.library(), args.block)
             if round_:
                 kept[cache][0].extend(steps)
                 kept[cache][1].append(timed)
