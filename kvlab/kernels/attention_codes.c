@@ -439,34 +439,39 @@ int kvlab_codes_values_apply(const Job *job) {
 
 #define VALUES_CASE(GG, CC)                                                 \
   if (G == GG && C == CC) {                                                 \
-    if (u.repeat)                                                           \
-      token_values(job, &u, b, h, t0, t1, p, n, GG, CC, 1, o, sums);        \
+    if (u->repeat)                                                          \
+      token_values(job, u, b, h, t0, t1, p, n, GG, CC, 1, o, sums);         \
     else                                                                    \
-      token_values(job, &u, b, h, t0, t1, p, n, GG, CC, 0, o, sums);        \
-    break;                                                                  \
+      token_values(job, u, b, h, t0, t1, p, n, GG, CC, 0, o, sums);         \
+    return;                                                                 \
   }
+
+/* token_values for the job's G and C = D / LANES, compiled for each pair
+ * kvlab_codes_values_apply admits. */
+static void token_values_of(const Job *job, const Unpack *u, int b, int h, int64_t t0,
+                            int64_t t1, const float *p, int n, float *o, float *sums) {
+  const int G = job->G, C = job->D / LANES;
+  VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4)
+  VALUES_CASE(1, 8)
+#if VALUE_ACCUMULATORS >= 16
+  VALUES_CASE(2, 8)
+#endif
+#if VALUE_ACCUMULATORS >= 24
+  VALUES_CASE(3, 8)
+#endif
+}
 
 /* o[g] = sum_t p[g * n + t - t0] * value t for t0 <= t < t1 of row b, head h, values in
  * token codes (kvlab_codes_values_apply). */
 void kvlab_codes_add_values(const Job *job, int b, int h, int64_t t0, int64_t t1,
                             const float *p, int n, float *o) {
   const Store *s = &job->v;
-  const int G = job->G, D = job->D, C = D / LANES, groups = D / s->group;
+  const int G = job->G, D = job->D, groups = D / s->group;
   Unpack u;
   unpack_plan(s, D, &u);
   float sums[4 * MAX_D];
   memset(sums, 0, sizeof(float) * G * groups);
-  do {
-    VALUES_CASE(1, 4) VALUES_CASE(2, 4) VALUES_CASE(3, 4) VALUES_CASE(4, 4)
-    VALUES_CASE(1, 8)
-#if VALUE_ACCUMULATORS >= 16
-    VALUES_CASE(2, 8)
-#endif
-#if VALUE_ACCUMULATORS >= 24
-    VALUES_CASE(3, 8)
-#endif
-    return; /* not reached: kvlab_codes_values_apply admits only the cases above */
-  } while (0);
+  token_values_of(job, &u, b, h, t0, t1, p, n, o, sums);
   for (int g = 0; g < G; g++) /* (no division per channel: a chunk's dozens of them cost
                                   a sixth of its value pass) */
     for (int k = 0; k < groups; k++)
