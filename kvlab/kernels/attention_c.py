@@ -159,15 +159,6 @@ def _span(table: torch.Tensor, block_size: int, ring: int) -> int:
     return ring or table.shape[1] * block_size
 
 
-def _chunk(q: torch.Tensor, table: torch.Tensor, block_size: int, ring: int) -> int:
-    """:func:`chunk_tokens` for a job of queries ``q`` (B, H_kv, G, D)."""
-    return chunk_tokens(_span(table, block_size, ring), q.shape[0] * q.shape[1])
-
-
-def _n_chunks(q: torch.Tensor, table: torch.Tensor, block_size: int, ring: int) -> int:
-    return -(-_span(table, block_size, ring) // _chunk(q, table, block_size, ring))
-
-
 @torch.library.custom_op("kvlab::decode_attention", mutates_args=())
 def _decode_attention_op(
     qs: list[torch.Tensor], k_data: list[torch.Tensor], k_scale: list[torch.Tensor | None],
@@ -200,13 +191,15 @@ def _decode_attention_impl(
 def _attend(items: list[tuple], scale: float, bf16: bool) -> torch.Tensor:
     """One C call: every segment's partials into one buffer, then their merge."""
     batch, heads, group, dim = items[0][0].shape
-    chunks = [_n_chunks(item[0], item[7], item[1].shape[2], item[10][6]) for item in items]
+    spans = [_span(item[7], item[1].shape[2], item[10][6]) for item in items]
+    sizes = [chunk_tokens(span, batch * heads) for span in spans]
+    chunks = [-(-span // size) for span, size in zip(spans, sizes, strict=True)]
     rows, total = batch * heads * sum(chunks) * group, sum(chunks)
     work = torch.empty(rows * (dim + 2), dtype=torch.float32)  # maxima, sums, outputs
     jobs, offset = (JobStruct * len(items))(), 0
     queries = [item[0].float().contiguous() for item in items]
-    for job, item, query, n_chunks in zip(jobs, items, queries, chunks, strict=True):
-        fill_job(job, item, query.data_ptr(), scale, (n_chunks, offset, total), work, rows)
+    for job, item, query, size, n_chunks in zip(jobs, items, queries, sizes, chunks, strict=True):
+        fill_job(job, item, query.data_ptr(), scale, (size, n_chunks, offset, total), work, rows)
         offset += n_chunks
     out = torch.empty(batch, heads, group, dim, dtype=torch.bfloat16 if bf16 else torch.float32)
     kernel("kvlab_decode_attention", POINTER, INT, POINTER, INT)(
@@ -217,18 +210,18 @@ def _attend(items: list[tuple], scale: float, bf16: bool) -> torch.Tensor:
 
 def fill_job(job: JobStruct, item: tuple, query: int, scale: float, partials, work, rows: int):
     """``job`` for one segment (``item``, see :func:`_item`) with its queries at address
-    ``query`` (fp32, (B, H_kv, G, D)); ``partials``: its chunks, their offset among all
-    jobs' and the total; ``work``: the partial results' buffer of ``rows`` rows."""
+    ``query`` (fp32, (B, H_kv, G, D)); ``partials``: its chunk's tokens, its chunks, their
+    offset among all jobs' and the total; ``work``: the partial results' buffer of ``rows``
+    rows."""
     q, kd, ks, kz, vd, vs, vz, table, lo, hi, fmt = item
     batch, heads, group, dim = q.shape
-    n_chunks, offset, total = partials
+    chunk, n_chunks, offset, total = partials
     job.k, job.v = _c_store(kd, *fmt[0:3], ks, kz), _c_store(vd, *fmt[3:6], vs, vz)
     job.q, job.table = query, table.data_ptr()
     job.lo, job.hi = lo.data_ptr(), hi.data_ptr()
     job.table_stride, job.block_size, job.ring = table.stride(0), kd.shape[2], fmt[6]
     job.B, job.H, job.G, job.D, job.scale = batch, heads, group, dim, scale
-    job.chunk = _chunk(q, table, kd.shape[2], fmt[6])
-    job.n_chunks, job.partial_offset = n_chunks, offset
+    job.chunk, job.n_chunks, job.partial_offset = chunk, n_chunks, offset
     job.partial_total = total
     job.m = work.data_ptr()
     job.l, job.o = job.m + 4 * rows, job.m + 8 * rows

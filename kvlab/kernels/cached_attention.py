@@ -12,6 +12,7 @@ import operator
 import torch
 
 from kvlab.kernels.attention_c import (
+    CHUNK,
     MAX_HEAD_DIM,
     JobStruct,
     chunk_tokens,
@@ -78,7 +79,8 @@ class CachedAttention:
             config = [FORMATS[k.format], k.bits, k.group, FORMATS[v.format], v.bits, v.group, ring]
             item = (queries, k.data, k.scale, k.zero, v.data, v.scale, v.zero, nowhere,
                     nowhere[:, 0], nowhere[:, 0], config)  # fmt: skip
-            fill_job(job, item, self.queries.data_ptr(), dim**-0.5, (0, 0, 0), nowhere, 0)
+            # chunks and partials: set each step (work_floats, decode_layer.c's point_jobs)
+            fill_job(job, item, self.queries.data_ptr(), dim**-0.5, (CHUNK, 0, 0, 0), nowhere, 0)
         self.struct = _CachedAttention(
             keys.data_ptr(), values.data_ptr(), *keys.stride()[:3], blocks, slots,
             ctypes.addressof(self.jobs), len(reads), self.queries.data_ptr(), step=step,
