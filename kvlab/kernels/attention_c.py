@@ -154,9 +154,10 @@ def _c_store(data, fmt, bits, group, scale_t, zero_t) -> _Store:
     return store
 
 
-def _span(table: torch.Tensor, block_size: int, ring: int) -> int:
-    """The slots a job may read: its ring, else its table's blocks."""
-    return ring or table.shape[1] * block_size
+def job_span(width: int, block_size: int, ring: int) -> int:
+    """The slots a job may read: its ring, else its table's ``width`` blocks (as
+    decode_layer.c's point_jobs counts them)."""
+    return ring or width * block_size
 
 
 @torch.library.custom_op("kvlab::decode_attention", mutates_args=())
@@ -191,7 +192,7 @@ def _decode_attention_impl(
 def _attend(items: list[tuple], scale: float, bf16: bool) -> torch.Tensor:
     """One C call: every segment's partials into one buffer, then their merge."""
     batch, heads, group, dim = items[0][0].shape
-    spans = [_span(item[7], item[1].shape[2], item[10][6]) for item in items]
+    spans = [job_span(item[7].shape[1], item[1].shape[2], item[10][6]) for item in items]
     sizes = [chunk_tokens(span, batch * heads) for span in spans]
     chunks = [-(-span // size) for span, size in zip(spans, sizes, strict=True)]
     rows, total = batch * heads * sum(chunks) * group, sum(chunks)

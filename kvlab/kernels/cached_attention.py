@@ -18,6 +18,7 @@ from kvlab.kernels.attention_c import (
     chunk_tokens,
     fill_job,
     index_applies,
+    job_span,
     kernel_available,
     store_applies,
 )  # fmt: skip
@@ -136,7 +137,7 @@ class CachedAttention:
             for job, width, ring, size in zip(
                 self.jobs, widths, self.rings, self.block_sizes, strict=True
             ):
-                span = ring or width * size
+                span = job_span(width, size, ring)
                 job.chunk = chunk_tokens(span, batch * heads)
                 chunks += -(-span // job.chunk)
             self.floats = (widths, batch * heads * chunks * group * (dim + 2))
