@@ -146,6 +146,27 @@ def test_the_c_encoder_is_bit_identical_to_the_torch_codec(dtype, bits):
     assert torch.equal(scale, scale_ref[..., 0]) and torch.equal(zero, zero_ref[..., 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", BITS)
+def test_the_c_channel_encoder_is_bit_identical_to_the_torch_codec(dtype, bits, monkeypatch):
+    """KIVI's keys: per channel over groups of 8 tokens, from a strided view, a flat channel
+    and a flat group among them; the C call against ChannelCodes' own torch ops."""
+    from kvlab.kernels import codes, kernel_available
+
+    if not kernel_available():
+        pytest.skip("no C compiler for kvlab's kernels")
+    x = (torch.randn(2, 24, 3, 64, generator=torch.Generator().manual_seed(3)) * 3 - 1).to(dtype)
+    x[0, :8, 1] = 0.25  # a flat group: every channel
+    x[1, 8:16, 2, 5] = -2.0  # a flat channel of a group
+    keys = x.transpose(1, 2)  # (B, H, T, D), strided
+    found = ChannelCodes(bits, 8).encode(keys)
+    monkeypatch.setattr(codes, "encode_channel_codes", lambda *args: None)  # the torch ops
+    expected = ChannelCodes(bits, 8).encode(keys)
+    assert found[0].shape == (2, 3, 24, 64 * bits // 32) and found[1].shape == (2, 3, 3, 64)
+    for part, reference in zip(found, expected, strict=True):
+        assert part.dtype == reference.dtype and torch.equal(part, reference)
+
+
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_a_short_step_reads_the_codes_in_place_as_the_decoded_history_gives(
     name, tiny_llama, monkeypatch

@@ -1,9 +1,10 @@
-/* Per-token quantization codes in one call per tensor (kvlab.cache.codec.TokenCodes on the
- * CPU): each row of D values gets a scale and zero per `group` channels (asymmetric
- * min/max over `bits`), codes packed planar into uint32 words (word j holds channels j,
- * j + W, ... at bit offsets 0, bits, ...). Arithmetic is the torch path's, in fp32, and
+/* Quantization codes in one call per tensor: per-token codes (kvlab.cache.codec.TokenCodes
+ * on the CPU: each row of D values gets a scale and zero per `group` channels) and
+ * per-channel codes over groups of tokens (ChannelCodes, KIVI's keys), asymmetric min/max
+ * over `bits`, packed planar into uint32 words (word j holds channels j, j + W, ... at bit
+ * offsets 0, bits, ...); fp8 and fp4 bytes. Arithmetic is the torch path's, in fp32, and
  * this file is compiled without fast-math so the codes are bit-identical to it (round
- * half to even, true division). Replaces ~20 small torch ops per write in decode.
+ * half to even, true division). Replaces ~20-40 small torch ops per write.
  */
 #include <math.h>
 #include <stdint.h>
@@ -63,6 +64,49 @@ void kvlab_encode_token_codes(const void *x, int x_bf16, int64_t x_stride, int64
       uint32_t word = 0;
       for (int k = 0; k < 32 / bits; k++) word |= (uint32_t)codes[k * W + j] << (k * bits);
       words[r * W + j] = word;
+    }
+  }
+}
+
+/* Per-channel codes over groups of `group` consecutive tokens (KIVI's keys,
+ * kvlab.kernels.int_codes.ChannelCodes on the CPU): x: n_groups * group rows of D values
+ * with stride x_stride, a group's rows consecutive; words: a row's D * bits / 32 planar
+ * words; scale, zero: (n_groups, D), a row of channels per group. The torch path's
+ * arithmetic in fp32, so its codes bit for bit (~40 small torch ops per call before). */
+void kvlab_encode_channel_codes(const void *x, int x_bf16, int64_t x_stride, int64_t n_groups,
+                                int64_t group, int64_t D, int bits, uint32_t *words,
+                                void *scale, void *zero, int scale_bf16) {
+  const int64_t W = D * bits / 32;
+  const float levels = (float)((1 << bits) - 1);
+#pragma omp parallel for schedule(static) if (n_groups * group > 256)
+  for (int64_t g = 0; g < n_groups; g++) {
+    float lo[1024], hi[1024], safe[1024]; /* D <= 1024 (codes.py's MAX_DIM) */
+    uint8_t codes[1024];
+    const int64_t first = g * group;
+    for (int64_t c = 0; c < D; c++) lo[c] = INFINITY, hi[c] = -INFINITY;
+    for (int64_t t = first; t < first + group; t++)
+      for (int64_t c = 0; c < D; c++) {
+        const float v = load_value(x, x_bf16, t * x_stride + c);
+        lo[c] = v < lo[c] ? v : lo[c];
+        hi[c] = v > hi[c] ? v : hi[c];
+      }
+    for (int64_t c = 0; c < D; c++) {
+      const float step = (hi[c] - lo[c]) / levels;
+      safe[c] = step > 0.f ? step : 1.f;
+      store_value(scale, scale_bf16, g * D + c, step);
+      store_value(zero, scale_bf16, g * D + c, lo[c]);
+    }
+    for (int64_t t = first; t < first + group; t++) {
+      for (int64_t c = 0; c < D; c++) {
+        float q = nearbyintf((load_value(x, x_bf16, t * x_stride + c) - lo[c]) / safe[c]);
+        q = q < 0.f ? 0.f : (q > levels ? levels : q);
+        codes[c] = (uint8_t)q;
+      }
+      for (int64_t j = 0; j < W; j++) {
+        uint32_t word = 0;
+        for (int k = 0; k < 32 / bits; k++) word |= (uint32_t)codes[k * W + j] << (k * bits);
+        words[t * W + j] = word;
+      }
     }
   }
 }

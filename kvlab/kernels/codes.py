@@ -1,6 +1,7 @@
-"""Per-token quantization codes on the CPU in one C call (``codes.c``): the write path of
-``kv_bits`` storage and of KIVI's values (~20 small torch ops per layer per step before),
-and of fp8 and fp4 storage (bytes identical to the codecs' torch encodings)."""
+"""Quantization codes on the CPU in one C call (``codes.c``): the write path of ``kv_bits``
+storage and of KIVI's values (~20 small torch ops per layer per step before), of KIVI's
+keys (per channel over token groups: ~40 ops per layer a group closes), and of fp8 and fp4
+storage (bytes identical to the codecs' torch encodings)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,31 @@ def encode_token_codes(x: torch.Tensor, bits: int, group: int):
     )  # fmt: skip
     lead = x.shape[:-1]
     return words.view(*lead, -1), scale.view(*lead, -1), zero.view(*lead, -1)
+
+
+def encode_channel_codes(x: torch.Tensor, bits: int, group: int):
+    """(words (..., n, D*bits/32) int32, scale, zero (..., n/group, D) in x's dtype) of x
+    (..., n, D), a scale and zero per channel of each ``group`` consecutive tokens (n a
+    multiple of ``group``), or None where the kernel is unavailable (the caller's torch path
+    runs)."""
+    found = _c_rows(x)
+    if found is None:
+        return None
+    (lib, rows), dim = found, x.shape[-1]
+    groups = rows.shape[0] // group
+    words = torch.empty(rows.shape[0], dim * bits // 32, dtype=torch.int32)
+    scale = torch.empty(groups, dim, dtype=x.dtype)
+    zero = torch.empty_like(scale)
+    bf16 = int(x.dtype == torch.bfloat16)
+    lib.kvlab_encode_channel_codes(
+        ctypes.c_void_p(rows.data_ptr()), bf16, ctypes.c_int64(rows.stride(0)),
+        ctypes.c_int64(groups), ctypes.c_int64(group), ctypes.c_int64(dim), bits,
+        ctypes.c_void_p(words.data_ptr()), ctypes.c_void_p(scale.data_ptr()),
+        ctypes.c_void_p(zero.data_ptr()), bf16,
+    )  # fmt: skip
+    *lead, tokens, _ = x.shape
+    return (words.view(*lead, tokens, -1), scale.view(*lead, tokens // group, dim),
+            zero.view(*lead, tokens // group, dim))  # fmt: skip
 
 
 def encode_fp8(x: torch.Tensor, group: int, mantissa: int, bias: int, largest: float):

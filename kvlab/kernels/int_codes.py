@@ -102,7 +102,18 @@ class ChannelCodes:
     group: int
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (..., n, D) → words (..., n, W), scale and zero (..., n / group, D); on the CPU
+        in one C call (bit-identical to the torch ops below, as TokenCodes.encode)."""
         *lead, tokens, dim = x.shape
+        if tokens % self.group:
+            raise ValueError(f"{tokens} tokens are not whole groups of {self.group}")
+        eager_cpu = x.device.type == "cpu" and not torch.compiler.is_compiling()
+        if eager_cpu and x.dtype in (torch.float32, torch.bfloat16):
+            from kvlab.kernels.codes import encode_channel_codes
+
+            encoded = encode_channel_codes(x, self.bits, self.group)
+            if encoded is not None:
+                return encoded
         grouped = x.reshape(*lead, tokens // self.group, self.group, dim)  # (..., n/G, G, D)
         codes, scale, zero = min_max_quantize(grouped, self.bits, group_dim=-2)
         words = pack_words(codes.reshape(*lead, tokens, dim), self.bits)

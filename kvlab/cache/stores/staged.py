@@ -50,6 +50,7 @@ class StagedWrite:
     read: int
     ring_from: list[int]
     fresh: bool = False
+    closed_at: tuple | None = None  # StagedStore._closed_at's, once a step
 
 
 class StagedStore(ContiguousStore):
@@ -260,15 +261,25 @@ class StagedStore(ContiguousStore):
         if not where.encodes:
             return
         key_ring, value_ring = self.rings[layer]
-        keys, values = self._gather(where, key_ring, k), self._gather(where, value_ring, v)
-        slots = where.groups[:, :, None] * self.group + torch.arange(self.group, device=keys.device)
-        self.put(layer, keys, values, slots.flatten(1))
+        index, slots = self._closed_at(where, key_ring)
+        keys = self._gather(where, key_ring, k, index)
+        self.put(layer, keys, self._gather(where, value_ring, v, index), slots)
 
-    def _gather(self, where: StagedWrite, ring: torch.Tensor, new) -> torch.Tensor:
-        """Rows at positions ``where.sources`` (B, N): from the ring, or from ``new`` for
-        the positions the step itself brings."""
+    def _closed_at(self, where: StagedWrite, ring: torch.Tensor) -> tuple:
+        """The ring index (B, H_kv, N, D) of positions ``where.sources`` (B, N) and the code
+        slots (B, N) of the groups they close: the same for every layer, made once a step."""
+        if where.closed_at is None:
+            batch, heads, _, dim = ring.shape
+            index = (where.sources % self.ring_size)[:, None, :, None]
+            within = torch.arange(self.group, device=ring.device)
+            slots = where.groups[:, :, None] * self.group + within
+            where.closed_at = (index.expand(batch, heads, -1, dim), slots.flatten(1))
+        return where.closed_at
+
+    def _gather(self, where: StagedWrite, ring: torch.Tensor, new, index) -> torch.Tensor:
+        """Rows at positions ``where.sources`` (B, N) (``index`` into the ring): from the
+        ring, or from ``new`` for the positions the step itself brings."""
         batch, heads, _, dim = ring.shape
-        index = (where.sources % self.ring_size)[:, None, :, None].expand(batch, heads, -1, dim)
         rows = ring.gather(2, index)
         if new is None:
             return rows
