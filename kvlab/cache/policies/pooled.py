@@ -40,6 +40,7 @@ class PooledStep(Step):
     origin: torch.Tensor | None = None
     top_k: dict[tuple, TopK] = field(default_factory=dict)
     window_heads: tuple | None = None
+    fused_parts: dict = field(default_factory=dict)  # pooled/decode.py's, per geometry
 
 
 class Pooled(Policy):

@@ -48,22 +48,36 @@ def fused_attention(step, store, layer: int, pooled: PooledLayer, window):
     ring, entries = store.exact_parts(layer), pooled.entries.exact_parts(0)
     if ring is None or entries is None:
         return None
-    rows, group = window_step.where.rows, pooled.spec.num_heads // pooled.spec.num_kv_heads
-    per_head = key in step.top_k
-    reads, raw = _parts(pooled, ring, entries, per_head)
-    window_bounds = (rows, window_step.origin, window_step.filled)
-    closing = _closing(plan, pooled, step.info.rope.inv_freq) if plan.pools else None
-    pooling = Pooling(raw, plan.buffer_slots, entries, closing)
-    if not per_head:
-        bounds = [(step.tables, step.origin, plan.seen), window_bounds]
-    else:
-        index = step.top_k[key]
-        bounds = [(index.table, index.lo, index.hi), step.window_heads]
-        pooling.top_k, pooling.seen, pooling.base = pooled.pool.top_k, index.seen, index.base
-        pooling.table = index.table
+    group = pooled.spec.num_heads // pooled.spec.num_kv_heads
+    reads, raw = _parts(pooled, ring, entries, key in step.top_k)
+    bounds, shared = _step_parts(step, key, pooled)
+    pooling = Pooling(raw, shared.raw_at, entries, shared.closing, shared.top_k, shared.seen,
+                      shared.base, shared.table)  # fmt: skip
+    where = window_step.where
     return pooled.attentions.fused(
-        layer, ring, reads, group, bounds, rows, window_step.where.slots, pooling
+        layer, ring, reads, group, bounds, where.rows, where.slots, pooling
     )
+
+
+def _step_parts(step, key: tuple, pooled: PooledLayer) -> tuple[list, Pooling]:
+    """The jobs' bounds and the step's part of the :class:`Pooling` (its raw and stored
+    buffers the layer's own), the same for every layer of geometry ``key``: made once a
+    step, so the layers hand over the same bounds list (which the cached attentions then
+    find in place)."""
+    if key not in step.fused_parts:
+        plan, window_step = step.plans[key], step.window_step
+        closing = _closing(plan, pooled, step.info.rope.inv_freq) if plan.pools else None
+        pooling = Pooling((), plan.buffer_slots, (), closing)
+        if key not in step.top_k:
+            window = (window_step.where.rows, window_step.origin, window_step.filled)
+            bounds = [(step.tables, step.origin, plan.seen), window]
+        else:
+            index = step.top_k[key]
+            bounds = [(index.table, index.lo, index.hi), step.window_heads]
+            pooling.top_k, pooling.seen, pooling.base = pooled.pool.top_k, index.seen, index.base
+            pooling.table = index.table
+        step.fused_parts[key] = (bounds, pooling)
+    return step.fused_parts[key]
 
 
 def _closing(plan: PoolingPlan, pooled: PooledLayer, rope_freq) -> Closing:
