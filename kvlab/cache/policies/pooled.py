@@ -111,7 +111,8 @@ class Pooled(Policy):
             if key not in step.plans:
                 read = pooled.slots if static else max(n // pool.ratio for n in ends)
                 read = None if kernel else read
-                step.plans[key] = plan_pooling(info, lengths, (start, end), pool, read, behind)
+                bounds = (start, end)
+                step.plans[key] = plan_pooling(info, lengths, bounds, pool, read, behind, static)
                 if kernel and pool.top_k and pooled.slots - 1 > pool.top_k:
                     seen = step.plans[key].seen
                     step.top_k[key] = pooled.top_k_index(seen, step.origin, pool.top_k)
