@@ -167,6 +167,50 @@ def test_the_c_channel_encoder_is_bit_identical_to_the_torch_codec(dtype, bits, 
         assert part.dtype == reference.dtype and torch.equal(part, reference)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("int4", {}), ("int2", {}), ("int8", {"key_axis": "token"})],
+    ids=["int4", "int2", "int8-token-keys"],
+)
+def test_a_decode_commit_in_c_writes_the_codes_of_the_torch_path(
+    name, options, dtype, tiny_checkpoints, monkeypatch
+):
+    """Decode steps that close groups of 4 (rows of different lengths, so some rows close
+    none and write the trash group) encode them from the rings in one C call for all layers
+    (kvlab_encode_ring_groups): every code, scale and ring byte, and the tokens, equal
+    those of the layer-by-layer torch path."""
+    from kvlab import load_model
+    from kvlab.cache.stores.staged import StagedStore
+    from kvlab.engine import Engine, GenerationConfig
+    from kvlab.kernels import kernel_available
+
+    if not kernel_available():
+        pytest.skip("no C compiler for kvlab's kernels")
+    model, _ = load_model(str(tiny_checkpoints["llama"]), dtype=dtype)
+    options = dict(group_size=4, residual=6, **options)
+    prompts = [list(range(3, 14)), list(range(20, 25)), list(range(30, 47))]
+
+    original, encoded = StagedStore._encode_closed_in_c, []
+
+    def in_c(self, where) -> bool:  # what the C call answered, each commit
+        encoded.append(original(self, where))
+        return encoded[-1]
+
+    def run(commit):
+        with monkeypatch.context() as patch:
+            patch.setattr(StagedStore, "_encode_closed_in_c", commit)
+            engine = Engine(model, build_cache(name, model.cache_spec(), options))
+            tokens = engine.generate(prompts, GenerationConfig(14, stop_on_eos=False)).tokens
+        return tokens, [t.clone() for t in engine.cache.store.tensors()]
+
+    tokens, tensors = run(in_c)
+    reference_tokens, reference = run(lambda self, where: False)  # the torch path
+    assert len(encoded) >= 3 and all(encoded) and tokens == reference_tokens
+    assert len(tensors) == len(reference)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, reference, strict=True))
+
+
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_a_short_step_reads_the_codes_in_place_as_the_decoded_history_gives(
     name, tiny_llama, monkeypatch

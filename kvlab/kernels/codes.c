@@ -33,39 +33,85 @@ static inline void store_value(void *p, int bf16, int64_t i, float value) {
   ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
 }
 
+/* Row x[at .. at + D) in token codes: its W = D * bits / 32 words at `words`, its scale
+ * and zero per `group` channels at scale_at .. + D / group of scale and zero. */
+static void token_row(const void *x, int x_bf16, int64_t at, int64_t D, int64_t group,
+                      int bits, uint32_t *words, void *scale, void *zero, int64_t scale_at,
+                      int scale_bf16) {
+  const int64_t W = D * bits / 32, groups = D / group;
+  const float levels = (float)((1 << bits) - 1);
+  uint8_t codes[1024]; /* D <= 1024: codes.py (MAX_DIM) takes the torch path above it */
+  for (int64_t g = 0; g < groups; g++) {
+    float lo = INFINITY, hi = -INFINITY;
+    for (int64_t c = g * group; c < (g + 1) * group; c++) {
+      const float v = load_value(x, x_bf16, at + c);
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+    }
+    const float step = (hi - lo) / levels;
+    const float safe = step > 0.f ? step : 1.f;
+    for (int64_t c = g * group; c < (g + 1) * group; c++) {
+      float q = nearbyintf((load_value(x, x_bf16, at + c) - lo) / safe);
+      q = q < 0.f ? 0.f : (q > levels ? levels : q);
+      codes[c] = (uint8_t)q;
+    }
+    store_value(scale, scale_bf16, scale_at + g, step);
+    store_value(zero, scale_bf16, scale_at + g, lo);
+  }
+  for (int64_t j = 0; j < W; j++) {
+    uint32_t word = 0;
+    for (int k = 0; k < 32 / bits; k++) word |= (uint32_t)codes[k * W + j] << (k * bits);
+    words[j] = word;
+  }
+}
+
+/* The `group` rows of x at element offsets rows_at[i] in channel codes: a scale and zero
+ * per channel (D of each at scale_at of scale and zero) over the rows, row i's W words at
+ * words + i * W. */
+static void channel_group(const void *x, int x_bf16, const int64_t *rows_at, int64_t group,
+                          int64_t D, int bits, uint32_t *words, void *scale, void *zero,
+                          int64_t scale_at, int scale_bf16) {
+  const int64_t W = D * bits / 32;
+  const float levels = (float)((1 << bits) - 1);
+  float lo[1024], hi[1024], safe[1024]; /* D <= 1024 (codes.py's MAX_DIM) */
+  uint8_t codes[1024];
+  for (int64_t c = 0; c < D; c++) lo[c] = INFINITY, hi[c] = -INFINITY;
+  for (int64_t i = 0; i < group; i++)
+    for (int64_t c = 0; c < D; c++) {
+      const float v = load_value(x, x_bf16, rows_at[i] + c);
+      lo[c] = v < lo[c] ? v : lo[c];
+      hi[c] = v > hi[c] ? v : hi[c];
+    }
+  for (int64_t c = 0; c < D; c++) {
+    const float step = (hi[c] - lo[c]) / levels;
+    safe[c] = step > 0.f ? step : 1.f;
+    store_value(scale, scale_bf16, scale_at + c, step);
+    store_value(zero, scale_bf16, scale_at + c, lo[c]);
+  }
+  for (int64_t i = 0; i < group; i++) {
+    for (int64_t c = 0; c < D; c++) {
+      float q = nearbyintf((load_value(x, x_bf16, rows_at[i] + c) - lo[c]) / safe[c]);
+      q = q < 0.f ? 0.f : (q > levels ? levels : q);
+      codes[c] = (uint8_t)q;
+    }
+    for (int64_t j = 0; j < W; j++) {
+      uint32_t word = 0;
+      for (int k = 0; k < 32 / bits; k++) word |= (uint32_t)codes[k * W + j] << (k * bits);
+      words[i * W + j] = word;
+    }
+  }
+}
+
 /* x: (n, D) rows with stride x_stride (elements); words: (n, D * bits / 32); scale, zero:
  * (n, D / group) contiguous. */
 void kvlab_encode_token_codes(const void *x, int x_bf16, int64_t x_stride, int64_t n,
                               int64_t D, int64_t group, int bits, uint32_t *words,
                               void *scale, void *zero, int scale_bf16) {
   const int64_t W = D * bits / 32, groups = D / group;
-  const float levels = (float)((1 << bits) - 1);
 #pragma omp parallel for schedule(static) if (n > 64)
-  for (int64_t r = 0; r < n; r++) {
-    uint8_t codes[1024]; /* D <= 1024: codes.py (MAX_DIM) takes the torch path above it */
-    for (int64_t g = 0; g < groups; g++) {
-      float lo = INFINITY, hi = -INFINITY;
-      for (int64_t c = g * group; c < (g + 1) * group; c++) {
-        const float v = load_value(x, x_bf16, r * x_stride + c);
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-      }
-      const float step = (hi - lo) / levels;
-      const float safe = step > 0.f ? step : 1.f;
-      for (int64_t c = g * group; c < (g + 1) * group; c++) {
-        float q = nearbyintf((load_value(x, x_bf16, r * x_stride + c) - lo) / safe);
-        q = q < 0.f ? 0.f : (q > levels ? levels : q);
-        codes[c] = (uint8_t)q;
-      }
-      store_value(scale, scale_bf16, r * groups + g, step);
-      store_value(zero, scale_bf16, r * groups + g, lo);
-    }
-    for (int64_t j = 0; j < W; j++) {
-      uint32_t word = 0;
-      for (int k = 0; k < 32 / bits; k++) word |= (uint32_t)codes[k * W + j] << (k * bits);
-      words[r * W + j] = word;
-    }
-  }
+  for (int64_t r = 0; r < n; r++)
+    token_row(x, x_bf16, r * x_stride, D, group, bits, words + r * W, scale, zero,
+              r * groups, scale_bf16);
 }
 
 /* Per-channel codes over groups of `group` consecutive tokens (KIVI's keys,
@@ -77,36 +123,57 @@ void kvlab_encode_channel_codes(const void *x, int x_bf16, int64_t x_stride, int
                                 int64_t group, int64_t D, int bits, uint32_t *words,
                                 void *scale, void *zero, int scale_bf16) {
   const int64_t W = D * bits / 32;
-  const float levels = (float)((1 << bits) - 1);
 #pragma omp parallel for schedule(static) if (n_groups * group > 256)
   for (int64_t g = 0; g < n_groups; g++) {
-    float lo[1024], hi[1024], safe[1024]; /* D <= 1024 (codes.py's MAX_DIM) */
-    uint8_t codes[1024];
-    const int64_t first = g * group;
-    for (int64_t c = 0; c < D; c++) lo[c] = INFINITY, hi[c] = -INFINITY;
-    for (int64_t t = first; t < first + group; t++)
-      for (int64_t c = 0; c < D; c++) {
-        const float v = load_value(x, x_bf16, t * x_stride + c);
-        lo[c] = v < lo[c] ? v : lo[c];
-        hi[c] = v > hi[c] ? v : hi[c];
-      }
-    for (int64_t c = 0; c < D; c++) {
-      const float step = (hi[c] - lo[c]) / levels;
-      safe[c] = step > 0.f ? step : 1.f;
-      store_value(scale, scale_bf16, g * D + c, step);
-      store_value(zero, scale_bf16, g * D + c, lo[c]);
+    int64_t rows_at[group];
+    for (int64_t i = 0; i < group; i++) rows_at[i] = (g * group + i) * x_stride;
+    channel_group(x, x_bf16, rows_at, group, D, bits, words + g * group * W, scale, zero,
+                  g * D, scale_bf16);
+  }
+}
+
+/* A staged store's groups of `group` tokens encoded from its exact rings into its codes,
+ * every layer in one call (kvlab.cache.stores.staged: a decode step's commit, KIVI, Liu et
+ * al., arXiv 2402.02750), as its torch path gathers and encodes them layer by layer:
+ * for layer l, row b, group m and KV head h, ring slots sources[b, m G + i] % ring of the
+ * key and value rings go to token slots groups[b, m] G + i of the codes, the keys in
+ * channel codes (key_channel; else token codes) and the values in token codes.
+ * layers: (L, 8) addresses per layer (key ring, value ring, key words, scale, zero, value
+ * words, scale, zero); rings (B, H, ring + 1, D) and scales in one dtype (bf16 or fp32),
+ * all layers of one layout. shape: L, B, H, D, M, group, bits, key_channel, bf16, ring and
+ * the (b, h, slot) element strides of the rings, the words, the key scales (their slot: a
+ * group of tokens where key_channel) and the value scales. Words rows are contiguous. */
+void kvlab_encode_ring_groups(const int64_t *layers, const int64_t *shape, const int64_t *groups,
+                              const int64_t *sources) {
+  const int64_t L = shape[0], B = shape[1], H = shape[2], D = shape[3], M = shape[4];
+  const int64_t G = shape[5], ring = shape[9];
+  const int bits = (int)shape[6], key_channel = (int)shape[7], bf16 = (int)shape[8];
+  const int64_t *rs = shape + 10, *ws = shape + 13, *ks = shape + 16, *vs = shape + 19;
+  const int64_t items = L * B * M * H, W = D * bits / 32;
+#pragma omp parallel for schedule(static) if (items > 1)
+  for (int64_t item = 0; item < items; item++) {
+    const int64_t h = item % H, m = item / H % M, b = item / H / M % B, l = item / H / M / B;
+    const int64_t *at = layers + l * 8;
+    const void *key_ring = (const void *)at[0], *value_ring = (const void *)at[1];
+    uint32_t *key_words = (uint32_t *)at[2], *value_words = (uint32_t *)at[5];
+    void *key_scale = (void *)at[3], *key_zero = (void *)at[4];
+    void *value_scale = (void *)at[6], *value_zero = (void *)at[7];
+    const int64_t first = groups[b * M + m] * G; /* the group's first token slot */
+    int64_t rows_at[G];
+    for (int64_t i = 0; i < G; i++) {
+      const int64_t slot = ((sources[b * M * G + m * G + i] % ring) + ring) % ring;
+      rows_at[i] = b * rs[0] + h * rs[1] + slot * rs[2];
     }
-    for (int64_t t = first; t < first + group; t++) {
-      for (int64_t c = 0; c < D; c++) {
-        float q = nearbyintf((load_value(x, x_bf16, t * x_stride + c) - lo[c]) / safe[c]);
-        q = q < 0.f ? 0.f : (q > levels ? levels : q);
-        codes[c] = (uint8_t)q;
-      }
-      for (int64_t j = 0; j < W; j++) {
-        uint32_t word = 0;
-        for (int k = 0; k < 32 / bits; k++) word |= (uint32_t)codes[k * W + j] << (k * bits);
-        words[t * W + j] = word;
-      }
+    const int64_t words_at = b * ws[0] + h * ws[1] + first * ws[2];
+    if (key_channel)
+      channel_group(key_ring, bf16, rows_at, G, D, bits, key_words + words_at, key_scale,
+                    key_zero, b * ks[0] + h * ks[1] + groups[b * M + m] * ks[2], bf16);
+    for (int64_t i = 0; i < G; i++) {
+      if (!key_channel)
+        token_row(key_ring, bf16, rows_at[i], D, G, bits, key_words + words_at + i * W,
+                  key_scale, key_zero, b * ks[0] + h * ks[1] + (first + i) * ks[2], bf16);
+      token_row(value_ring, bf16, rows_at[i], D, G, bits, value_words + words_at + i * W,
+                value_scale, value_zero, b * vs[0] + h * vs[1] + (first + i) * vs[2], bf16);
     }
   }
 }

@@ -71,6 +71,62 @@ def encode_channel_codes(x: torch.Tensor, bits: int, group: int):
             zero.view(*lead, tokens // group, dim))  # fmt: skip
 
 
+def encode_ring_groups(
+    rings, keys, values, groups, sources, ring: int, key_channel: bool, bits: int, group: int
+) -> bool:
+    """A staged store's closed groups encoded from its exact rings into its codes in one C
+    call for every layer (``kvlab_encode_ring_groups``: what gathering ring slots
+    ``sources`` (B, M * group) % ``ring`` and encoding them at token groups ``groups``
+    (B, M) does, layer by layer, in torch). ``rings``: per layer (keys, values) (B, H_kv,
+    ring + 1, D); ``keys``, ``values``: per layer [words, scale, zero], the keys in channel
+    codes where ``key_channel`` (else token codes), the values in token codes, ``group``
+    tokens or channels a scale. False, with nothing written, where the C call does not
+    apply (no library, another layout or dtype): the caller's torch path runs."""
+    lib = library()
+    if lib is None or not rings:
+        return False
+    first = [*rings[0], *keys[0], *values[0]]
+    ring_keys, words, key_scale, value_scale = first[0], first[2], first[3], first[6]
+    dim, dtype = ring_keys.shape[-1], ring_keys.dtype
+    if not _ring_groups_fit(first, dtype, dim, bits, group):
+        return False
+    tensors = [[*r, *k, *v] for r, k, v in zip(rings, keys, values, strict=True)]
+    layout = [(t.shape, t.stride(), t.dtype, t.device) for t in first]
+    if any([(t.shape, t.stride(), t.dtype, t.device) for t in layer] != layout
+           for layer in tensors):  # fmt: skip
+        return False
+    groups, sources = groups.contiguous(), sources.contiguous()
+    batch, heads = ring_keys.shape[:2]
+    shape = [len(rings), batch, heads, dim, groups.shape[1], group, bits, int(key_channel),
+             int(dtype == torch.bfloat16), ring]  # fmt: skip
+    for t in (ring_keys, words, key_scale, value_scale):
+        shape += t.stride()[:3]
+    addresses = torch.tensor([[t.data_ptr() for t in layer] for layer in tensors])
+    shape = torch.tensor(shape, dtype=torch.int64)
+    lib.kvlab_encode_ring_groups(*(ctypes.c_void_p(t.data_ptr())
+                                   for t in (addresses, shape, groups, sources)))  # fmt: skip
+    return True
+
+
+def _ring_groups_fit(first: list[torch.Tensor], dtype, dim: int, bits: int, group: int) -> bool:
+    """Whether one layer's rings and code parts (``first``: key ring, value ring, key words,
+    scale, zero, value words, scale, zero) are the layout ``kvlab_encode_ring_groups``
+    reads: CPU tensors, rings and scales fp32 or bf16 in one dtype, words int32 with
+    contiguous rows, key and value words alike, channels contiguous."""
+    rings, words, scales = first[:2], (first[2], first[5]), (*first[3:5], *first[6:])
+    return (
+        dtype in (torch.float32, torch.bfloat16)
+        and dim <= MAX_DIM
+        and 0 < group <= MAX_DIM
+        and all(t.device.type == "cpu" and t.dim() == 4 and t.stride(-1) == 1 for t in first)
+        and all(t.dtype == dtype for t in (*rings, *scales))
+        and rings[0].stride() == rings[1].stride()
+        and all(w.dtype == torch.int32 and w.shape[-1] == dim * bits // 32 for w in words)
+        and words[0].stride() == words[1].stride()
+        and words[0].stride(2) == words[0].shape[-1]
+    )
+
+
 def encode_fp8(x: torch.Tensor, group: int, mantissa: int, bias: int, largest: float):
     """(bytes (..., D) uint8, scale (..., D/group) in x's dtype) of x (..., D) in an 8-bit
     float format of ``mantissa`` bits and exponent ``bias``, a scale per ``group`` channels
