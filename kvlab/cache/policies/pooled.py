@@ -59,6 +59,7 @@ class Pooled(Policy):
         self.pools = o.poolings(spec.num_layers)
         calibration.load_gates(self.pools, spec, o)
         self.layers: dict[int, PooledLayer] = {}
+        self.geometries: dict[tuple, PooledLayer] = {}
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         codec = self.options.codec(self.spec.head_dim)
@@ -69,6 +70,9 @@ class Pooled(Policy):
         for pooled in self.layers.values():
             pooled.allocate(batch_size, max_tokens)
             pooled.attentions = shared.setdefault(pooled.geometry, pooled.attentions)
+        self.geometries = {}  # the first layer of each geometry: a step plans it once
+        for pooled in self.layers.values():
+            self.geometries.setdefault(pooled.geometry, pooled)
 
     def row_state(self):
         return [entry for pooled in self.layers.values() for entry in pooled.row_state()]
@@ -106,16 +110,15 @@ class Pooled(Policy):
         step.origin = torch.zeros_like(start)
         ends = [n + k for n, k in zip(lengths, info.num_new, strict=True)]
         behind = self.options.entries_behind()
-        for pooled in self.layers.values():
-            key, pool = pooled.geometry, pooled.pool
-            if key not in step.plans:
-                read = pooled.slots if static else max(n // pool.ratio for n in ends)
-                read = None if kernel else read
-                bounds = (start, end)
-                step.plans[key] = plan_pooling(info, lengths, bounds, pool, read, behind, static)
-                if kernel and pool.top_k and pooled.slots - 1 > pool.top_k:
-                    seen = step.plans[key].seen
-                    step.top_k[key] = pooled.top_k_index(seen, step.origin, pool.top_k)
+        for key, pooled in self.geometries.items():
+            pool = pooled.pool
+            read = pooled.slots if static else max(n // pool.ratio for n in ends)
+            read = None if kernel else read
+            bounds = (start, end)
+            step.plans[key] = plan_pooling(info, lengths, bounds, pool, read, behind, static)
+            if kernel and pool.top_k and pooled.slots - 1 > pool.top_k:
+                seen = step.plans[key].seen
+                step.top_k[key] = pooled.top_k_index(seen, step.origin, pool.top_k)
         if step.top_k and window_step is not None:
             where, heads = window_step.where, self.spec.num_kv_heads
             step.window_heads = per_head_index(where.rows, step.origin, window_step.filled, heads)

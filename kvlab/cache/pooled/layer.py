@@ -35,12 +35,10 @@ class EntryStore(ContiguousStore):
 @dataclass
 class TopK:
     """A decode step's per-(row, KV head) tables over single entries: the entries each row
-    sees (B,) (the ``hidden`` ones (B, 1, N + 1) are the others), each pair's first entry
-    in the flattened store (B * H_kv, 1) and its bounds (lo, hi) (B * H_kv,) (one table
-    per head, Segment.per_head's layout)."""
+    sees (B,), each pair's first entry in the flattened store (B * H_kv, 1) and its bounds
+    (lo, hi) (B * H_kv,) (one table per head, Segment.per_head's layout)."""
 
     seen: torch.Tensor
-    hidden: torch.Tensor
     base: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
@@ -53,6 +51,9 @@ class PooledLayer:
 
     def __init__(self, pool: LayerPooling, spec, codec):
         self.pool, self.spec = pool, spec
+        # layers of one geometry share their step's plan (a tuple made once: it is looked
+        # up a few times per layer and step)
+        self.geometry = (pool.ratio, pool.overlap, pool.observed, pool.top_k)
         self.entries = EntryStore(dataclasses.replace(spec, num_layers=1), codec, pool)
         self.raw = self.queries = None
         self.attentions = LayerAttentions()  # the fused decode layer's (pooled/decode.py)
@@ -69,12 +70,6 @@ class PooledLayer:
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(shape, dtype=self.spec.dtype, device=self.spec.device)
-
-    @property
-    def geometry(self) -> tuple:
-        """Layers of one geometry share their step's plan."""
-        pool = self.pool
-        return pool.ratio, pool.overlap, pool.observed, pool.top_k
 
     @property
     def slots(self) -> int:
@@ -143,7 +138,8 @@ class PooledLayer:
             keys = store.decoded(store.keys[0], store.key_codec, self.slots)
             summed = queries.sum(dim=2, keepdim=True)  # (B, H_kv, 1, D)
             scores = (summed @ keys.transpose(-1, -2)).squeeze(2)  # (B, H_kv, N + 1)
-            scores = scores.masked_fill_(index.hidden, float("-inf"))
+            hidden = torch.arange(self.slots, device=scores.device) >= index.seen[:, None]
+            scores = scores.masked_fill_(hidden[:, None], float("-inf"))  # (B, 1, N + 1)
             table = index.base + scores.topk(top_k, dim=-1).indices.flatten(0, 1)
         single = self._stored(lambda part: part.view(-1, 1, 1, part.shape[-1]))
         one_head = queries.reshape(-1, 1, *queries.shape[2:])
@@ -157,11 +153,10 @@ class PooledLayer:
     def top_k_index(self, seen: torch.Tensor, origin: torch.Tensor, top_k: int) -> TopK:
         """:class:`TopK` of a decode step whose rows see ``seen`` (B,) entries."""
         heads, slots = self.spec.num_kv_heads, self.slots
-        hidden = (torch.arange(slots, device=seen.device) >= seen[:, None])[:, None]
         pairs = torch.arange(seen.shape[0] * heads, device=seen.device)[:, None]
         hi = seen.clamp(max=top_k).repeat_interleave(heads)
         table = torch.empty(len(hi), top_k, dtype=torch.int64, device=seen.device)
-        return TopK(seen, hidden, pairs * slots, origin.repeat_interleave(heads), hi, table)
+        return TopK(seen, pairs * slots, origin.repeat_interleave(heads), hi, table)
 
 
 def memory_lines(layers: list[PooledLayer]) -> dict[str, int]:
