@@ -124,23 +124,27 @@ class StagedStore(ContiguousStore):
 
     # ---- placing a step --------------------------------------------------------------------
     def place(self, lengths, info, slots, real) -> StagedWrite:
+        """``slots`` (B, T): the new tokens' positions, from the rows' lengths on (a row's
+        first slot is its length); ``real``: the row's own tokens (the rest padding). The
+        rows' bounds, coded tokens and the groups they close are worked out on the host,
+        where the lengths are, and copied once (~15 small device ops a step before)."""
         group, ring, device = self.group, self.ring_size, slots.device
-        start, end = slots[:, 0], slots[:, 0] + real.sum(dim=1)
-        coded, coded_after = self.codec.encoded(start), self.codec.encoded(end)
         count = -(-info.steps // group)  # groups a row can close in this step
-        index = torch.arange(count, device=device)  # (M,)
-        closes = index[None] < ((coded_after - coded) // group)[:, None]
-        groups = torch.where(closes, (coded // group)[:, None] + index, self.trash_group)
+        host = [(n, self.codec.encoded(n), self.codec.encoded(n + k))  # host lengths, coded
+                for n, k in zip(lengths, info.num_new, strict=True)]  # fmt: skip
+        bounds = [[n + k for n, k in zip(lengths, info.num_new, strict=True)]]
+        bounds += [[before for _, before, _ in host], [after for _, _, after in host]]
+        start, end, coded, coded_after = torch.tensor([list(lengths), *bounds]).to(device)
+        closing = [self._closed_groups(before, after, count) for _, before, after in host]
+        groups = torch.tensor(closing).to(device)  # (B, M)
         sources = coded[:, None] + torch.arange(count * group, device=device)[None]
         # a decode token (or a step read in place) always passes through the ring (with no
         # residual it may complete a group, which is encoded from the ring); a longer step's
         # tokens encoded within it skip the ring, where several would share a slot in one write
         in_place = info.steps <= self.in_place_steps()
-        in_ring = real & ((slots >= coded_after[:, None]) | in_place)
+        in_ring = real if in_place else real & (slots >= coded_after[:, None])
         ring_slots = torch.where(in_ring, slots % ring, ring)  # trash: slot `ring`
         rows = torch.arange(len(lengths), device=device)[:, None]
-        host = [(n, self.codec.encoded(n), self.codec.encoded(n + k))  # host lengths, coded
-                for n, k in zip(lengths, info.num_new, strict=True)]  # fmt: skip
         encodes = any(after > before for _, before, after in host)
         read = 0 if in_place else self.codec.encoded(max(lengths))
         ring_from = self.ring_from if in_place else self._ring_from(host)
@@ -160,6 +164,13 @@ class StagedStore(ContiguousStore):
             ring_from,
             fresh,
         )
+
+    def _closed_groups(self, coded: int, coded_after: int, count: int) -> list[int]:
+        """The ``count`` groups a row holding ``coded`` tokens as codes, ``coded_after``
+        after the step, encodes: the ones it closes, then the trash group."""
+        closes = (coded_after - coded) // self.group
+        first = coded // self.group
+        return [first + m if m < closes else self.trash_group for m in range(count)]
 
     def _ring_from(self, host: list[tuple[int, int, int]]) -> list[int]:
         """Each row's :attr:`ring_from` after a step not read in place (``host``: per row
