@@ -51,7 +51,7 @@ def encode_channel_codes(x: torch.Tensor, bits: int, group: int):
     (..., n, D), a scale and zero per channel of each ``group`` consecutive tokens (n a
     multiple of ``group``), or None where the kernel is unavailable (the caller's torch path
     runs)."""
-    found = _c_rows(x)
+    found = _c_rows(x) if group <= MAX_DIM else None  # (a group's row offsets on the stack)
     if found is None:
         return None
     (lib, rows), dim = found, x.shape[-1]
@@ -89,6 +89,9 @@ def encode_ring_groups(
     ring_keys, words, key_scale, value_scale = first[0], first[2], first[3], first[6]
     dim, dtype = ring_keys.shape[-1], ring_keys.dtype
     if not _ring_groups_fit(first, dtype, dim, bits, group):
+        return False
+    indices = (groups, sources)
+    if any(t.dtype != torch.int64 or t.shape[0] != ring_keys.shape[0] for t in indices):
         return False
     tensors = [[*r, *k, *v] for r, k, v in zip(rings, keys, values, strict=True)]
     layout = [(t.shape, t.stride(), t.dtype, t.device) for t in first]
