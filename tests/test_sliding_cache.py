@@ -144,3 +144,29 @@ def test_a_mixed_length_batch_equals_the_per_query_band_reference(chunk, tiny_ll
     reference = Engine(tiny_llama, BandRecompute(tiny_llama.cache_spec())).generate(batch, cfg)
     sliding = build_cache("sliding", tiny_llama.cache_spec(), dict(sinks=SINKS, window=WINDOW))
     assert Engine(tiny_llama, sliding).generate(batch, cfg).tokens == reference.tokens
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(window=6), dict(window=6, sinks=2), dict(window=5, sinks=1, rollback=3)],
+    ids=["window", "sinks", "rollback"],
+)
+def test_a_decode_plan_from_the_host_equals_the_tensor_plan(options, tiny_llama):
+    """Window.plan of a one-token step, worked out on the host, gives the tensors of the
+    tensor-op plan: rows holding nothing, within the sinks, within the window, past it
+    (the ring wrapped), and a padding row with no token."""
+    from kvlab.cache.base import StepInfo
+
+    cache = build_cache("sliding", tiny_llama.cache_spec(), options)
+    cache.allocate(6, 64)
+    lengths, num_new = [0, 1, 4, 9, 23, 17], [1, 1, 1, 1, 1, 0]
+    info = StepInfo(torch.tensor(lengths)[:, None], num_new, rope=None)
+    host = cache.policy._one_token_plan(info, lengths, cache.store)
+    tensors = cache.policy._tensor_plan(info, lengths, cache.store)
+    pairs = [(host.where.slots, tensors.where.slots), (host.where.rows, tensors.where.rows),
+             (host.where.positions, tensors.where.positions)]  # fmt: skip
+    for name in ("start", "end", "positions", "kept", "filled", "origin"):
+        pairs.append((getattr(host, name), getattr(tensors, name)))
+    for found, expected in pairs:
+        assert found.dtype == expected.dtype and torch.equal(found, expected)
+    assert host.mask is tensors.mask is None and host.to_cache is tensors.to_cache is None

@@ -98,8 +98,11 @@ class Pooled(Policy):
             )
 
     def plan(self, info, lengths, store, static) -> PooledStep:
-        start, end = row_bounds(lengths, info)
         window_step = self.window.plan(info, lengths, store, static) if self.window else None
+        if window_step is not None:  # the same bounds, already on the device
+            start, end = window_step.start, window_step.end
+        else:
+            start, end = row_bounds(lengths, info)
         batch, steps = info.positions.shape
         kernel = info.steps == 1 and not self.options.proportional  # decode through segments
         mask = torch.zeros(batch, 1, steps, 0, dtype=torch.bool, device=start.device)
@@ -107,7 +110,7 @@ class Pooled(Policy):
             mask = self.window.visible(window_step, store)
         step = PooledStep(info, start, end, mask, window_step)
         step.tables = torch.arange(len(lengths), device=start.device)[:, None]
-        step.origin = torch.zeros_like(start)
+        step.origin = torch.zeros_like(start) if window_step is None else window_step.origin
         ends = [n + k for n, k in zip(lengths, info.num_new, strict=True)]
         behind = self.options.entries_behind()
         for key, pooled in self.geometries.items():

@@ -62,6 +62,12 @@ class Window(Policy):
             )
 
     def plan(self, info, lengths, store, static) -> WindowStep:
+        if info.steps == 1 and self.options.positions != "cache":
+            return self._one_token_plan(info, lengths, store)
+        return self._tensor_plan(info, lengths, store)
+
+    def _tensor_plan(self, info, lengths, store) -> WindowStep:
+        """:meth:`plan` of any step, in tensor ops."""
         start, end = row_bounds(lengths, info)
         steps, device = info.steps, start.device
         index = torch.arange(steps, device=device)
@@ -80,6 +86,23 @@ class Window(Policy):
             keys = torch.cat([store.slot_pos, positions], dim=1)  # (B, S + 1 + T)
             step.mask = visible(positions, keys, window, sinks)
         return step
+
+    def _one_token_plan(self, info, lengths, store) -> WindowStep:
+        """:meth:`plan` of a step of at most one token a row (decode) without cache
+        positions, worked out on the host, where the lengths are: the same tensors from
+        three copies (~15 small device ops before). A row keeps its token where it has one
+        and it is a sink or within the window (always, with a window of at least 1)."""
+        sinks, held = self.options.sinks, self.options.window + self.options.rollback
+        ends = [n + k for n, k in zip(lengths, info.num_new, strict=True)]
+        rows = zip(lengths, ends, strict=True)
+        kept = [n < end and (n < sinks or n >= end - held) for n, end in rows]
+        device = info.positions.device
+        filled = [min(end, store.trash) for end in ends]
+        start, end, filled = torch.tensor([list(lengths), ends, filled]).to(device)
+        where = store.place_one(list(lengths), kept, device)
+        kept = torch.tensor(kept).to(device)[:, None]  # (B, 1)
+        origin = torch.zeros_like(start)
+        return WindowStep(info, start, end, where, where.positions, kept, filled, origin)
 
     def attend(self, step, store, layer, q, k, v, k_raw):
         if step.decode:

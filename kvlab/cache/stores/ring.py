@@ -61,10 +61,12 @@ class RingStore(ContiguousStore):
     def row_state(self) -> list[RowState]:
         return [*super().row_state(), (vars(self), "slot_pos", 0)]
 
-    def slot_of(self, positions: torch.Tensor) -> torch.Tensor:
-        """Slot of each position: sinks in place, the rest cycling over the window and the
-        rollback margin."""
+    def slot_of(self, positions):
+        """Slot of each position (a tensor, or one int): sinks in place, the rest cycling
+        over the window and the rollback margin."""
         sinks, cycle = self.options.sinks, self.options.window + self.options.rollback
+        if isinstance(positions, int):
+            return positions if positions < sinks else sinks + (positions - sinks) % cycle
         return torch.where(positions < sinks, positions, sinks + (positions - sinks) % cycle)
 
     def window_segments(self, where, layer: int, queries, end: torch.Tensor) -> list:
@@ -91,6 +93,14 @@ class RingStore(ContiguousStore):
         """``slots`` are the new tokens' positions; ``real`` those the ring keeps."""
         rows = torch.arange(len(lengths), device=slots.device)[:, None]  # (B, 1)
         return RingWrite(torch.where(real, self.slot_of(slots), self.trash), rows, slots)
+
+    def place_one(self, positions: list[int], kept: list[bool], device) -> RingWrite:
+        """:meth:`place` for a step of one token a row, from the host: row b's token at
+        ``positions[b]``, kept by the ring where ``kept[b]`` (else the trash slot)."""
+        slots = [self.slot_of(p) if k else self.trash for p, k in zip(positions, kept, strict=True)]
+        table = torch.tensor([positions, slots]).to(device)
+        rows = torch.arange(len(positions), device=device)[:, None]  # (B, 1)
+        return RingWrite(table[1][:, None], rows, table[0][:, None])
 
     def commit(self, where: RingWrite) -> None:
         self.slot_pos.scatter_(1, where.slots, where.positions)
