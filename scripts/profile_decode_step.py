@@ -3,10 +3,14 @@ the default model (after a warm-up run), ops grouped by name, self time per step
 weight format asked (the weights of scripts/bench_vs_llamacpp.py). Not a test: read the
 shares. ``--python-only``: the step's wall time, unprofiled, with every kvlab C kernel it
 calls made a no-op (libc's ``labs``): what the Python and torch ops around the kernels cost
-a step (the outputs are garbage then; only the time counts).
+a step (the outputs are garbage then; only the time counts). With ``--time``, also the
+ms a step spent in each named function or method (``module:Class.method``) over those
+stubbed generations, each one's prefill step included (a timer around each call, ~0.3 us).
 
     python scripts/profile_decode_step.py --weights fp32,bf16,int8,int4 --depth 1024
     python scripts/profile_decode_step.py --weights fp32 --python-only
+    python scripts/profile_decode_step.py --weights fp32 --cache int4 --depth 4096 \
+        --python-only --time kvlab.cache.composed:ComposedCache.plan
 """
 
 from __future__ import annotations
@@ -60,13 +64,43 @@ def label_kvlab_kernels() -> None:
 
 STUBBED = ("kvlab_gemv", "kvlab_gemv_int8", "kvlab_gemv_int4", "kvlab_rms_norm",
            "kvlab_decode_attention", "kvlab_layer_attention_in", "kvlab_layer_mlp_in",
-           "kvlab_layer_out", "kvlab_layer_decode_in", "kvlab_layer_decode")  # fmt: skip
+           "kvlab_layer_out", "kvlab_layer_decode_in", "kvlab_layer_decode",
+           "kvlab_top_k_entries")  # fmt: skip
 
 
-def python_only_ms(name: str, prompt: list[int], args, rounds: int = 5) -> tuple[float, float]:
+def timed_functions(paths: list[str]) -> dict[str, list[float]]:
+    """Wrap each function or method named ``module:Owner.name`` (or ``module:name``) in a
+    timer: {path: [seconds, calls]}, added to by every call from now on. Plain functions
+    and methods only (a staticmethod would be bound once wrapped)."""
+    import importlib
+    import time
+
+    totals: dict[str, list[float]] = {}
+    for path in paths:
+        module, _, qualified = path.partition(":")
+        *owners, name = qualified.split(".")
+        owner = importlib.import_module(module)
+        for part in owners:
+            owner = getattr(owner, part)
+        inner, total = getattr(owner, name), totals.setdefault(path, [0.0, 0])
+
+        def call(*args, _inner=inner, _total=total, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                _total[0] += time.perf_counter() - start
+                _total[1] += 1
+
+        setattr(owner, name, call)
+    return totals
+
+
+def python_only_ms(name: str, prompt: list[int], args, rounds: int = 5) -> tuple:
     """(real, stubbed) median ms a decode step, the kernels real then made no-ops (each a
     function of its own: ``kernel()`` declares argument types on it; extra arguments to a C
-    function are harmless in the x86-64 calling convention)."""
+    function are harmless in the x86-64 calling convention), and {function: (ms a step,
+    calls a step)} over the stubbed steps for ``args.time``."""
     import ctypes
 
     from kvlab.kernels import build
@@ -91,7 +125,9 @@ def python_only_ms(name: str, prompt: list[int], args, rounds: int = 5) -> tuple
         setattr(build.library(), kernel, ctypes.CDLL(None).labs)
     build.kernel.cache_clear()
     fused_layer.weights_changed()  # the layers' plans take the no-ops
-    return real, median_step()
+    totals = timed_functions(args.time)
+    stubbed, steps = median_step(), rounds * args.steps
+    return real, stubbed, {f: (s * 1e3 / steps, n / steps) for f, (s, n) in totals.items()}
 
 
 def profile_steps(name: str, prompt: list[int], args) -> tuple[dict[str, list[float]], float]:
@@ -124,14 +160,18 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--python-only", action="store_true")
+    parser.add_argument("--time", default=[], type=lambda s: s.split(","),
+                        help="with --python-only: module:Class.method,... to time")  # fmt: skip
     args = parser.parse_args()
     prompt = wikitext_prompt(args.depth)
     if args.python_only:  # one weight format: the no-ops stay in the process
         if len(args.weights) != 1:
             parser.error(f"--python-only takes one weight format, got {','.join(args.weights)}")
-        real, stubbed = python_only_ms(args.weights[0], prompt, args)
+        real, stubbed, timed = python_only_ms(args.weights[0], prompt, args)
         print(f"{args.weights[0]} cache={args.cache} depth {args.depth}: {real:.2f} ms a step, "
               f"{stubbed:.2f} ms with every C kernel a no-op")  # fmt: skip
+        for function, (ms, calls) in timed.items():
+            print(f"  {function}: {ms:.3f} ms a step ({calls:.1f} calls)")
         return
     label_kvlab_kernels()
     env = environment()
