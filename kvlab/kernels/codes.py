@@ -30,18 +30,9 @@ def encode_token_codes(x: torch.Tensor, bits: int, group: int):
     found = _c_rows(x)
     if found is None:
         return None
-    (lib, rows), dim = found, x.shape[-1]
-    count = rows.shape[0]
-    words = torch.empty(count, dim * bits // 32, dtype=torch.int32)
-    scale = torch.empty(count, dim // group, dtype=x.dtype)
-    zero = torch.empty_like(scale)
-    bf16 = int(x.dtype == torch.bfloat16)
-    lib.kvlab_encode_token_codes(
-        ctypes.c_void_p(rows.data_ptr()), bf16, ctypes.c_int64(rows.stride(0)),
-        ctypes.c_int64(count), ctypes.c_int64(dim), ctypes.c_int64(group), bits,
-        ctypes.c_void_p(words.data_ptr()), ctypes.c_void_p(scale.data_ptr()),
-        ctypes.c_void_p(zero.data_ptr()), bf16,
-    )  # fmt: skip
+    (lib, rows), dim, count = found, x.shape[-1], found[1].shape[0]
+    sizes, scale_shape = (count, dim, group), (count, dim // group)
+    words, scale, zero = _int_codes(lib.kvlab_encode_token_codes, rows, bits, sizes, scale_shape)
     lead = x.shape[:-1]
     return words.view(*lead, -1), scale.view(*lead, -1), zero.view(*lead, -1)
 
@@ -54,21 +45,29 @@ def encode_channel_codes(x: torch.Tensor, bits: int, group: int):
     found = _c_rows(x) if group <= MAX_DIM else None  # (a group's row offsets on the stack)
     if found is None:
         return None
-    (lib, rows), dim = found, x.shape[-1]
-    groups = rows.shape[0] // group
-    words = torch.empty(rows.shape[0], dim * bits // 32, dtype=torch.int32)
-    scale = torch.empty(groups, dim, dtype=x.dtype)
-    zero = torch.empty_like(scale)
-    bf16 = int(x.dtype == torch.bfloat16)
-    lib.kvlab_encode_channel_codes(
-        ctypes.c_void_p(rows.data_ptr()), bf16, ctypes.c_int64(rows.stride(0)),
-        ctypes.c_int64(groups), ctypes.c_int64(group), ctypes.c_int64(dim), bits,
-        ctypes.c_void_p(words.data_ptr()), ctypes.c_void_p(scale.data_ptr()),
-        ctypes.c_void_p(zero.data_ptr()), bf16,
-    )  # fmt: skip
+    (lib, rows), dim, groups = found, x.shape[-1], found[1].shape[0] // group
+    sizes, scale_shape = (groups, group, dim), (groups, dim)
+    words, scale, zero = _int_codes(lib.kvlab_encode_channel_codes, rows, bits, sizes, scale_shape)
     *lead, tokens, _ = x.shape
     return (words.view(*lead, tokens, -1), scale.view(*lead, tokens // group, dim),
             zero.view(*lead, tokens // group, dim))  # fmt: skip
+
+
+def _int_codes(function, rows: torch.Tensor, bits: int, sizes: tuple, scale_shape: tuple):
+    """Words (n, D * bits / 32) int32 and a scale and zero of ``scale_shape`` in the rows'
+    dtype from one call of a C encoder of rows (n, D) (``kvlab_encode_token_codes``,
+    ``kvlab_encode_channel_codes``: ``sizes`` are the three counts it takes after the row
+    stride)."""
+    words = torch.empty(rows.shape[0], rows.shape[1] * bits // 32, dtype=torch.int32)
+    scale = torch.empty(scale_shape, dtype=rows.dtype)
+    zero = torch.empty_like(scale)
+    bf16 = int(rows.dtype == torch.bfloat16)
+    function(
+        ctypes.c_void_p(rows.data_ptr()), bf16, ctypes.c_int64(rows.stride(0)),
+        *map(ctypes.c_int64, sizes), bits, ctypes.c_void_p(words.data_ptr()),
+        ctypes.c_void_p(scale.data_ptr()), ctypes.c_void_p(zero.data_ptr()), bf16,
+    )  # fmt: skip
+    return words, scale, zero
 
 
 def encode_ring_groups(
