@@ -23,6 +23,7 @@ enum { PAIRS = 50000000 };
 #define AND(a) __asm__("vpandd %1, %0, %0" : "+v"(a) : "v"(mask))
 #define TERN(a) a = _mm512_ternarylogic_epi32(a, mask, count, 0x96)
 #define CVT(a) a = _mm512_castps_si512(_mm512_cvtepi32_ps(a))
+#define CVTU(a) a = _mm512_castps_si512(_mm512_cvtepu32_ps(a))
 #define PERM(a) a = _mm512_permutexvar_epi32(count, a)
 #define NONE(a) (void)0
 #define ONE_EACH(OPA, OPB, i) \
@@ -64,6 +65,8 @@ PAIR_SECONDS(FMA, CVT)
 PAIR_SECONDS(FMA, PERM)
 PAIR_SECONDS(SRLI, CVT)
 PAIR_SECONDS(AND, CVT)
+PAIR_SECONDS(FMA, CVTU)
+PAIR_SECONDS(AND, CVTU)
 
 int main(void) {
   const double cycle = seconds_FMA_NONE() / PAIRS; /* one zmm FMA a cycle */
@@ -75,6 +78,7 @@ int main(void) {
       {"fma + ternlog", seconds_FMA_TERN}, {"fma + and", seconds_FMA_AND},
       {"fma + cvtdq2ps", seconds_FMA_CVT}, {"fma + permd", seconds_FMA_PERM},
       {"srli + cvtdq2ps", seconds_SRLI_CVT}, {"and + cvtdq2ps", seconds_AND_CVT},
+      {"fma + cvtudq2ps", seconds_FMA_CVTU}, {"and + cvtudq2ps", seconds_AND_CVTU},
   };
   for (unsigned i = 0; i < sizeof(pairs) / sizeof(pairs[0]); i++)
     printf("%-16s %.2f cycles a pair\n", pairs[i].name, pairs[i].seconds() / PAIRS / cycle);
