@@ -64,15 +64,13 @@ class Pooled(Policy):
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         codec = self.options.codec(self.spec.head_dim)
         self.layers = {n: PooledLayer(pool, self.spec, codec) for n, pool in self.pools.items()}
-        # layers of one geometry read the same bounds a step: they share one step struct,
-        # which the first of them writes and the others find in place
-        shared = {}
+        # the first layer of each geometry: a step plans it once; layers of one geometry read
+        # the same bounds a step, so they share its step struct, which the first of them
+        # writes and the others find in place
+        self.geometries = {}
         for pooled in self.layers.values():
             pooled.allocate(batch_size, max_tokens)
-            pooled.attentions = shared.setdefault(pooled.geometry, pooled.attentions)
-        self.geometries = {}  # the first layer of each geometry: a step plans it once
-        for pooled in self.layers.values():
-            self.geometries.setdefault(pooled.geometry, pooled)
+            pooled.attentions = self.geometries.setdefault(pooled.geometry, pooled).attentions
 
     def row_state(self):
         return [entry for pooled in self.layers.values() for entry in pooled.row_state()]

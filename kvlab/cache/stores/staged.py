@@ -192,13 +192,13 @@ class StagedStore(ContiguousStore):
         """A decode step's closed groups, every layer's, encoded from the rings in one C
         call (the same codes as :meth:`_encode_closed`: ~10 torch ops and two encodes a
         layer, 0.14 ms a step amortized at int4, before); False where it does not apply
-        (codecs other than KIVI's pair, a layout the call does not read)."""
+        (codecs other than KIVI's pair; a device or layout the call does not read, which
+        :func:`encode_ring_groups` checks)."""
         keys, values = self.key_codec, self.value_codec
         if not (
             type(values) is TokenCodec
             and type(keys) in (ChannelCodec, TokenCodec)
             and (keys.bits, keys.group) == (values.bits, values.group)
-            and where.start.device.type == "cpu"
         ):
             return False
         channel = type(keys) is ChannelCodec
