@@ -75,6 +75,54 @@ def test_bulk_prefill_equals_chunks_and_decode_emission(tiny_llama, gate, overla
         )
 
 
+@pytest.mark.parametrize("gate", ["uniform", "attention"])
+@pytest.mark.parametrize("in_window", [True, False])
+def test_a_decode_plan_from_the_host_equals_the_tensor_plan(tiny_llama, gate, in_window):
+    """A decode step's pooling fields and per-head tables, worked out on the host, are the
+    tensors the tensor-op plan gives (``plan_pooling`` with a mask asked for; the window's
+    ``per_head_index``; the top-k bounds from ``seen``): rows holding nothing, inside the
+    first window, closing one, past the ring, and a padding row with no token."""
+    from kvlab.cache.base import StepInfo
+    from kvlab.cache.pooled.plan import plan_pooling
+    from kvlab.kernels.attention import per_head_index
+
+    cache = build_cache(
+        "compressed", tiny_llama.cache_spec(), LOSSY | dict(gate=gate, in_window=in_window)
+    )
+    cache.allocate(7, 64)
+    policy, heads = cache.policy, cache.spec.num_kv_heads
+    lengths, num_new = [0, 1, 3, 7, 8, 23, 17], [1, 1, 1, 1, 1, 1, 0]
+    info = StepInfo(torch.tensor(lengths)[:, None], num_new, rope=None)
+    step = policy.plan(info, lengths, cache.store, static=False)
+    behind, bounds = policy.options.entries_behind(), (step.start, step.end)
+    assert step.top_k and step.window_heads is not None
+    for key, pooled in policy.geometries.items():
+        host = plan_pooling(info, lengths, bounds, pooled.pool, None, behind, True)
+        tensors = plan_pooling(info, lengths, bounds, pooled.pool, pooled.slots, behind, True)
+        assert host.pools == tensors.pools and host.visible is None
+        for name in ("buffer_slots", "seen", "query_slots", "windows", "closes", "slots"):
+            found, expected = getattr(host, name), getattr(tensors, name)
+            assert (
+                (found is None)
+                == (expected is None)
+                == (name == "query_slots" and gate != "attention")
+            )
+            if found is not None:
+                assert found.dtype == expected.dtype and torch.equal(found, expected), name
+        assert torch.equal(step.plans[key].seen, tensors.seen)
+        if key in step.top_k:
+            index, top_k = step.top_k[key], pooled.pool.top_k
+            pairs = torch.arange(len(lengths) * heads)[:, None]
+            assert torch.equal(index.base, pairs * pooled.slots)
+            assert torch.equal(index.hi, tensors.seen.clamp(max=top_k).repeat_interleave(heads))
+            assert torch.equal(index.lo, torch.zeros(len(lengths) * heads, dtype=torch.int64))
+            assert index.table.shape == (len(lengths) * heads, top_k)
+    window = step.window_step
+    expected = per_head_index(window.where.rows, window.origin, window.filled, heads)
+    for found, wanted in zip(step.window_heads, expected, strict=True):
+        assert found.dtype == wanted.dtype and torch.equal(found, wanted)
+
+
 def test_lossy_settings_differ_from_full(tiny_llama):
     ids = random_ids(tiny_llama, 29)
     spec = tiny_llama.cache_spec()

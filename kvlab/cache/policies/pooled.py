@@ -20,11 +20,10 @@ from kvlab.cache.policies.window_options import WindowOptions
 from kvlab.cache.pooled import calibration
 from kvlab.cache.pooled.decode import decode_segments, fused_attention
 from kvlab.cache.pooled.layer import PooledLayer, TopK, memory_lines
-from kvlab.cache.pooled.plan import plan_pooling
+from kvlab.cache.pooled.plan import entries_seen, plan_pooling
 from kvlab.cache.pooled.pooling import attend_entries
 from kvlab.cache.rows import decode_output
 from kvlab.kernels import decode_attention
-from kvlab.kernels.attention import per_head_index
 
 
 @dataclass
@@ -117,13 +116,40 @@ class Pooled(Policy):
             read = None if kernel else read
             bounds = (start, end)
             step.plans[key] = plan_pooling(info, lengths, bounds, pool, read, behind, static)
-            if kernel and pool.top_k and pooled.slots - 1 > pool.top_k:
-                seen = step.plans[key].seen
-                step.top_k[key] = pooled.top_k_index(seen, step.origin, pool.top_k)
-        if step.top_k and window_step is not None:
-            where, heads = window_step.where, self.spec.num_kv_heads
-            step.window_heads = per_head_index(where.rows, step.origin, window_step.filled, heads)
+        if kernel:
+            self._per_head_tables(step, ends, store)
         return step
+
+    def _per_head_tables(self, step: PooledStep, ends: list[int], store) -> None:
+        """A decode step's per-head tables (``Segment.per_head``'s layout: pair b * H_kv + h
+        a row of one head) where a geometry keeps a top-k of its entries: each pair's
+        entries (:class:`TopK`) and the window's slots, worked out on the host in one copy
+        (~25 small device ops before). Rows and entries start at slot 0 of their row (the
+        origin), every row its own block of the ring."""
+        heads, behind = self.spec.num_kv_heads, self.options.entries_behind()
+        chosen = [
+            (key, pooled) for key, pooled in self.geometries.items()
+            if pooled.pool.top_k and pooled.slots - 1 > pooled.pool.top_k
+        ]  # fmt: skip
+        if not chosen:
+            return
+        pairs = range(len(ends) * heads)
+        filled = [min(end, store.trash) for end in ends] if self.window else [0] * len(ends)
+        lists = [list(pairs), [0] * len(pairs), [filled[r // heads] for r in pairs]]
+        for _, pooled in chosen:
+            seen = entries_seen(ends, pooled.pool, behind)
+            lists.append([r * pooled.slots for r in pairs])
+            lists.append([min(seen[r // heads], pooled.pool.top_k) for r in pairs])
+        host = torch.tensor(lists).to(step.start.device)
+        zeros = host[1]
+        if self.window is not None:
+            step.window_heads = (host[0][:, None], zeros, host[2])
+        for n, (key, pooled) in enumerate(chosen):
+            base, hi = host[3 + 2 * n][:, None], host[4 + 2 * n]
+            table = torch.empty(
+                len(pairs), pooled.pool.top_k, dtype=torch.int64, device=zeros.device
+            )
+            step.top_k[key] = TopK(step.plans[key].seen, base, zeros, hi, table)
 
     def attend(self, step, store, layer, q, k, v, k_raw):
         pooled = self.layers.get(layer)

@@ -150,14 +150,6 @@ class PooledLayer:
         keys = store.key_codec.stored([view(p) for p in store.keys[0]])
         return keys, store.value_codec.stored([view(p) for p in store.values[0]])
 
-    def top_k_index(self, seen: torch.Tensor, origin: torch.Tensor, top_k: int) -> TopK:
-        """:class:`TopK` of a decode step whose rows see ``seen`` (B,) entries."""
-        heads, slots = self.spec.num_kv_heads, self.slots
-        pairs = torch.arange(seen.shape[0] * heads, device=seen.device)[:, None]
-        hi = seen.clamp(max=top_k).repeat_interleave(heads)
-        table = torch.empty(len(hi), top_k, dtype=torch.int64, device=seen.device)
-        return TopK(seen, pairs * slots, origin.repeat_interleave(heads), hi, table)
-
 
 def memory_lines(layers: list[PooledLayer]) -> dict[str, int]:
     """The memory report's lines of pooling layers: entries, buffers, queries."""

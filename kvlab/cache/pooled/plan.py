@@ -79,18 +79,24 @@ def plan_pooling(
     ``always`` (a cache that is not static, so its steps are never compiled: a compiled
     graph pools every step) the windows and where their tokens come from are left out of a
     step where no row closes one (3 of 4 decode steps of a CSA layer, 127 of 128 of an HCA
-    one: ~10 small ops)."""
+    one: ~10 small ops). A step of one token a row without a mask (decode through the
+    kernels) takes its slots and entries seen from the host lengths."""
     start, end = bounds
     steps, device = info.steps, start.device
-    positions = start[:, None] + torch.arange(steps, device=device)  # (B, T)
-    real = positions < end[:, None]
     pairs = zip(lengths, info.num_new, strict=True)
-    plan = PoolingPlan(
-        pools=any((n + k) // pool.ratio > n // pool.ratio for n, k in pairs),
-        buffer_slots=_ring_slots(positions, real, end, pool.span),
-        visible=None if read is None else visible_entries(info.positions, read, pool.ratio, behind),
-        seen=(end - behind).clamp(min=0) // pool.ratio,
-    )
+    pools = any((n + k) // pool.ratio > n // pool.ratio for n, k in pairs)
+    if steps == 1 and read is None:
+        plan = _one_token_fields(lengths, info.num_new, pool, behind, pools, device)
+    else:
+        positions = start[:, None] + torch.arange(steps, device=device)  # (B, T)
+        real = positions < end[:, None]
+        visible = None
+        if read is not None:
+            visible = visible_entries(info.positions, read, pool.ratio, behind)
+        seen = (end - behind).clamp(min=0) // pool.ratio
+        plan = PoolingPlan(pools, _ring_slots(positions, real, end, pool.span), visible, seen)
+        if pool.gate == "attention":
+            plan.query_slots = _ring_slots(positions, real, end, pool.observed)
     if plan.pools or always:
         count = -(-steps // pool.ratio)
         plan.windows = (start // pool.ratio)[:, None] + torch.arange(count, device=device)
@@ -100,8 +106,29 @@ def plan_pooling(
         if pool.gate == "attention":
             observed = observed_positions(plan.slots, pool)
             plan.query_sources = Sources(observed, start, pool.observed, steps)
+    return plan
+
+
+def entries_seen(ends: list[int], pool: LayerPooling, behind: int) -> list[int]:
+    """The entries a decode query sees in rows of ``ends`` tokens after the step: the
+    windows closed ``behind`` tokens ago or earlier (the host's ``PoolingPlan.seen``)."""
+    return [max(end - behind, 0) // pool.ratio for end in ends]
+
+
+def _one_token_fields(lengths, num_new, pool: LayerPooling, behind: int, pools: bool, device):
+    """A decode step's buffer slots, seen entries (and the attention gate's query slots)
+    worked out on the host, where the lengths are, in one copy (~8 small device ops
+    before): a row's new token at position n goes to slot n % ring of a ring, a row
+    without one to the trash slot."""
+    ends = [n + k for n, k in zip(lengths, num_new, strict=True)]
+    rings = [pool.span] + ([pool.observed] if pool.gate == "attention" else [])
+    slots = [
+        [n % ring if k else ring for n, k in zip(lengths, num_new, strict=True)] for ring in rings
+    ]
+    host = torch.tensor([entries_seen(ends, pool, behind), *slots]).to(device)
+    plan = PoolingPlan(pools, host[1][:, None], None, host[0])
     if pool.gate == "attention":
-        plan.query_slots = _ring_slots(positions, real, end, pool.observed)
+        plan.query_slots = host[2][:, None]
     return plan
 
 
