@@ -69,11 +69,95 @@ static float dot(const float *q, const void *key, int bf16, int64_t D) {
   return sum;
 }
 
+/* scores[j] = q . key j for j0 <= j < j1, key j at element at + j * s_slot: four keys at a
+ * time, each its own FMA chain, their four sums reduced together (vsum4, where one sum
+ * a key spent more on its reduction than on its products). A sum depends only on its own
+ * key's products, so an entry's score does not depend on the run it falls in. */
+static void score_keys(const float *q, const void *keys, int bf16, int64_t at, int64_t s_slot,
+                       int64_t j0, int64_t j1, int64_t D, float *scores) {
+  int64_t j = j0;
+#ifdef LANES
+  for (; D % LANES == 0 && j < j1; j += 4) {
+    const int64_t k0 = at + j * s_slot, k1 = k0 + s_slot, k2 = k1 + s_slot, k3 = k2 + s_slot;
+    const int n = j1 - j < 4 ? (int)(j1 - j) : 4; /* the run's last keys: fewer chains */
+    vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+    for (int64_t d = 0; d < D; d += LANES) {
+      const vec qd = vload_f32(q + d);
+      a0 = vfma(qd, vload(keys, bf16, k0 + d), a0);
+      if (n > 1) a1 = vfma(qd, vload(keys, bf16, k1 + d), a1);
+      if (n > 2) a2 = vfma(qd, vload(keys, bf16, k2 + d), a2);
+      if (n > 3) a3 = vfma(qd, vload(keys, bf16, k3 + d), a3);
+    }
+    if (n == 4) {
+      _mm_storeu_ps(scores + j, vsum4(a0, a1, a2, a3));
+    } else {
+      float sums[4];
+      _mm_storeu_ps(sums, vsum4(a0, a1, a2, a3));
+      for (int e = 0; e < n; e++) scores[j + e] = sums[e];
+    }
+  }
+#endif
+  for (; j < j1; j++) {
+    const int64_t element = at + j * s_slot;
+    const void *key = bf16 ? (const void *)((const uint16_t *)keys + element)
+                           : (const void *)((const float *)keys + element);
+    scores[j] = dot(q, key, bf16, D);
+  }
+}
+
+/* How many of the n scores are above `threshold` (sixteen compared at a time where the
+ * CPU has AVX-512). */
+static int64_t count_above(const float *scores, int64_t n, float threshold) {
+  int64_t j = 0, above = 0;
+#if LANES == 16
+  for (; j + 16 <= n; j += 16)
+    above += __builtin_popcount(
+        _mm512_cmp_ps_mask(_mm512_loadu_ps(scores + j), _mm512_set1_ps(threshold), _CMP_GT_OQ));
+#endif
+  for (; j < n; j++) above += scores[j] > threshold;
+  return above;
+}
+
+/* The numbers of the entries scored above `threshold` and of the first `ties` scored equal
+ * to it, in entry order, to kept[] (n of room); returns how many. With AVX-512 sixteen
+ * entries a step: compare masks, the equal ones past `ties` cleared, the numbers compressed
+ * in a register and stored whole (a compressing store to memory is microcoded on some
+ * CPUs; the store stays within kept[j + 16], since at most j of the first j are kept);
+ * else one entry a step without a branch (an entry's number is written at the count kept
+ * so far and counts only where kept). */
+static int64_t keep_entries(const float *scores, int64_t n, float threshold, int64_t ties,
+                            uint32_t *kept) {
+  int64_t j = 0, written = 0;
+#if LANES == 16
+  const __m512 t = _mm512_set1_ps(threshold);
+  __m512i number = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; j + 16 <= n; j += 16) {
+    const __m512 s = _mm512_loadu_ps(scores + j);
+    unsigned keep = _mm512_cmp_ps_mask(s, t, _CMP_GT_OQ);
+    unsigned equal = ties > 0 ? _mm512_cmp_ps_mask(s, t, _CMP_EQ_OQ) : 0;
+    for (; equal && ties > 0; ties--) { /* the lowest equal ones, one by one */
+      keep |= equal & -equal;
+      equal &= equal - 1;
+    }
+    _mm512_storeu_si512(kept + written, _mm512_maskz_compress_epi32((__mmask16)keep, number));
+    written += __builtin_popcount(keep);
+    number = _mm512_add_epi32(number, _mm512_set1_epi32(16));
+  }
+#endif
+  for (; j < n; j++) {
+    const int equal = scores[j] == threshold;
+    const int keep = (scores[j] > threshold) | (equal & (ties > 0));
+    ties -= equal & keep;
+    kept[written] = (uint32_t)j;
+    written += keep;
+  }
+  return written;
+}
+
 /* The table of pair r (top_k entries, base + j of the chosen j in entry order; the rest
  * base, past hi: never read) from its n scores, `work` n floats of scratch. Entries above
- * the k-th highest score are kept, then those equal to it in entry order until k are; the
- * kept entries' numbers go to `work` without a branch (entry j's number is stored at the
- * count kept so far, <= j, and counts only where kept). */
+ * the k-th highest score are kept, then those equal to it in entry order until k are
+ * (keep_entries, into `work`). */
 static void choose(const float *scores, int64_t n, int64_t top_k, int64_t base, float *work,
                    int64_t *table) {
   const int64_t k = n < top_k ? n : top_k;
@@ -81,16 +165,8 @@ static void choose(const float *scores, int64_t n, int64_t top_k, int64_t base, 
   if (k > 0) {
     uint32_t *kept = (uint32_t *)work;
     const float threshold = kth_highest(scores, n, k, kept);
-    int64_t above = 0;
-    for (int64_t j = 0; j < n; j++) above += scores[j] > threshold;
-    int64_t ties = k - above; /* entries equal to the threshold to keep */
-    for (int64_t j = 0; j < n; j++) {
-      const int equal = scores[j] == threshold;
-      const int keep = (scores[j] > threshold) | (equal & (ties > 0));
-      ties -= equal & keep;
-      kept[written] = (uint32_t)j;
-      written += keep;
-    }
+    const int64_t ties = k - count_above(scores, n, threshold); /* equal ones to keep */
+    written = keep_entries(scores, n, threshold, ties, kept);
     for (int64_t i = 0; i < written; i++) table[i] = base + kept[i];
   }
   for (; written < top_k; written++) table[written] = base;
@@ -128,12 +204,8 @@ static void top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64
       for (int64_t block = 0; block < blocks; block++) {
         const int64_t n = seen[r / H], at = r / H * s_row + r % H * s_head;
         const int64_t end = (block + 1) * SCORED < n ? (block + 1) * SCORED : n;
-        for (int64_t j = block * SCORED; j < end; j++) {
-          const int64_t element = at + j * s_slot;
-          const void *key = k_bf16 ? (const void *)((const uint16_t *)keys + element)
-                                   : (const void *)((const float *)keys + element);
-          scores[r * most + j] = dot(summed + r * D, key, k_bf16, D);
-        }
+        score_keys(summed + r * D, keys, k_bf16, at, s_slot, block * SCORED, end, D,
+                   scores + r * most);
       }
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < R; r++)
