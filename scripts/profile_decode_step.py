@@ -6,11 +6,17 @@ calls made a no-op (libc's ``labs``): what the Python and torch ops around the k
 a step (the outputs are garbage then; only the time counts). With ``--time``, also the
 ms a step spent in each named function or method (``module:Class.method``) over those
 stubbed generations, each one's prefill step included (a timer around each call, ~0.3 us).
+With ``--pollute MB``, also that Python time in steps whose every stubbed kernel call reads
+MB (a float a cache line, on every thread) from 32 such slices in turn, as the weights'
+stream does, minus the reads' own time: the weights evict the Python's working set from
+the caches, so the stubbed steps alone understate what the Python costs in a real step
+(the ``--time`` timers then cover these steps).
 
     python scripts/profile_decode_step.py --weights fp32,bf16,int8,int4 --depth 1024
     python scripts/profile_decode_step.py --weights fp32 --python-only
     python scripts/profile_decode_step.py --weights fp32 --cache int4 --depth 4096 \
         --python-only --time kvlab.cache.composed:ComposedCache.plan
+    python scripts/profile_decode_step.py --weights int4 --python-only --pollute 2
 """
 
 from __future__ import annotations
@@ -96,11 +102,68 @@ def timed_functions(paths: list[str]) -> dict[str, list[float]]:
     return totals
 
 
+STREAM_C = r"""
+#include <stdint.h>
+#include <time.h>
+static const float *buffer;
+static int64_t floats, slices, turn, calls;
+static double spent;
+volatile float stream_sink;
+static double now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+void stream_over(const float *data, int64_t slice_floats, int64_t count) {
+  buffer = data, floats = slice_floats, slices = count, turn = 0;
+}
+double stream_spent(void) { return spent; }
+int64_t stream_calls(void) { return calls; }
+void stream_reset(void) { spent = 0, calls = 0; }
+long stream_slice(void) { /* a stubbed kernel: the next slice read, a float a line */
+  const double start = now();
+  const float *slice = buffer + (turn++ % slices) * floats;
+  float sum = 0.f;
+#pragma omp parallel for reduction(+ : sum)
+  for (int64_t i = 0; i < floats; i += 16) sum += slice[i];
+  stream_sink = sum;
+  spent += now() - start;
+  calls++;
+  return 0;
+}
+"""
+
+
+def stream_stub(megabytes: float):
+    """The C library of ``STREAM_C`` built (with kvlab's compiler) and pointed at 32 slices
+    of ``megabytes`` each, and the buffer (kept alive by the caller)."""
+    import ctypes
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from kvlab.kernels import build
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "stream.c").write_text(STREAM_C)
+    command = [build._compiler(), "-O2", "-fopenmp", "-fPIC", "-shared", "stream.c", "-o", "s.so"]
+    subprocess.run(command, cwd=folder, check=True)
+    stream = ctypes.CDLL(str(folder / "s.so"))
+    stream.stream_spent.restype = ctypes.c_double
+    stream.stream_calls.restype = ctypes.c_int64
+    floats = int(megabytes * 2**20) // 4
+    buffer = torch.ones(32 * floats)
+    stream.stream_over(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_int64(floats), 32)
+    return stream, buffer
+
+
 def python_only_ms(name: str, prompt: list[int], args, rounds: int = 5) -> tuple:
-    """(real, stubbed) median ms a decode step, the kernels real then made no-ops (each a
-    function of its own: ``kernel()`` declares argument types on it; extra arguments to a C
-    function are harmless in the x86-64 calling convention), and {function: (ms a step,
-    calls a step)} over the stubbed steps for ``args.time``."""
+    """(real, stubbed, polluted) median ms a decode step: the kernels real, then made
+    no-ops (each a function of its own: ``kernel()`` declares argument types on it; extra
+    arguments to a C function are harmless in the x86-64 calling convention), then (with
+    ``args.pollute``, else None) made reads of ``args.pollute`` MB, their time taken off
+    (polluted: that ms and the reads a step); and {function: (ms a step, calls a step)}
+    over the last of those for ``args.time``."""
     import ctypes
 
     from kvlab.kernels import build
@@ -111,23 +174,35 @@ def python_only_ms(name: str, prompt: list[int], args, rounds: int = 5) -> tuple
     gen = GenerationConfig(args.steps + 1, stop_on_eos=False)
     engine.generate([prompt], gen)  # warm-up
 
-    def median_step() -> float:
+    def median_step(stream=None) -> float:
         times = []
         for _ in range(rounds):
             run = engine.stream([prompt], gen)
+            if stream is not None:
+                stream.stream_reset()
             for _ in run:
                 pass
-            times.append(sum(run.stats.step_s) * 1e3 / args.steps)
+            read = 0.0 if stream is None else stream.stream_spent()
+            times.append((sum(run.stats.step_s) - read) * 1e3 / args.steps)
         return sorted(times)[rounds // 2]
 
+    def stub(function) -> None:  # function(): a new function object each call
+        for kernel in STUBBED:
+            setattr(build.library(), kernel, function())
+        build.kernel.cache_clear()
+        fused_layer.weights_changed()  # the layers' plans take the stubs
+
     real = median_step()
-    for kernel in STUBBED:
-        setattr(build.library(), kernel, ctypes.CDLL(None).labs)
-    build.kernel.cache_clear()
-    fused_layer.weights_changed()  # the layers' plans take the no-ops
-    totals = timed_functions(args.time)
-    stubbed, steps = median_step(), rounds * args.steps
-    return real, stubbed, {f: (s * 1e3 / steps, n / steps) for f, (s, n) in totals.items()}
+    stub(lambda: ctypes.CDLL(None).labs)
+    totals = {} if args.pollute else timed_functions(args.time)
+    stubbed, steps, polluted = median_step(), rounds * args.steps, None
+    if args.pollute:
+        stream, _buffer = stream_stub(args.pollute)
+        stub(lambda: ctypes.CDLL(stream._name).stream_slice)
+        totals = timed_functions(args.time)
+        polluted = (median_step(stream), stream.stream_calls() / args.steps)
+    timed = {f: (s * 1e3 / steps, n / steps) for f, (s, n) in totals.items()}
+    return real, stubbed, polluted, timed
 
 
 def profile_steps(name: str, prompt: list[int], args) -> tuple[dict[str, list[float]], float]:
@@ -162,14 +237,19 @@ def main() -> None:
     parser.add_argument("--python-only", action="store_true")
     parser.add_argument("--time", default=[], type=lambda s: s.split(","),
                         help="with --python-only: module:Class.method,... to time")  # fmt: skip
+    parser.add_argument("--pollute", type=float, default=0.0,
+                        help="with --python-only: MB each stubbed kernel call reads")  # fmt: skip
     args = parser.parse_args()
     prompt = wikitext_prompt(args.depth)
     if args.python_only:  # one weight format: the no-ops stay in the process
         if len(args.weights) != 1:
             parser.error(f"--python-only takes one weight format, got {','.join(args.weights)}")
-        real, stubbed, timed = python_only_ms(args.weights[0], prompt, args)
+        real, stubbed, polluted, timed = python_only_ms(args.weights[0], prompt, args)
         print(f"{args.weights[0]} cache={args.cache} depth {args.depth}: {real:.2f} ms a step, "
               f"{stubbed:.2f} ms with every C kernel a no-op")  # fmt: skip
+        if polluted is not None:
+            print(f"  {polluted[0]:.2f} ms with every C kernel a read of {args.pollute:g} MB "
+                  f"({polluted[1]:.1f} a step), the reads' time taken off")  # fmt: skip
         for function, (ms, calls) in timed.items():
             print(f"  {function}: {ms:.3f} ms a step ({calls:.1f} calls)")
         return
