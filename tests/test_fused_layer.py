@@ -260,6 +260,48 @@ def test_fused_layer_kernel_attends_over_windows_and_pooled_entries_in_c(
 
 
 @needs_kernel
+def test_pooling_layers_in_c_follow_their_rows_as_requests_leave_and_join(
+    tiny_checkpoints, monkeypatch
+):
+    """Serving moves a cache's tensors as requests leave and join, while the batch can keep
+    its size: compressed's layers in the fused C call (whose descriptions are kept while
+    their tensors' addresses stay) give every request the tokens the op-by-op layers give
+    it, and the C call did serve them."""
+    from kvlab.config import ServingConfig
+    from kvlab.engine.clock import FakeClock
+    from kvlab.serving.server import serve
+    from tests.test_scheduler import row_bytes, trace
+
+    model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
+    options = {"csa_ratio": 2, "hca_ratio": 3, "window": 4, "sinks": 1, "top_k": 2}
+    requests = trace(model.config.vocab_size, outputs=(9, 6, 8, 7, 9), gap=0.2)
+    capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    budget = 3 * row_bytes(model, "compressed", options, capacity)
+    config = ServingConfig(kv_budget_bytes=budget, chunk=4)
+
+    def served() -> list[list[int]]:
+        cache = build_cache("compressed", model.cache_spec(), options)
+        result = serve(model, cache, requests, config, FakeClock())
+        assert max(n for _, _, n in result.timeline) >= 2  # requests did run together
+        return [seq.output for seq in result.seqs]
+
+    taken = []
+    original = fused_layer.FusedDecode._with_cached_attention
+
+    def counted(self, *args):
+        taken.append(self.layer)
+        return original(self, *args)
+
+    monkeypatch.setattr(fused_layer.FusedDecode, "_with_cached_attention", counted)
+    with torch.inference_mode():
+        fused = served()
+        with monkeypatch.context() as patch:
+            patch.setattr(llama, "fused_plan", lambda layer: None)
+            assert served() == fused
+    assert taken
+
+
+@needs_kernel
 def test_fused_layer_kernel_leaves_the_attention_to_a_pinned_backend(tiny_checkpoints, monkeypatch):
     """A backend pinned with ``use_backend`` (the reference, the GPU ones on CPU tensors)
     serves the attention: the fused layer does not take it into its C call."""

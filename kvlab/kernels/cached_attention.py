@@ -63,12 +63,13 @@ class CachedAttention:
 
     def __init__(
         self, written, reads: list[tuple[Stored, Stored, int]], batch: int, group: int,
-        step: int, pooling: Pooling | None = None,
+        step: int, pooling: Pooling | None = None, key: tuple | None = None,
     ):  # fmt: skip
         keys, values = written
         blocks, heads, slots, dim = keys.shape
         self.tensors = _tensors(written, reads, pooling)  # kept alive: structs point into them
         self.pointers = tuple(t.data_ptr() for t in self.tensors)
+        self.key = key  # the caller's name for these tensors where they are (see holds)
         self.queries = torch.empty(batch, heads, group, dim, dtype=torch.float32)
         per_head = pooling is not None and pooling.top_k > 0
         queries = self.queries.view(batch * heads, 1, group, dim) if per_head else self.queries
@@ -114,15 +115,22 @@ class CachedAttention:
             and kernel_available()
         )
 
-    def holds(self, written, reads, batch: int, pooling: Pooling | None = None) -> bool:
+    def holds(
+        self, written, reads, batch: int, pooling: Pooling | None = None, key: tuple | None = None
+    ) -> bool:
         """Whether it was built over these tensors, still where they were, for ``batch``
-        rows (and the same top-k)."""
+        rows (and the same top-k). ``key``: the caller's name for every tensor it hands
+        over, which changes whenever one of them moves (a pooling layer's addresses, see
+        ``pooled/decode.py``): the same key stands for the same addresses, unread."""
         top_k = None if pooling is None else pooling.top_k
         return (
             self.queries.shape[0] == batch
             and (pooling is None) == (self.pooling is None)
             and top_k == (None if self.pooling is None else self.pooling.top_k)
-            and tuple(map(DATA_PTR, _tensors(written, reads, pooling))) == self.pointers
+            and (
+                (key is not None and key == self.key)
+                or tuple(map(DATA_PTR, _tensors(written, reads, pooling))) == self.pointers
+            )
         )
 
     def work_floats(self, widths: tuple[int, ...]) -> int:
@@ -168,19 +176,23 @@ class LayerAttentions:
         self.pointers: list[int] = []
         self.pooling_fits: tuple = (None, [])  # (batch, a step's pooling indices) found to fit
 
-    def at(self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None):
+    def at(
+        self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None, key=None
+    ):  # fmt: skip
         """The address of ``layer``'s cached attention this step (see
         :class:`CachedAttention`; ``bounds``: (table, lo, hi) per read; ``pooling``: a
-        :class:`Pooling`), or None where the tensors do not fit it."""
+        :class:`Pooling`; ``key``: see :meth:`CachedAttention.holds`), or None where the
+        tensors do not fit it."""
         if not self._point_at(bounds):
             return None
         if pooling is not None and not self._pooling_fits(pooling, batch):
             return None
         cached = self.layers[layer] if layer < len(self.layers) else None
-        if cached is None or not cached.holds(written, reads, batch, pooling):
+        if cached is None or not cached.holds(written, reads, batch, pooling, key):
             if not CachedAttention.serves(written, reads, pooling):
                 return None
-            cached = CachedAttention(written, reads, batch, group, self.step_address, pooling)
+            step = self.step_address
+            cached = CachedAttention(written, reads, batch, group, step, pooling, key)
             self.layers += [None] * (layer + 1 - len(self.layers))
             self.layers[layer] = cached
         if len(bounds) != len(cached.rings):
@@ -233,11 +245,15 @@ class LayerAttentions:
         self.bounds_list = bounds
         return True
 
-    def fused(self, layer: int, written, reads, group: int, bounds, blocks, slots, pooling=None):
+    def fused(
+        self, layer: int, written, reads, group: int, bounds, blocks, slots, pooling=None,
+        key=None,
+    ):  # fmt: skip
         """What a store's ``fused_attention`` returns: (address, blocks, slots, dtype), the
         step's rows going to slot ``slots[b]`` of block ``blocks[b]`` (int64, (B, 1)) of
-        ``written``; None where something does not fit."""
+        ``written``; None where something does not fit. (``key``: see :meth:`at`.)"""
         if not (index_applies(blocks) and index_applies(slots)):
             return None
-        address = self.at(layer, written, reads, group, bounds, blocks.shape[0], pooling)
+        batch = blocks.shape[0]
+        address = self.at(layer, written, reads, group, bounds, batch, pooling, key)
         return None if address is None else (address, blocks, slots, written[0].dtype)

@@ -53,9 +53,9 @@ def fused_attention(step, store, layer: int, pooled: PooledLayer, window):
     bounds, shared = _step_parts(step, key, pooled)
     pooling = Pooling(raw, shared.raw_at, entries, shared.closing, shared.top_k, shared.seen,
                       shared.base, shared.table)  # fmt: skip
-    where = window_step.where
+    where, addresses = window_step.where, pooled.fused_reads[0]  # (of every tensor handed over)
     return pooled.attentions.fused(
-        layer, ring, reads, group, bounds, where.rows, where.slots, pooling
+        layer, ring, reads, group, bounds, where.rows, where.slots, pooling, addresses
     )
 
 
@@ -106,8 +106,10 @@ def _parts(pooled: PooledLayer, ring, entries, per_head: bool) -> tuple[list, tu
     """The jobs' stores (entries, then the window) and the raw buffers (keys, values), kept
     while their tensors stay (views and Stored records cost more Python than the rest of a
     step's description). Per head: every (row, KV head) a row of one head, each entry a
-    block of one slot."""
-    key = (per_head, pooled.raw.data_ptr(), *(t.data_ptr() for t in (*ring, *entries)))
+    block of one slot. Their key: the addresses of every tensor they hold (the raw values'
+    through the buffer's first stride)."""
+    raw = pooled.raw
+    key = (per_head, raw.data_ptr(), raw.stride(0), *(t.data_ptr() for t in (*ring, *entries)))
     if pooled.fused_reads[0] != key:
         dim = pooled.spec.head_dim
         window = [Stored(part) for part in ring]
