@@ -202,10 +202,9 @@ def test_fused_layer_kernel_takes_its_chunks_from_the_span(
     assert taken and 8 in chosen
 
 
-def fused_equals_op_by_op(model, steps: int, cache: str, options: dict, runs, monkeypatch):
-    """Asserts that generations of ``steps`` tokens from each of ``runs`` (lists of prompts)
-    give the op-by-op layers' logits bit for bit; returns the layers of each decode step
-    the cache handed to the fused layer's C call."""
+def counting_fused_layers(monkeypatch) -> list:
+    """The layers whose decode steps the fused layer's C call serves from now on, one entry
+    a layer step (the list grows as they run)."""
     taken = []
     original = fused_layer.FusedDecode._with_cached_attention
 
@@ -214,6 +213,14 @@ def fused_equals_op_by_op(model, steps: int, cache: str, options: dict, runs, mo
         return original(self, *args)
 
     monkeypatch.setattr(fused_layer.FusedDecode, "_with_cached_attention", counted)
+    return taken
+
+
+def fused_equals_op_by_op(model, steps: int, cache: str, options: dict, runs, monkeypatch):
+    """Asserts that generations of ``steps`` tokens from each of ``runs`` (lists of prompts)
+    give the op-by-op layers' logits bit for bit; returns the layers of each decode step
+    the cache handed to the fused layer's C call."""
+    taken = counting_fused_layers(monkeypatch)
     with torch.inference_mode():
         fused = [decode_logits(model, steps, cache, prompts, **options) for prompts in runs]
         with monkeypatch.context() as patch:
@@ -285,14 +292,7 @@ def test_pooling_layers_in_c_follow_their_rows_as_requests_leave_and_join(
         assert max(n for _, _, n in result.timeline) >= 2  # requests did run together
         return [seq.output for seq in result.seqs]
 
-    taken = []
-    original = fused_layer.FusedDecode._with_cached_attention
-
-    def counted(self, *args):
-        taken.append(self.layer)
-        return original(self, *args)
-
-    monkeypatch.setattr(fused_layer.FusedDecode, "_with_cached_attention", counted)
+    taken = counting_fused_layers(monkeypatch)
     with torch.inference_mode():
         fused = served()
         with monkeypatch.context() as patch:
