@@ -134,7 +134,7 @@ class Pooled(Policy):
         if not chosen:
             return
         pairs = range(len(ends) * heads)
-        filled = [min(end, store.trash) for end in ends] if self.window else [0] * len(ends)
+        filled = store.filled(ends) if self.window else [0] * len(ends)
         lists = [list(pairs), [0] * len(pairs), [filled[r // heads] for r in pairs]]
         for _, pooled in chosen:
             seen = entries_seen(ends, pooled.pool, behind)

@@ -97,8 +97,7 @@ class Window(Policy):
         rows = zip(lengths, ends, strict=True)
         kept = [n < end and (n < sinks or n >= end - held) for n, end in rows]
         device = info.positions.device
-        filled = [min(end, store.trash) for end in ends]
-        start, end, filled = torch.tensor([list(lengths), ends, filled]).to(device)
+        start, end, filled = torch.tensor([list(lengths), ends, store.filled(ends)]).to(device)
         where = store.place_one(list(lengths), kept, device)
         kept = torch.tensor(kept).to(device)[:, None]  # (B, 1)
         origin = torch.zeros_like(start)

@@ -94,6 +94,11 @@ class RingStore(ContiguousStore):
         rows = torch.arange(len(lengths), device=slots.device)[:, None]  # (B, 1)
         return RingWrite(torch.where(real, self.slot_of(slots), self.trash), rows, slots)
 
+    def filled(self, ends: list[int]) -> list[int]:
+        """Slots holding a token in rows of ``ends`` tokens (the ring's, without the trash
+        slot, once a row outgrows it)."""
+        return [min(end, self.trash) for end in ends]
+
     def place_one(self, positions: list[int], kept: list[bool], device) -> RingWrite:
         """:meth:`place` for a step of one token a row, from the host: row b's token at
         ``positions[b]``, kept by the ring where ``kept[b]`` (else the trash slot)."""
