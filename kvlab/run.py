@@ -26,6 +26,7 @@ from kvlab.engine.compile_choice import compile_choice
 from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
 from kvlab.eval import run_evals
 from kvlab.kernels.attention import use_backend
+from kvlab.kernels.huge_pages import huge_bytes, move_to_huge_pages
 from kvlab.models import load_model
 from kvlab.models.cpu_kernels import prepack_linears
 from kvlab.models.llama import Decoder
@@ -55,11 +56,14 @@ def load_run_model(
     model_cfg: ModelConfig, quant: QuantConfig, device: torch.device
 ) -> tuple[Decoder, Any]:
     """The run's model, its weights quantized; bf16 linear layers left in full precision
-    are prepacked for the CPU afterwards (quantized layers bring their own kernels)."""
+    are prepacked for the CPU afterwards (quantized layers bring their own kernels), then
+    the CPU weights move onto huge pages (``model.huge_pages``)."""
     dtype = resolve_dtype(model_cfg.dtype, device)
     model, tokenizer = load_model(model_cfg.source, dtype, device, cpu_prepack=False)
     quantize_(model, quant.name, quant.options)
     prepack_linears(model)
+    weights = move_to_huge_pages(model) if model_cfg.huge_pages else None
+    model.huge_page_bytes = 0 if weights is None else huge_bytes(weights)
     return model, tokenizer
 
 
@@ -188,6 +192,7 @@ def _model_facts(model: Decoder) -> dict[str, Any]:
     weight = model.embed_tokens.weight
     return {
         "weight_bytes": weight_bytes(model),
+        "weight_huge_page_bytes": getattr(model, "huge_page_bytes", 0),
         "device": str(weight.device),
         "dtype": str(weight.dtype).removeprefix("torch."),
     }
