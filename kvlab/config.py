@@ -28,7 +28,7 @@ class ModelConfig:
     source: str = "smollm2-135m"
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: CUDA when present
-    huge_pages: bool = True  # CPU weights on 2 MiB pages where the OS gives them
+    huge_pages: bool = True  # CPU weights and KV on 2 MiB pages where the OS gives them
 
     def __post_init__(self) -> None:
         _require(bool(self.source), "model.source", self.source, "a non-empty model name or path")

@@ -64,6 +64,7 @@ def load_run_model(
     prepack_linears(model)
     weights = move_to_huge_pages(model) if model_cfg.huge_pages else None
     model.huge_page_bytes = 0 if weights is None else huge_bytes(weights)
+    model.huge_pages = weights is not None  # its caches' stores allocate on them too
     return model, tokenizer
 
 

@@ -4,6 +4,7 @@ reads the moved copy (the fused plans taken before the move are dropped)."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from kvlab.cache import build_cache
 from kvlab.config import ModelConfig, QuantConfig
 from kvlab.kernels import huge_pages
 from kvlab.run import load_run_model
+from tests.test_cache_contract import LOSSY, STRATEGIES, prompts, step_logits
 
 needs_thp = pytest.mark.skipif(not huge_pages.supported(), reason="no transparent huge pages")
 
@@ -75,3 +77,42 @@ def test_a_run_model_moves_its_weights_only_when_asked(tiny_checkpoints):
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_decode_logits(moved, ids), _decode_logits(plain, ids),
                                rtol=0, atol=0)  # fmt: skip
+
+
+@needs_thp
+def test_zeros_are_zero_views_of_one_mapping_each_on_a_cache_line():
+    layout = [((3, 5, 7), torch.float32), ((9,), torch.bfloat16), ((1024, 1024), torch.int32)]
+    parts = huge_pages.zeros(layout, "cpu")
+    assert [(tuple(p.shape), p.dtype) for p in parts] == layout
+    assert all(p.is_contiguous() and not p.any() for p in parts)
+    assert len({p.untyped_storage().data_ptr() for p in parts}) == 1
+    assert all(p.data_ptr() % huge_pages.ALIGN == 0 for p in parts)
+    small = huge_pages.zeros([((4,), torch.float32)], "cpu")[0]  # under a page: torch's own
+    assert small.untyped_storage().nbytes() == 16 and not small.any()
+
+
+@needs_thp
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_cache_on_huge_pages_decodes_as_one_on_torchs_memory(name, tiny_llama, monkeypatch):
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)  # the tiny model's caches are small
+    prompt = prompts(tiny_llama.config.vocab_size)[0]
+    spec = tiny_llama.cache_spec()
+    runs = []
+    for huge in (False, True):
+        monkeypatch.setattr(tiny_llama, "cache_spec", lambda h=huge: replace(spec, huge_pages=h))
+        runs.append(step_logits(tiny_llama, name, prompt, steps=8, options=LOSSY[name]))
+    (plain, plain_tokens), (huge, huge_tokens) = runs
+    assert huge_tokens == plain_tokens
+    torch.testing.assert_close(huge, plain, rtol=0, atol=0)
+
+
+@needs_thp
+def test_a_store_on_huge_pages_holds_its_layers_in_one_mapping(tiny_llama, monkeypatch):
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)
+    for name in ("full", "int4", "paged"):
+        cache = build_cache(name, replace(tiny_llama.cache_spec(), huge_pages=True), LOSSY[name])
+        cache.allocate(2, 64)
+        store = cache.store
+        parts = [p for layer in store.keys + store.values for p in layer]
+        assert len({p.untyped_storage().data_ptr() for p in parts}) == 1, name
+        assert not any(p.any() for p in parts), name

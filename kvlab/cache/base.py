@@ -35,6 +35,7 @@ class CacheSpec:
     dtype: torch.dtype
     device: torch.device
     model_id: str = ""  # the model's fingerprint: what a learned strategy was fitted to
+    huge_pages: bool = False  # CPU stores allocate on 2 MiB pages (kernels.huge_pages)
 
 
 @dataclass

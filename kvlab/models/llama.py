@@ -130,6 +130,7 @@ class Decoder(nn.Module):
             weight.dtype,
             weight.device,
             self.fingerprint(),
+            getattr(self, "huge_pages", False),  # set by kvlab.run.load_run_model
         )
 
     def fingerprint(self) -> str:

@@ -18,7 +18,7 @@ import torch
 
 from kvlab.cache.base import CacheSpec, RowState
 from kvlab.cache.codecs import Codec
-from kvlab.kernels import Segment
+from kvlab.kernels import Segment, huge_pages
 
 
 class Store(ABC):
@@ -150,3 +150,14 @@ class Store(ABC):
 def parts_bytes(parts: Sequence[torch.Tensor]) -> int:
     """Bytes of a list of tensors."""
     return sum(t.numel() * t.element_size() for t in parts)
+
+
+def allocate_parts(
+    spec: CacheSpec, layout: Sequence[tuple[tuple[int, ...], torch.dtype]]
+) -> list[torch.Tensor]:
+    """Zero tensors of ``layout``'s (shape, dtype)s on the spec's device: where the spec
+    asks for huge pages, one mapping's views (:func:`kvlab.kernels.huge_pages.zeros`), so
+    decode streams the cache as it streams the weights."""
+    if spec.huge_pages:
+        return huge_pages.zeros(layout, spec.device)
+    return [torch.zeros(shape, dtype=t, device=spec.device) for shape, t in layout]
