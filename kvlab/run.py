@@ -26,7 +26,7 @@ from kvlab.engine.compile_choice import compile_choice
 from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
 from kvlab.eval import run_evals
 from kvlab.kernels.attention import use_backend
-from kvlab.kernels.huge_pages import huge_bytes, move_to_huge_pages
+from kvlab.kernels.huge_pages import put_on_huge_pages
 from kvlab.models import load_model
 from kvlab.models.cpu_kernels import prepack_linears
 from kvlab.models.llama import Decoder
@@ -62,9 +62,8 @@ def load_run_model(
     model, tokenizer = load_model(model_cfg.source, dtype, device, cpu_prepack=False)
     quantize_(model, quant.name, quant.options)
     prepack_linears(model)
-    weights = move_to_huge_pages(model) if model_cfg.huge_pages else None
-    model.huge_page_bytes = 0 if weights is None else huge_bytes(weights)
-    model.huge_pages = weights is not None  # its caches' stores allocate on them too
+    if model_cfg.huge_pages:
+        put_on_huge_pages(model)
     return model, tokenizer
 
 
@@ -193,7 +192,7 @@ def _model_facts(model: Decoder) -> dict[str, Any]:
     weight = model.embed_tokens.weight
     return {
         "weight_bytes": weight_bytes(model),
-        "weight_huge_page_bytes": getattr(model, "huge_page_bytes", 0),
+        "weight_huge_page_bytes": model.huge_page_bytes,
         "device": str(weight.device),
         "dtype": str(weight.dtype).removeprefix("torch."),
     }

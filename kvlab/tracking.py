@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvlab.kernels import huge_pages
 from kvlab.threads import threads_source
 
 RESULT_FILE = "result.json"
@@ -122,6 +123,7 @@ def environment() -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...
         "cpu_kernels": _cpu_kernels(),
+        "transparent_huge_pages": huge_pages.mode(),  # the OS's; kvlab advises its own maps
         "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "hostname": platform.node(),

@@ -34,6 +34,7 @@ from kvlab.cache import cache_factory
 from kvlab.data import wikitext2_test_text
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.engine.timing import percentile
+from kvlab.kernels.huge_pages import put_on_huge_pages, summary
 from kvlab.models import resolve_checkpoint
 from kvlab.quant import quantize_
 from kvlab.run import compose_run_config, load_run_model
@@ -98,6 +99,9 @@ def load_weights(weights: Weights, head: str = "gguf") -> torch.nn.Module:
     model = load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
     if head == "gguf" and weights.quant != "none":
         quantize_(model, "rtn", {"bits": 8, "skip": []})  # only the head is a plain linear now
+        if model.huge_pages:
+            put_on_huge_pages(model)  # the new head too, as the run moved the rest
+    print(f"kvlab {weights.name}: {summary(model)}", flush=True)
     return model
 
 

@@ -26,6 +26,7 @@ from bench_vs_llamacpp import wikitext_prompt  # scripts/, beside it
 
 from kvlab.cache import cache_factory
 from kvlab.engine import Engine, GenerationConfig
+from kvlab.kernels.huge_pages import summary
 from kvlab.run import compose_run_config, load_run_model
 from kvlab.tracking import environment
 
@@ -75,6 +76,7 @@ def main() -> None:
         engines = {}
         for spec in formats:
             model = load(spec, args.dtype)
+            print(f"{spec}: {summary(model)}", flush=True)
             engines[spec] = Engine(model, cache_factory("full", model, {})(static=False))
             engines[spec].generate([prompt[:600]], GenerationConfig(4, stop_on_eos=False))
         times = interleaved_steps(engines, prompt, args.steps, args.rounds)

@@ -34,15 +34,22 @@ MIN_BYTES = HUGE_PAGE  # zeros() maps what fills at least this much, torch alloc
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
+def mode() -> str | None:
+    """The OS's transparent huge page setting (``always``, ``madvise``, ``never``), None
+    where there is none to read."""
+    try:
+        text = _THP.read_text()
+    except OSError:
+        return None
+    return text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
+
+
 def supported() -> bool:
     """Whether this OS can back an advised mapping with huge pages: Linux with transparent
     huge pages not ``never``."""
     if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
-    try:
-        return "[never]" not in _THP.read_text()
-    except OSError:
-        return False
+    return mode() not in (None, "never")
 
 
 def empty(nbytes: int) -> torch.Tensor:
@@ -140,6 +147,23 @@ def move_to_huge_pages(module: nn.Module) -> torch.Tensor | None:
             owner._buffers[name] = moved
     weights_changed()
     return arena
+
+
+def put_on_huge_pages(model: nn.Module) -> None:
+    """:func:`move_to_huge_pages`, and what came of it, on the model: ``huge_pages`` (its
+    caches' stores then allocate on huge pages too, ``Decoder.cache_spec``) and
+    ``huge_page_bytes`` (what the OS backed)."""
+    arena = move_to_huge_pages(model)
+    model.huge_pages = arena is not None
+    model.huge_page_bytes = 0 if arena is None else huge_bytes(arena)
+
+
+def summary(model: nn.Module) -> str:
+    """How much of ``model``'s weights lie on huge pages, for a benchmark's header."""
+    from kvlab.engine.metrics import weight_bytes
+
+    held = getattr(model, "huge_page_bytes", 0)  # 0 for a module no run loaded
+    return f"{held / 2**20:.0f} of {weight_bytes(model) / 2**20:.0f} MiB of weights on 2 MiB pages"
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

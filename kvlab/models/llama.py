@@ -118,6 +118,8 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
+        self.huge_pages = False  # weights on huge pages, its caches too (kernels.huge_pages)
+        self.huge_page_bytes = 0
 
     def cache_spec(self) -> CacheSpec:
         """Shapes, dtype and device a cache strategy needs to serve this model."""
@@ -130,7 +132,7 @@ class Decoder(nn.Module):
             weight.dtype,
             weight.device,
             self.fingerprint(),
-            getattr(self, "huge_pages", False),  # set by kvlab.run.load_run_model
+            self.huge_pages,
         )
 
     def fingerprint(self) -> str:
