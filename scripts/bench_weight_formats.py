@@ -13,6 +13,13 @@ of its own (a shared machine's bandwidth moves between windows):
 
     python scripts/bench_weight_formats.py --depth 1024 \
         --formats none@float32,none@bfloat16,rtn_int8:head,rtn_int4_g32_asym:head
+
+``:4k`` leaves the format's weights and its cache on torch's memory (4 KiB pages where THP
+is ``madvise``) instead of huge pages (``model.huge_pages``, kvlab/kernels/huge_pages.py),
+in turns with the same format on huge pages; ``--cache`` names the KV strategy:
+
+    python scripts/bench_weight_formats.py --depth 4096 --cache full \
+        --formats none@float32,none:4k@float32
 """
 
 from __future__ import annotations
@@ -30,14 +37,19 @@ from kvlab.kernels.huge_pages import summary
 from kvlab.run import compose_run_config, load_run_model
 from kvlab.tracking import environment
 
+EXTRAS = {"head": "+quant.options.skip=[]", "4k": "model.huge_pages=false"}
+
 
 def load(spec: str, dtype: str) -> torch.nn.Module:
-    """The model for ``spec`` (``preset[:head][@dtype]``), in ``dtype`` unless it names one
-    (the run config refuses a dtype it does not know, naming ``model.dtype``)."""
+    """The model for ``spec`` (``preset[:head][:4k][@dtype]``), in ``dtype`` unless it names
+    one (the run config refuses a dtype it does not know, naming ``model.dtype``)."""
     spec, _, own_dtype = spec.partition("@")
-    preset, _, extra = spec.partition(":")
+    preset, *extras = spec.split(":")
+    unknown = sorted(set(extras) - set(EXTRAS))
+    if unknown:
+        raise SystemExit(f"--formats: {spec!r} asks for {unknown}; allowed: {sorted(EXTRAS)}")
     overrides = [f"quant={preset}", f"model.dtype={own_dtype or dtype}"]
-    overrides += ["+quant.options.skip=[]"] if extra == "head" else []
+    overrides += [EXTRAS[extra] for extra in extras]
     cfg = compose_run_config(overrides)
     return load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
 
@@ -67,6 +79,7 @@ def main() -> None:
     parser.add_argument("--formats", default="none,rtn_int8,rtn_int8_w8a8")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--depth", type=int, default=1024)
+    parser.add_argument("--cache", default="full", help="the KV strategy every format runs")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -77,12 +90,13 @@ def main() -> None:
         for spec in formats:
             model = load(spec, args.dtype)
             print(f"{spec}: {summary(model)}", flush=True)
-            engines[spec] = Engine(model, cache_factory("full", model, {})(static=False))
+            engines[spec] = Engine(model, cache_factory(args.cache, model, {})(static=False))
             engines[spec].generate([prompt[:600]], GenerationConfig(4, stop_on_eos=False))
         times = interleaved_steps(engines, prompt, args.steps, args.rounds)
     env = environment()
-    print(f"decode at depth {args.depth}, {args.dtype} activations (unless a format says), "
-          f"{args.steps} steps x {args.rounds} rounds interleaved; {env['cpu']}, "
+    print(f"decode at depth {args.depth}, cache {args.cache}, {args.dtype} activations "
+          f"(unless a format says), {args.steps} steps x {args.rounds} rounds interleaved; "
+          f"{env['cpu']}, "
           f"{torch.get_num_threads()} threads, "
           f"torch {env['torch']}\n")  # fmt: skip
     print(f"| format | ITL p50 ms | ITL / {formats[0]} (median of per-step ratios) |")
