@@ -4,7 +4,10 @@
  * rounds of 5 steps) and the bandwidth it means. With "between", an OpenMP region that
  * sums 1000 numbers runs before each layer's first matrix, as attention's regions run in a
  * decode step (its own time is not counted). int4: groups of 32 with bf16 scales and
- * offsets (~66 MB). Not a test; build against kvlab's library:
+ * offsets (~66 MB). With HUGE=1 in the environment the weights lie in one mapping advised
+ * MADV_HUGEPAGE before first touch, as kvlab/kernels/huge_pages.py places a run's weights
+ * (else aligned_alloc's, on 4 KiB pages where THP is "madvise"). Not a test; build against
+ * kvlab's library:
  *
  *   lib=$(python -c 'from kvlab.kernels import build; print(build.library()._name)')
  *   gcc -O2 -march=native -fopenmp gemv_stack.c -o gemv_stack "$lib" -Wl,-rpath,"$(dirname "$lib")"
@@ -16,7 +19,28 @@
 #include <string.h>
 #include <time.h>
 
+#include <sys/mman.h>
+
 #include "timing.h"
+
+/* n bytes for a weight matrix: from aligned_alloc, or with HUGE=1 from one mapping advised
+ * for 2 MiB pages (1 GiB reserved, bumped 64 bytes at a time). */
+static void *weights_alloc(size_t n) {
+  static char *arena = NULL;
+  static size_t used = 0;
+  const char *huge = getenv("HUGE");
+  if (huge == NULL || *huge == '\0' || *huge == '0') return aligned_alloc(64, n);
+  if (arena == NULL) {
+    const size_t size = (size_t)1 << 30, page = (size_t)2 << 20;
+    char *p = mmap(NULL, size + page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+    arena = (char *)(((uintptr_t)p + page - 1) & ~(uintptr_t)(page - 1));
+    madvise(arena, size, MADV_HUGEPAGE);
+  }
+  void *at = arena + used;
+  used += (n + 63) / 64 * 64;
+  return at;
+}
 
 void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, const void *bias, int bias_bf16,
@@ -49,11 +73,11 @@ int main(int argc, char **argv) {
   for (int i = 0; i < 120; i++) {
     const int64_t count = shapes[i % 4][0] * shapes[i % 4][1];
     const int64_t n = int4 ? count / 2 : count * size, groups = count / 32;
-    w[i] = aligned_alloc(64, n);
+    w[i] = weights_alloc(n);
     for (int64_t j = 0; j < n; j++) ((uint8_t *)w[i])[j] = (uint8_t)(j * 37 + i);
     bytes += n;
     if (!int4) continue;
-    so[i] = aligned_alloc(64, 4 * groups); /* a bf16 scale and offset a group */
+    so[i] = weights_alloc(4 * groups); /* a bf16 scale and offset a group */
     for (int64_t j = 0; j < 2 * groups; j++) ((uint16_t *)so[i])[j] = 0x3c00;
     bytes += 4 * groups;
   }
