@@ -19,6 +19,7 @@ tokens is another 190 MB a step).
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import sys
@@ -55,12 +56,36 @@ def supported() -> bool:
 def empty(nbytes: int) -> torch.Tensor:
     """``nbytes`` uint8 in a private anonymous mapping advised for huge pages before any
     page of it is touched, its first byte on a 2 MiB boundary; the mapping lives as long
-    as the tensor or any view of it."""
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)
+    as the tensor or any view of it. The slack around it is made inaccessible, which also
+    keeps the kernel from merging the mapping with a neighbour, so :func:`huge_bytes`
+    counts this mapping's pages alone."""
+    page = mmap.PAGESIZE
+    span = -(-nbytes // page) * page
+    region = mmap.mmap(-1, span + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` alive
-    skip = -whole.data_ptr() % HUGE_PAGE
+    base = whole.data_ptr()
+    skip = -(base + page) % HUGE_PAGE + page  # at least one page of slack before
+    _guard(base, skip)
+    _guard(base + skip + span, len(region) - skip - span)
+    _advise(base + skip, span)
     return whole[skip : skip + nbytes]
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    for name in ("mprotect", "madvise"):
+        getattr(libc, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def _guard(address: int, length: int) -> None:
+    """No access to [address, address + length): a mapping of its own."""
+    if length > 0:
+        _libc().mprotect(address, length, 0)  # PROT_NONE; where it fails, only merging
+
+
+def _advise(address: int, length: int) -> None:
+    _libc().madvise(address, length, mmap.MADV_HUGEPAGE)
 
 
 def zeros(
