@@ -20,6 +20,7 @@ tokens is another 190 MB a step).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import sys
@@ -71,6 +72,7 @@ def empty(nbytes: int) -> torch.Tensor:
     return whole[skip : skip + nbytes]
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     for name in ("mprotect", "madvise"):
