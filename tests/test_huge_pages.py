@@ -43,6 +43,21 @@ def test_a_move_keeps_values_ties_and_views():
 
 
 @needs_thp
+def test_a_second_move_takes_only_the_bytes_still_used():
+    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256))
+    huge_pages.move_to_huge_pages(model)
+    model[1] = nn.Linear(512, 128)  # replaced after the move (a quantizer's swap)
+    model.register_buffer("rows", model[0].weight.detach()[:7])  # a view in the old mapping
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    arena = huge_pages.move_to_huge_pages(model)  # reads none of the old mapping's slack
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    used = sum(t.numel() * t.element_size() for t in model.parameters())  # rows: a view
+    assert used <= arena.numel() <= used + 8 * huge_pages.ALIGN
+    assert model.rows.data_ptr() == model[0].weight.data_ptr()
+
+
+@needs_thp
 def test_huge_bytes_count_one_mapping_not_its_neighbours():
     arenas = [huge_pages.empty(4 << 20).fill_(1) for _ in range(3)]  # touched: backed
     assert all(0 <= huge_pages.huge_bytes(a) <= a.numel() for a in arenas)

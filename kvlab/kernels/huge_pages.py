@@ -143,37 +143,65 @@ def _movable(t: torch.Tensor | None) -> bool:
         and type(t) in (torch.Tensor, nn.Parameter)
         and t.is_cpu
         and t.layout == torch.strided
+        and t.numel() > 0
     )
 
 
 def move_to_huge_pages(module: nn.Module) -> torch.Tensor | None:
-    """Every CPU parameter and buffer of ``module`` into one mapping from :func:`empty`
-    (a storage shared by several tensors moves once, so ties and views stay shared);
+    """Every CPU parameter and buffer of ``module`` into one mapping from :func:`empty`;
     returns that mapping's bytes, or None where huge pages are not supported or nothing is
-    on the CPU. The fused decode plans, which hold the old addresses, are dropped."""
+    on the CPU. What moves is the bytes the tensors use, each storage's overlapping uses
+    as one piece, so ties and views stay shared, and a storage used only in part (a
+    mapping of an earlier move, holding what is still used of it) moves only that part.
+    The fused decode plans, which hold the old addresses, are dropped."""
     if not supported():
         return None
     from kvlab.models.fused_layer import weights_changed
 
     entries = [(o, name, _Geometry(t), t.untyped_storage()) for o, name, t in _tensors(module)]
-    storages = {storage.data_ptr(): storage for *_, storage in entries}  # each once
-    offsets, total = {}, 0  # a storage's address -> its offset in the mapping
-    for key, storage in storages.items():
-        offsets[key] = total
-        total += -(-storage.nbytes() // ALIGN) * ALIGN
+    pieces = _pieces([(storage, geometry) for _, _, geometry, storage in entries])
+    total = sum(-(-(hi - lo) // ALIGN) * ALIGN for _, lo, hi in pieces)
     if total == 0:  # nothing on the CPU (a CUDA model)
         return None
-    arena = empty(total)
-    for key, storage in storages.items():
-        arena[offsets[key] : offsets[key] + storage.nbytes()].copy_(_bytes_of(storage))
-    for owner, name, t, storage in entries:
-        moved = _view(arena, offsets[storage.data_ptr()], t)
+    arena, at, placed = empty(total), 0, []  # placed: (storage address, lo, hi, arena byte)
+    for storage, lo, hi in pieces:
+        arena[at : at + hi - lo].copy_(_bytes_of(storage)[lo:hi])
+        placed.append((storage.data_ptr(), lo, hi, at))
+        at += -(-(hi - lo) // ALIGN) * ALIGN
+    for owner, name, geometry, storage in entries:
+        start = geometry.byte_range()[0]
+        key, lo, _, where = next(p for p in placed if p[0] == storage.data_ptr() and
+                                 p[1] <= start < p[2])  # fmt: skip
+        moved = _view(arena, where + start - lo, geometry)
         if name in owner._parameters:
             owner._parameters[name].data = moved
         else:
             owner._buffers[name] = moved
     weights_changed()
     return arena
+
+
+def _pieces(uses: list) -> list[tuple[torch.UntypedStorage, int, int]]:
+    """(storage, lo, hi): the byte ranges of each storage that (storage, geometry) uses
+    cover, overlapping or touching ones merged, lo down to a cache line (so every tensor
+    keeps its address modulo 64 where it moves)."""
+    ranges: dict[int, list] = {}
+    storages = {}
+    for storage, geometry in uses:
+        storages[storage.data_ptr()] = storage
+        lo, hi = geometry.byte_range()
+        ranges.setdefault(storage.data_ptr(), []).append((lo // ALIGN * ALIGN, hi))
+    pieces = []
+    for key, spans in ranges.items():
+        spans.sort()
+        merged = [list(spans[0])]
+        for lo, hi in spans[1:]:
+            if lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        pieces += [(storages[key], lo, hi) for lo, hi in merged]
+    return pieces
 
 
 def put_on_huge_pages(model: nn.Module) -> None:
@@ -203,12 +231,15 @@ class _Geometry:
 
     def __init__(self, t: torch.Tensor) -> None:
         self.dtype, self.shape, self.stride = t.dtype, t.shape, t.stride()
-        self.offset = t.storage_offset()
+        self.offset, self.itemsize = t.storage_offset(), t.element_size()
+
+    def byte_range(self) -> tuple[int, int]:
+        """The bytes of its storage it reads, [first, past the last)."""
+        extent = 1 + sum((n - 1) * step for n, step in zip(self.shape, self.stride, strict=True))
+        return self.offset * self.itemsize, (self.offset + extent) * self.itemsize
 
 
 def _view(arena: torch.Tensor, at: int, t: _Geometry) -> torch.Tensor:
-    """A tensor of geometry ``t`` over its storage's copy at byte ``at`` of ``arena``."""
-    start = (arena.storage_offset() + at) // torch.empty(0, dtype=t.dtype).element_size()
-    return torch.empty(0, dtype=t.dtype).set_(
-        arena.untyped_storage(), start + t.offset, t.shape, t.stride
-    )
+    """A tensor of geometry ``t`` whose first element is at byte ``at`` of ``arena``."""
+    start = (arena.storage_offset() + at) // t.itemsize
+    return torch.empty(0, dtype=t.dtype).set_(arena.untyped_storage(), start, t.shape, t.stride)
