@@ -136,23 +136,29 @@ long stream_slice(void) { /* a stubbed kernel: the next slice read, a float a li
 
 def stream_stub(megabytes: float):
     """The C library of ``STREAM_C`` built (with kvlab's compiler) and pointed at 32 slices
-    of ``megabytes`` each, and the buffer (kept alive by the caller)."""
+    of ``megabytes`` each, on huge pages where the weights are, and the buffer (kept alive
+    by the caller)."""
     import ctypes
     import subprocess
     import tempfile
     from pathlib import Path
 
-    from kvlab.kernels import build
+    from kvlab.kernels import build, huge_pages
 
-    folder = Path(tempfile.mkdtemp())
-    (folder / "stream.c").write_text(STREAM_C)
-    command = [build._compiler(), "-O2", "-fopenmp", "-fPIC", "-shared", "stream.c", "-o", "s.so"]
-    subprocess.run(command, cwd=folder, check=True)
-    stream = ctypes.CDLL(str(folder / "s.so"))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "stream.c").write_text(STREAM_C)
+        command = [build._compiler(), "-O2", "-fopenmp", "-fPIC", "-shared", "stream.c", "-o",
+                   "s.so"]  # fmt: skip
+        subprocess.run(command, cwd=folder, check=True)
+        stream = ctypes.CDLL(str(folder / "s.so"))  # stays loaded once its file is gone
     stream.stream_spent.restype = ctypes.c_double
     stream.stream_calls.restype = ctypes.c_int64
     floats = int(megabytes * 2**20) // 4
-    buffer = torch.ones(32 * floats)
+    if huge_pages.supported():
+        buffer = huge_pages.empty(32 * floats * 4).view(torch.float32).fill_(1.0)
+    else:
+        buffer = torch.ones(32 * floats)
     stream.stream_over(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_int64(floats), 32)
     return stream, buffer
 
