@@ -155,10 +155,7 @@ def stream_stub(megabytes: float):
     stream.stream_spent.restype = ctypes.c_double
     stream.stream_calls.restype = ctypes.c_int64
     floats = int(megabytes * 2**20) // 4
-    if huge_pages.supported():
-        buffer = huge_pages.empty(32 * floats * 4).view(torch.float32).fill_(1.0)
-    else:
-        buffer = torch.ones(32 * floats)
+    buffer = huge_pages.zeros([((32 * floats,), torch.float32)], "cpu")[0].fill_(1.0)
     stream.stream_over(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_int64(floats), 32)
     return stream, buffer
 

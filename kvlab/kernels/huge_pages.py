@@ -97,7 +97,7 @@ def zeros(
     supported and they fill at least one, views into one mapping from :func:`empty` (its
     pages are the OS's zeros: nothing is written), each on a cache line."""
     device = torch.device(device)
-    sizes = [-(-math.prod(shape) * t.itemsize // ALIGN) * ALIGN for shape, t in layout]
+    sizes = [_lines(math.prod(shape) * t.itemsize) for shape, t in layout]
     if device.type != "cpu" or sum(sizes) < MIN_BYTES or not supported():
         return [torch.zeros(shape, dtype=t, device=device) for shape, t in layout]
     arena, at, out = empty(sum(sizes)), 0, []
@@ -160,18 +160,18 @@ def move_to_huge_pages(module: nn.Module) -> torch.Tensor | None:
 
     entries = [(o, name, _Geometry(t), t.untyped_storage()) for o, name, t in _tensors(module)]
     pieces = _pieces([(storage, geometry) for _, _, geometry, storage in entries])
-    total = sum(-(-(hi - lo) // ALIGN) * ALIGN for _, lo, hi in pieces)
-    if total == 0:  # nothing on the CPU (a CUDA model)
+    sizes = [_lines(hi - lo) for _, lo, hi in pieces]
+    if sum(sizes) == 0:  # nothing on the CPU (a CUDA model)
         return None
-    arena, at, placed = empty(total), 0, []  # placed: (storage address, lo, hi, arena byte)
-    for storage, lo, hi in pieces:
+    arena, at, placed = empty(sum(sizes)), 0, []  # placed: (storage address, lo, hi, byte)
+    for (storage, lo, hi), size in zip(pieces, sizes, strict=True):
         arena[at : at + hi - lo].copy_(_bytes_of(storage)[lo:hi])
         placed.append((storage.data_ptr(), lo, hi, at))
-        at += -(-(hi - lo) // ALIGN) * ALIGN
+        at += size
     for owner, name, geometry, storage in entries:
         start = geometry.byte_range()[0]
-        key, lo, _, where = next(p for p in placed if p[0] == storage.data_ptr() and
-                                 p[1] <= start < p[2])  # fmt: skip
+        lo, where = next((lo, where) for key, lo, hi, where in placed
+                         if key == storage.data_ptr() and lo <= start < hi)  # fmt: skip
         moved = _view(arena, where + start - lo, geometry)
         if name in owner._parameters:
             owner._parameters[name].data = moved
@@ -219,6 +219,11 @@ def summary(model: nn.Module) -> str:
 
     held = getattr(model, "huge_page_bytes", 0)  # 0 for a module no run loaded
     return f"{held / 2**20:.0f} of {weight_bytes(model) / 2**20:.0f} MiB of weights on 2 MiB pages"
+
+
+def _lines(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole cache lines (ALIGN)."""
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:

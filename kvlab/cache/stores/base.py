@@ -152,12 +152,17 @@ def parts_bytes(parts: Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in parts)
 
 
-def allocate_parts(
-    spec: CacheSpec, layout: Sequence[tuple[tuple[int, ...], torch.dtype]]
-) -> list[torch.Tensor]:
-    """Zero tensors of ``layout``'s (shape, dtype)s on the spec's device: where the spec
-    asks for huge pages, one mapping's views (:func:`kvlab.kernels.huge_pages.zeros`), so
-    decode streams the cache as it streams the weights."""
+def allocate_layers(
+    spec: CacheSpec, groups: Sequence[Sequence[tuple[tuple[int, ...], torch.dtype]]]
+) -> list[list[list[torch.Tensor]]]:
+    """Zero tensors of every layer's ``groups`` (keys, values, ...: each a list of (shape,
+    dtype)s), as [group][layer][part], layer after layer in memory; where the spec asks for
+    huge pages, views of one mapping (:func:`kvlab.kernels.huge_pages.zeros`), so decode
+    streams the cache as it streams the weights."""
+    layout = [part for _ in range(spec.num_layers) for group in groups for part in group]
     if spec.huge_pages:
-        return huge_pages.zeros(layout, spec.device)
-    return [torch.zeros(shape, dtype=t, device=spec.device) for shape, t in layout]
+        made = iter(huge_pages.zeros(layout, spec.device))
+    else:
+        made = iter([torch.zeros(shape, dtype=t, device=spec.device) for shape, t in layout])
+    layers = [[[next(made) for _ in group] for group in groups] for _ in range(spec.num_layers)]
+    return [[layer[g] for layer in layers] for g in range(len(groups))]

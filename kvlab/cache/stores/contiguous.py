@@ -13,7 +13,7 @@ import torch
 from kvlab.cache.base import RowState, nbytes, rows_of
 from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.rows import write_rows
-from kvlab.cache.stores.base import Store, allocate_parts, parts_bytes
+from kvlab.cache.stores.base import Store, allocate_layers, parts_bytes
 from kvlab.kernels import Segment, Stored
 from kvlab.kernels.cached_attention import LayerAttentions
 
@@ -65,14 +65,8 @@ class ContiguousStore(Store):
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         s, slots = self.spec, self.slots_for(self.codec, self.options, max_tokens)
-
-        def layout(codec) -> list:
-            return self.layout(s, codec, batch_size, slots)
-
-        halves = [layout(self.key_codec), layout(self.value_codec)] * s.num_layers
-        parts = iter(allocate_parts(s, [part for half in halves for part in half]))
-        made = [[next(parts) for _ in half] for half in halves]  # K, V of layer 0, then 1, ...
-        self.keys, self.values = made[0::2], made[1::2]
+        halves = [self.layout(s, c, batch_size, slots) for c in (self.key_codec, self.value_codec)]
+        self.keys, self.values = allocate_layers(s, halves)
         self._attentions = LayerAttentions()
 
     @property
