@@ -16,7 +16,9 @@ of its own (a shared machine's bandwidth moves between windows):
 
 ``:4k`` leaves the format's weights and its cache on torch's memory (4 KiB pages where THP
 is ``madvise``) instead of huge pages (``model.huge_pages``, kvlab/kernels/huge_pages.py),
-in turns with the same format on huge pages; ``--cache`` names the KV strategy:
+in turns with the same format on huge pages; ``:layers`` calls the fused layers one by one
+instead of a step's layers in one C call (``Decoder.step_in_one_call``, FusedStep in
+kvlab/models/fused_layer.py); ``--cache`` names the KV strategy:
 
     python scripts/bench_weight_formats.py --depth 4096 --cache full \
         --formats none@float32,none:4k@float32
@@ -37,21 +39,23 @@ from kvlab.kernels.huge_pages import summary
 from kvlab.run import compose_run_config, load_run_model
 from kvlab.tracking import environment
 
-EXTRAS = {"head": "+quant.options.skip=[]", "4k": "model.huge_pages=false"}
+EXTRAS = {"head": "+quant.options.skip=[]", "4k": "model.huge_pages=false", "layers": None}
 
 
 def load(spec: str, dtype: str) -> torch.nn.Module:
-    """The model for ``spec`` (``preset[:head][:4k][@dtype]``), in ``dtype`` unless it names
-    one (the run config refuses a dtype it does not know, naming ``model.dtype``)."""
+    """The model for ``spec`` (``preset[:head][:4k][:layers][@dtype]``), in ``dtype`` unless
+    it names one (the run config refuses a dtype it does not know, naming ``model.dtype``)."""
     spec, _, own_dtype = spec.partition("@")
     preset, *extras = spec.split(":")
     unknown = sorted(set(extras) - set(EXTRAS))
     if unknown:
         raise SystemExit(f"--formats: {spec!r} asks for {unknown}; allowed: {sorted(EXTRAS)}")
     overrides = [f"quant={preset}", f"model.dtype={own_dtype or dtype}"]
-    overrides += [EXTRAS[extra] for extra in extras]
+    overrides += [EXTRAS[extra] for extra in extras if EXTRAS[extra] is not None]
     cfg = compose_run_config(overrides)
-    return load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
+    model = load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
+    model.step_in_one_call = "layers" not in extras
+    return model
 
 
 def interleaved_steps(engines: dict, prompt: list[int], steps: int, rounds: int) -> dict:

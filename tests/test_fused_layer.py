@@ -6,6 +6,7 @@ serve take the op-by-op path."""
 from __future__ import annotations
 
 import copy as copy_module
+import ctypes
 import pickle
 
 import pytest
@@ -99,6 +100,69 @@ def test_the_silu_table_gives_torchs_silu_in_the_shapes_the_one_call_layer_serve
 
 
 @needs_kernel
+def test_the_fp32_activation_in_c_is_torchs_bit_for_bit_or_not_taken():
+    """An fp32 layer's one C call computes its SwiGLU activation with the vector exp torch's
+    own silu calls (``fp32_activation``): where the probe took it, it gives torch's bits
+    over other rows than the probe's (long and short, gates from a normal and from the
+    exp's far ends); a close but different exp (glibc's vector expf, <= 1 ulp) is refused
+    by the probe. Without one (a torch dispatching to no vector width the build has) the
+    layers keep the activation in torch between two calls."""
+    activation = fused_layer.fp32_activation()
+    if activation is None:
+        assert torch.backends.cpu.get_cpu_capability() not in fused_layer.TORCH_VECTOR_EXP or (
+            fused_layer._torch_symbol("Sleef_expf16_u10") is None
+        )
+        pytest.skip("no vector exp of torch's at a width this build has")
+    width, swiglu = activation.width, fused_layer.kernel(
+        "kvlab_swiglu", *[ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64],
+        ctypes.c_void_p, ctypes.c_void_p,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    for rows, inner, spread in ((1, 1536, 3.0), (5, 2 * width, 40.0), (2, 8192, 0.01)):
+        gate_up = torch.randn(rows, 2 * inner, generator=generator) * spread
+        gate_up[0, :4] = torch.tensor([-87.0, -103.0, 88.5, 1e-38])
+        want = torch.empty(rows, inner)
+        torch.mul(F.silu(gate_up[:, :inner].clone()), gate_up[:, inner:], out=want)
+        got = torch.empty(rows, inner)
+        swiglu(gate_up.data_ptr(), 0, rows, inner, ctypes.addressof(activation), got.data_ptr())
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (rows, inner)
+    glibc = {16: "_ZGVeN16v_expf", 8: "_ZGVdN8v_expf"}[width]
+    near = ctypes.cast(getattr(ctypes.CDLL("libmvec.so.1"), glibc), ctypes.c_void_p).value
+    assert not fused_layer._swiglu_matches_torch(fused_layer.Activation(exp=near, width=width),
+                                                 width)  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_decode_step_runs_its_layers_in_one_c_call(dtype, tiny_checkpoints, monkeypatch):
+    """Where every layer takes the one-call path, a decode step runs them all in one C call
+    (``FusedStep``): the op-by-op logits bit for bit, no layer called on its own; an fp32
+    model without the activation in C (two calls a layer) runs them one by one, with the
+    same logits."""
+    if dtype == torch.float32 and fused_layer.fp32_activation() is None:
+        pytest.skip("no vector exp of torch's at a width this build has")
+    model = with_decode_linears(tiny_checkpoints["llama"], dtype)
+    steps, one_by_one = [], []
+    whole, single = fused_layer.FusedStep.__call__, fused_layer.FusedDecode.__call__
+    monkeypatch.setattr(fused_layer.FusedStep, "__call__",
+                        lambda self, *a: steps.append(whole(self, *a)) or steps[-1])  # fmt: skip
+    monkeypatch.setattr(fused_layer.FusedDecode, "__call__",
+                        lambda self, *a: one_by_one.append(1) or single(self, *a))  # fmt: skip
+    with torch.inference_mode():
+        fused = decode_logits(model)
+        assert len(steps) == 5 and all(y is not None for y in steps) and not one_by_one
+        with monkeypatch.context() as patch:
+            patch.setattr(llama, "fused_plan", lambda layer: None)
+            reference = decode_logits(model)
+        if dtype == torch.float32:
+            monkeypatch.setattr(fused_layer, "fp32_activation", lambda: None)
+            two_calls = decode_logits(with_decode_linears(tiny_checkpoints["llama"], dtype))
+            assert len(steps) == 5 and one_by_one  # no step in one call: layer by layer
+            assert all(torch.equal(a, b) for a, b in zip(two_calls, reference, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(fused, reference, strict=True))
+
+
+@needs_kernel
 def test_fused_layer_kernel_serves_only_layers_it_can(tiny_checkpoints):
     """q/k norms (Qwen3), layers not on kvlab's kernels and quantized layers computing in
     another dtype than the model's keep the op-by-op path; a plan is taken again once a layer's
@@ -135,11 +199,13 @@ def test_a_copied_model_plans_its_own_fused_layers(tiny_checkpoints):
 
 
 @needs_kernel
-def test_a_layer_that_decoded_in_inference_mode_decodes_outside_it(tiny_checkpoints):
+def test_a_layer_that_decoded_in_inference_mode_decodes_outside_it(tiny_checkpoints, monkeypatch):
     """A layer keeps its step buffers per batch size and torch writes the activation into
-    one in place: buffers first made in inference mode (the engine's) serve a later
-    one-token step of the model called under ``no_grad``, where an inference tensor would
-    refuse the write, with the same logits."""
+    one in place (fp32 where C has no exp of torch's: two calls a layer): buffers first
+    made in inference mode (the engine's) serve a later one-token step of the model called
+    under ``no_grad``, where an inference tensor would refuse the write, with the same
+    logits."""
+    monkeypatch.setattr(fused_layer, "fp32_activation", lambda: None)
     model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
     prompt = torch.tensor([PROMPTS[0]])
 
@@ -207,12 +273,19 @@ def counting_fused_layers(monkeypatch) -> list:
     a layer step (the list grows as they run)."""
     taken = []
     original = fused_layer.FusedDecode._with_cached_attention
+    whole_step = fused_layer.FusedStep.__call__
 
     def counted(self, *args):
         taken.append(self.layer)
         return original(self, *args)
 
+    def counted_step(self, *args):  # a step's layers in one call (bf16)
+        y = whole_step(self, *args)
+        taken.extend([] if y is None else [plan.layer for plan in self.plans])
+        return y
+
     monkeypatch.setattr(fused_layer.FusedDecode, "_with_cached_attention", counted)
+    monkeypatch.setattr(fused_layer.FusedStep, "__call__", counted_step)
     return taken
 
 

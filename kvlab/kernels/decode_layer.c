@@ -11,6 +11,7 @@
 
 #include "attention_job.h" /* Job */
 #include "bf16.h"
+#include "timers.h"
 
 /* A linear layer: weight (out_features, in_features), bias (out_features,) or NULL. KIND
  * FP: an fp32 or bf16 weight (kvlab_gemv; the bias added before rounding, as F.linear);
@@ -45,7 +46,7 @@ void kvlab_gemv_int4(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
 void kvlab_rms_norm(const void *x, int64_t stride, const void *weight, void *out, int bf16,
                     int64_t rows, int64_t dim, float eps);
 
-static void linear(const Linear *l, const void *x, int bf16, void *y, int64_t M) {
+static void product(const Linear *l, const void *x, int bf16, void *y, int64_t M) {
   const int64_t N = l->out_features, K = l->in_features;
   if (l->kind == FP) {
     kvlab_gemv(x, bf16, K, l->weight, l->weight_bf16, l->bias, l->bias_bf16, y, bf16, M, N, K);
@@ -61,6 +62,10 @@ static void linear(const Linear *l, const void *x, int bf16, void *y, int64_t M)
   if (l->bias)
     for (int64_t i = 0; i < M * N; i++)
       store(y, bf16, i, value_at(y, bf16, i) + value_at(l->bias, l->bias_bf16, i % N));
+}
+
+static void linear(const Linear *l, const void *x, int bf16, void *y, int64_t M) {
+  TIMED(TIMER_LINEARS, product(l, x, bf16, y, M));
 }
 
 static float rounded(float value, int bf16) {
@@ -352,16 +357,131 @@ static void swiglu_bf16(const uint16_t *gate_up, const uint16_t *silu, int64_t M
   }
 }
 
-/* A bf16 layer's whole decode step in one call where the cache holds its keys and values
- * in place: kvlab_layer_decode_in, the SwiGLU activation (swiglu_bf16) into `activation`
- * (M, inner), then kvlab_layer_out into y (M, hidden). */
-void kvlab_layer_decode(const void *x, int64_t M, const LayerPlan *p, const void *cos,
-                        const void *sin, const CachedAttention *cache, const int64_t *blocks,
-                        const int64_t *slots, void *qkv, void *rotated, void *attention,
-                        void *mid, void *gate_up, void *scratch, const uint16_t *silu,
-                        void *activation, void *y) {
-  kvlab_layer_decode_in(x, 1, M, p, cos, sin, cache, blocks, slots, qkv, rotated, attention,
-                        mid, gate_up, scratch);
-  swiglu_bf16(gate_up, silu, M, p->inner, activation);
-  kvlab_layer_out(activation, mid, 1, M, p->down_proj, scratch, y);
+/* How a layer's SwiGLU activation is computed in C (kvlab.models.fused_layer.Activation):
+ * bf16, looked up in `table`; fp32, as torch's vectorized silu computes it,
+ * g / (1 + exp(-g)) `width` floats at a time through `exp`, the vector exp torch's own
+ * kernels call (Sleef's, taken from libtorch for the width torch runs at: 16 or 8). */
+typedef struct {
+  const uint16_t *table;
+  const void *exp;
+  int64_t width;
+} Activation;
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+/* activation (M, inner) = silu(gate) * up of fp32 gate_up (M, 2 inner), gate first, each
+ * operation rounded as torch's silu and mul round it: the negation a sign flip, the sum,
+ * quotient and product IEEE's. inner is a multiple of the width (no scalar tail: torch
+ * would take std::exp there). A width this build has no vectors for is refused by
+ * kvlab_activation_widths before a plan uses it. */
+static void swiglu_f32(const float *gate_up, const Activation *a, int64_t M, int64_t inner,
+                       float *activation) {
+  for (int64_t m = 0; m < M; m++) {
+    const float *gate = gate_up + m * 2 * inner, *up = gate + inner;
+    float *out = activation + m * inner;
+#if defined(__AVX512F__)
+    if (a->width == 16) {
+      __m512 (*vexp)(__m512) = (__m512(*)(__m512))a->exp;
+      const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+      for (int64_t i = 0; i < inner; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 e = vexp(_mm512_castsi512_ps(
+            _mm512_xor_si512(_mm512_castps_si512(g), _mm512_castps_si512(sign))));
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
+      }
+      continue;
+    }
+#endif
+#if defined(__AVX2__)
+    if (a->width == 8) {
+      __m256 (*vexp)(__m256) = (__m256(*)(__m256))a->exp;
+      const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+      for (int64_t i = 0; i < inner; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, vexp(_mm256_xor_ps(g, sign))));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
+      }
+      continue;
+    }
+#endif
+    (void)a, (void)gate, (void)up, (void)out;
+  }
+}
+
+/* The vector widths (floats) swiglu_f32 runs in this build, as bits: 16 -> 2, 8 -> 1. */
+int kvlab_activation_widths(void) {
+  int widths = 0;
+#if defined(__AVX512F__)
+  widths |= 2;
+#endif
+#if defined(__AVX2__)
+  widths |= 1;
+#endif
+  return widths;
+}
+
+/* activation (M, inner) = silu(gate) * up, one row of gate_up (M, 2 inner) a row, in the
+ * model's dtype (bf16 = 1: bf16), computed as `a` says. */
+void kvlab_swiglu(const void *gate_up, int bf16, int64_t M, int64_t inner, const Activation *a,
+                  void *activation) {
+  if (bf16)
+    swiglu_bf16(gate_up, a->table, M, inner, activation);
+  else
+    swiglu_f32(gate_up, a, M, inner, activation);
+}
+
+/* A layer's whole decode step in one call where the cache holds its keys and values in
+ * place: kvlab_layer_decode_in, the SwiGLU activation (kvlab_swiglu, as `a` says) into
+ * `activation` (M, inner), then kvlab_layer_out into y (M, hidden). */
+void kvlab_layer_decode(const void *x, int bf16, int64_t M, const LayerPlan *p,
+                        const void *cos, const void *sin, const CachedAttention *cache,
+                        const int64_t *blocks, const int64_t *slots, void *qkv, void *rotated,
+                        void *attention, void *mid, void *gate_up, void *scratch,
+                        const Activation *a, void *activation, void *y) {
+  kvlab_layer_decode_in(x, bf16, M, p, cos, sin, cache, blocks, slots, qkv, rotated,
+                        attention, mid, gate_up, scratch);
+  kvlab_swiglu(gate_up, bf16, M, p->inner, a, activation);
+  kvlab_layer_out(activation, mid, bf16, M, p->down_proj, scratch, y);
+}
+
+/* One layer of a whole decode step (kvlab.models.fused_layer.FusedStep): its plan and the
+ * cache's writes and attention for it this step, row m's new keys and values going to
+ * slot slots[m] of block blocks[m]. */
+typedef struct {
+  const LayerPlan *plan;
+  const CachedAttention *cache;
+  const int64_t *blocks, *slots;
+} LayerStep;
+
+/* A model's decode step through its n layers in one call, instead of a call and its
+ * Python a layer: kvlab_layer_decode layer after layer, x into the first, each layer's
+ * output the next one's input (in `between`, two (M, hidden) buffers taken in turn), the
+ * last one's into y. Scratch as kvlab_layer_decode takes it, shared: the layers run in
+ * turn, every one of the same shapes. */
+static void layers_decode(const void *x, int bf16, int64_t M, int64_t n,
+                          const LayerStep *layers, const void *cos, const void *sin, void *qkv,
+                          void *rotated, void *attention, void *mid, void *gate_up,
+                          void *scratch, const Activation *a, void *activation, void *between,
+                          void *y) {
+  const int64_t hidden = layers[0].plan->down_proj->out_features, size = bf16 ? 2 : 4;
+  const void *in = x;
+  for (int64_t i = 0; i < n; i++) {
+    const LayerStep *l = &layers[i];
+    void *out = i == n - 1 ? y : (char *)between + (i % 2) * M * hidden * size;
+    kvlab_layer_decode(in, bf16, M, l->plan, cos, sin, l->cache, l->blocks, l->slots, qkv,
+                       rotated, attention, mid, gate_up, scratch, a, activation, out);
+    in = out;
+  }
+}
+
+void kvlab_layers_decode(const void *x, int bf16, int64_t M, int64_t n,
+                         const LayerStep *layers, const void *cos, const void *sin, void *qkv,
+                         void *rotated, void *attention, void *mid, void *gate_up,
+                         void *scratch, const Activation *a, void *activation, void *between,
+                         void *y) {
+  TIMED(TIMER_LAYERS, layers_decode(x, bf16, M, n, layers, cos, sin, qkv, rotated, attention,
+                                    mid, gate_up, scratch, a, activation, between, y));
 }

@@ -6,7 +6,7 @@
 #ifndef KVLAB_TIMERS_H
 #define KVLAB_TIMERS_H
 
-enum { TIMER_ATTENTION = 0, TIMER_INDEXER = 1, TIMERS = 2 };
+enum { TIMER_ATTENTION = 0, TIMER_INDEXER = 1, TIMER_LINEARS = 2, TIMER_LAYERS = 3, TIMERS = 4 };
 
 #ifdef KVLAB_TIMERS
 double kvlab_timer_now(void);

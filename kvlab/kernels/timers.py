@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import ctypes
 
-NAMES = ("attention", "indexer")  # timers.h's timers, in its order
+NAMES = ("attention", "indexer", "linears", "layers")  # timers.h's timers, in its order
+# linears: the fused layers' products (decode_layer.c); layers: a step's layers in one call
 
 
 def has_timers(library) -> bool:

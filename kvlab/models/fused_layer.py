@@ -12,10 +12,13 @@ window, their raw buffers and CSA's top-k included: ``compressed``) it hands its
 and attention over as C (``KVCache.fused_attention``), and the first two calls become
 one, the cache's writes and the attention kernel inside it: ~60 us of Python a layer (the
 store's indexed writes, segments, backend checks, job structs; ~150 us for a pooling
-layer) down to the two calls and the activation. A bf16 layer makes one call in all: its
-activation is looked up in torch's own silu of every bf16 value (:func:`silu_table`),
-where torch's silu of the layer's shape runs serial and in whole vectors (0.93x the int4
-step of the two calls and torch's activation between, SmolLM2-135M, Zen4).
+layer) down to the two calls and the activation. Where torch's silu of the layer's shape
+runs serial and in whole vectors, a layer makes one call in all, its activation in C too:
+bf16 looked up in torch's own silu of every bf16 value (:func:`silu_table`; 0.93x the int4
+step of the two calls and torch's activation between, SmolLM2-135M, Zen4), fp32 through
+the vector exp torch's silu calls, taken from libtorch where a probe finds it gives
+torch's bits (:func:`fp32_activation`). A step whose layers all make one call runs them
+all in one call (:class:`FusedStep`): the cache hands every layer's attention over first.
 
 It serves layers whose four linears run a kvlab matrix-vector kernel at this row count
 (:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16; ``Int8Linear`` and
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +99,74 @@ def silu_table() -> torch.Tensor:
     ``kvlab_layer_decode`` looks the activation up in it, so its SwiGLU gives torch's bits."""
     with torch.no_grad():
         return torch.cat([F.silu(run) for run in every_bf16().split(8 * ONE_CALL_SPAN)])
+
+
+class Activation(ctypes.Structure):  # decode_layer.c's Activation
+    _fields_ = [("table", ctypes.c_void_p), ("exp", ctypes.c_void_p), ("width", ctypes.c_int64)]
+
+
+# the vector exp torch's fp32 silu calls (Vectorized<float>::exp) at each CPU capability it
+# dispatches to, and its width in floats; libtorch_cpu exports Sleef's functions
+TORCH_VECTOR_EXP = {"AVX512": ("Sleef_expf16_u10", 16), "AVX2": ("Sleef_expf8_u10", 8)}
+WIDTH_BITS = {16: 2, 8: 1}  # kvlab_activation_widths' bits
+
+
+@functools.cache
+def bf16_activation() -> Activation:
+    """The bf16 SwiGLU activation: looked up in :func:`silu_table`."""
+    return Activation(table=silu_table().data_ptr())
+
+
+@functools.cache
+def fp32_activation() -> Activation | None:
+    """The fp32 SwiGLU activation in C (``swiglu_f32``) with the vector exp torch's own
+    silu calls on this CPU, where the build has that width and it gives torch's
+    ``F.silu(gate) * up`` bit for bit over a probe of every magnitude; else None (the
+    activation stays in torch between two calls)."""
+    exp_name, width = TORCH_VECTOR_EXP.get(torch.backends.cpu.get_cpu_capability(), (None, 0))
+    lib = library()
+    if exp_name is None or lib is None:
+        return None
+    widths = lib.kvlab_activation_widths
+    widths.restype = ctypes.c_int
+    if not widths() & WIDTH_BITS[width]:
+        return None
+    exp = _torch_symbol(exp_name)
+    if exp is None:
+        return None
+    activation = Activation(exp=exp, width=width)
+    return activation if _swiglu_matches_torch(activation, width) else None
+
+
+def _torch_symbol(name: str) -> int | None:
+    """The address of ``name`` in the libtorch_cpu this process loaded, or None."""
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        return ctypes.cast(getattr(ctypes.CDLL(str(path)), name), ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+
+
+def _swiglu_matches_torch(activation: Activation, width: int) -> bool:
+    """Whether ``kvlab_swiglu`` gives what the per-layer path's torch ops give (a silu in
+    place on the gate's view, then a mul), bit for bit, over rows of gate and up values of
+    every magnitude from 1e-30 to 1e4, both signs, zeros and the exp's cut-offs."""
+    generator = torch.Generator().manual_seed(0)
+    rows, inner = 3, 64 * width
+    magnitudes = torch.logspace(-30, 4, rows * inner)
+    signs = torch.randint(0, 2, (rows * inner,), generator=generator) * 2 - 1
+    gate = (magnitudes[torch.randperm(rows * inner, generator=generator)] * signs).view(rows, inner)
+    gate[0, :8] = torch.tensor([0.0, -0.0, 88.7, -88.7, 103.9, -103.9, 104.1, -104.1])
+    gate_up = torch.cat([gate, torch.randn(rows, inner, generator=generator) * 4], 1)
+    want = torch.empty(rows, inner)
+    with torch.no_grad():
+        reference = gate_up.clone()
+        silu = F.silu(reference[:, :inner], inplace=True)
+        torch.mul(silu, reference[:, inner:], out=want)
+    got = torch.empty(rows, inner)
+    swiglu = kernel("kvlab_swiglu", POINTER, INT, INT64, INT64, POINTER, POINTER)
+    swiglu(gate_up.data_ptr(), 0, rows, inner, ctypes.addressof(activation), got.data_ptr())
+    return torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def _linear(layer: nn.Module) -> _Linear:
@@ -197,12 +270,15 @@ class FusedDecode:
                                self.inner)  # fmt: skip
         self.plan_address = ctypes.addressof(self.plan)
         self.buffers: dict[int, _StepBuffers] = {}  # per batch size (_step_buffers)
-        # bf16: the activation in C too where torch's silu would run serial whole vectors
+        # the activation in C too where torch's silu would run serial whole vectors: bf16
+        # from a table, fp32 through torch's own vector exp (where the probe found it)
         self.one_call_rows = 0
-        if self.bf16 and self.inner % ONE_CALL_SPAN == 0:
+        activation = bf16_activation() if self.bf16 else fp32_activation()
+        span = ONE_CALL_SPAN if self.bf16 else 2 * (activation.width if activation else 0)
+        if activation is not None and self.inner % span == 0:
             self.one_call_rows = (TORCH_SERIAL_ELEMENTS - 1) // self.inner
-            self.silu_at = silu_table().data_ptr()
-            self.decode = kernel("kvlab_layer_decode", POINTER, INT64, POINTER, POINTER,
+            self.activation_at = ctypes.addressof(activation)
+            self.decode = kernel("kvlab_layer_decode", POINTER, INT, INT64, POINTER, POINTER,
                                  POINTER, POINTER, POINTER, POINTER, *[POINTER] * 9)  # fmt: skip
 
     def takes(self, x: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -253,7 +329,7 @@ class FusedDecode:
 
     def _with_cached_attention(self, x, rope, attention: int, blocks, slots: torch.Tensor):
         """The layer's output where the cache hands its writes and attention over as C
-        (``KVCache.fused_attention``): one call in all for a bf16 layer of up to
+        (``KVCache.fused_attention``): one call in all for a layer of up to
         ``one_call_rows`` rows, else one call up to the activation, the activation in torch
         and one call more; no cache or attention Python in between."""
         batch = x.shape[0]
@@ -261,9 +337,9 @@ class FusedDecode:
         if batch <= self.one_call_rows:
             y = torch.empty(batch, 1, self.hidden, dtype=self.dtype)
             self.decode(
-                x.data_ptr(), batch, self.plan_address, rope.cos.data_ptr(), rope.sin.data_ptr(),
-                attention, blocks.data_ptr(), slots.data_ptr(), *step.decode_in, self.silu_at,
-                step.activation_at, y.data_ptr(),
+                x.data_ptr(), self.bf16, batch, self.plan_address, rope.cos.data_ptr(),
+                rope.sin.data_ptr(), attention, blocks.data_ptr(), slots.data_ptr(),
+                *step.decode_in, self.activation_at, step.activation_at, y.data_ptr(),
             )  # fmt: skip
             return y
         self.decode_in(
@@ -287,6 +363,81 @@ class FusedDecode:
                 hidden, self.inner,
             )  # fmt: skip
         return self.buffers[batch]
+
+
+class FusedStep:
+    """A model's decode step through all its layers in one C call
+    (``kvlab_layers_decode``) where every layer takes the one-call path
+    (:meth:`FusedDecode._with_cached_attention`): its Python a layer (the module call, the
+    plan, the C call's arguments and output) paid once a step. The cache still hands each
+    layer's writes and attention over first (``KVCache.fused_attention``), all before the
+    call; the values are the per-layer calls', the same C code in the same order. Made per
+    model on first use and again when a layer's plan changes (:func:`fused_plan`); a copied
+    or pickled model makes its own."""
+
+    def __reduce__(self):
+        return _unplanned, ()
+
+    def __init__(self, plans: list[FusedDecode]):
+        self.plans = plans
+        first = plans[0]
+        shape = (first.dtype, first.heads, first.kv_heads, first.dim, first.hidden, first.inner)
+        self.applies = all(
+            p.one_call_rows and (p.dtype, p.heads, p.kv_heads, p.dim, p.hidden, p.inner) == shape
+            for p in plans
+        )
+        if not self.applies:
+            return
+        self.rows = min(min(p.rows[1], p.one_call_rows) for p in plans)
+        self.table = (ctypes.c_void_p * (4 * len(plans)))()
+        self.plan_addresses = [p.plan_address for p in plans]
+        self.between: dict[int, torch.Tensor] = {}
+        self.decode = kernel("kvlab_layers_decode", POINTER, INT, INT64, INT64, POINTER,
+                             *[POINTER] * 12)  # fmt: skip
+
+    def holds(self, plans: list[FusedDecode]) -> bool:
+        """Whether it was made for these plans, layer by layer."""
+        return len(plans) == len(self.plans) and all(map(operator.is_, plans, self.plans))
+
+    def __call__(self, x: torch.Tensor, rope, cache, step) -> torch.Tensor | None:
+        """The last layer's output (B, 1, hidden) for the first one's input x, or None where
+        a layer cannot take the one-call path this step (the caller runs them one by one)."""
+        batch, first = x.shape[0], self.plans[0]
+        if batch > self.rows or not first.takes(x, rope.cos) or not c_kernel_allowed():
+            return None
+        attentions = [cache.fused_attention(step, p.layer) for p in self.plans]
+        dtype = first.dtype
+        if any(a is None or a[3] != dtype for a in attentions):
+            return None
+        layers = zip(self.plan_addresses, attentions, strict=True)
+        self.table[:] = [
+            field
+            for at, (attention, blocks, slots, _) in layers
+            for field in (at, attention, blocks.data_ptr(), slots.data_ptr())
+        ]
+        buffers = first._step_buffers(batch)
+        if batch not in self.between:
+            self.between[batch] = torch.empty(2 * batch * first.hidden, dtype=dtype)
+        y = torch.empty(batch, 1, first.hidden, dtype=dtype)
+        self.decode(
+            x.data_ptr(), first.bf16, batch, len(self.plans), self.table, rope.cos.data_ptr(),
+            rope.sin.data_ptr(), *buffers.decode_in, first.activation_at, buffers.activation_at,
+            self.between[batch].data_ptr(), y.data_ptr(),
+        )  # fmt: skip
+        return y
+
+
+def fused_step(model, plan_of=fused_plan) -> FusedStep | None:
+    """``model``'s :class:`FusedStep`, made on first use and again when a layer's plan
+    (``plan_of(layer)``) changes; None where a layer has no plan or the step does not apply."""
+    plans = [plan_of(layer) for layer in model.layers]
+    if None in plans:
+        return None
+    made = model.fused_step
+    if made is None or not made.holds(plans):
+        made = FusedStep(plans)
+        model.fused_step = made
+    return made if made.applies else None
 
 
 class _StepBuffers:

@@ -17,7 +17,7 @@ from torch import nn
 from kvlab.cache.base import CacheSpec, KVCache, Step, StepInfo
 from kvlab.kernels.norm import fused_rms_norm
 from kvlab.models.config import DecoderConfig
-from kvlab.models.fused_layer import FusedDecode, fused_plan, weights_changed
+from kvlab.models.fused_layer import FusedDecode, FusedStep, fused_plan, fused_step, weights_changed
 from kvlab.models.rope import RotaryTables, inverse_frequencies
 
 
@@ -105,6 +105,12 @@ class DecoderLayer(nn.Module):
         return super()._apply(fn, recurse)
 
 
+def steps_in_one_call(x: torch.Tensor) -> bool:
+    """Whether a step of x (B, T, hidden) may run its layers in one C call
+    (:class:`FusedStep`): one token a row, eager, on the CPU."""
+    return x.shape[1] == 1 and x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 class Decoder(nn.Module):
     """The whole model: ``forward(ids, positions, cache, ...)`` → logits."""
 
@@ -120,6 +126,8 @@ class Decoder(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
         self.huge_pages = False  # weights on huge pages, its caches too (kernels.huge_pages)
         self.huge_page_bytes = 0
+        self.fused_step: FusedStep | None = None  # a decode step's layers in one C call
+        self.step_in_one_call = True  # False: layer by layer (for benchmarks side by side)
 
     def cache_spec(self) -> CacheSpec:
         """Shapes, dtype and device a cache strategy needs to serve this model."""
@@ -185,8 +193,15 @@ class Decoder(nn.Module):
         """The layers of one step whose metadata the cache has planned: no host state,
         no Python loop over rows, so it compiles to one graph per shape."""
         x = self.embed_tokens(ids)  # (B, T, hidden)
-        for layer in self.layers:
-            x = layer(x, rope, cache, step)
+        in_one_call = None
+        if self.step_in_one_call and steps_in_one_call(x):
+            whole = fused_step(self, fused_plan)
+            in_one_call = None if whole is None else whole(x, rope, cache, step)
+        if in_one_call is not None:
+            x = in_one_call
+        else:
+            for layer in self.layers:
+                x = layer(x, rope, cache, step)
         if logit_index is not None and logit_index.dtype == torch.bool:
             x = x[logit_index]  # (N, hidden): the marked positions, row by row
         elif logit_index is not None:
