@@ -2,8 +2,10 @@
 attention, its CSA indexer and the rest: one generation per strategy on the default model,
 their steps in turns (``--block`` steps each, the first of each turn dropped as its
 warm-up), with the kernels built with ``-DKVLAB_TIMERS`` (kvlab/kernels/timers.h) so the
-attention and indexer calls of the same steps are timed in C. Ratios are to the first
-strategy. Where a strategy's step goes, and so what would move its ratio to ``full``:
+attention and indexer calls of the same steps are timed in C (so are the fused layers'
+products, "linears", and the call that runs a step's layers, whose time taken off the step
+leaves what runs outside it: the head, the cache's plan, the Python). Ratios are to the
+first strategy. Where a strategy's step goes, and so what would move its ratio to ``full``:
 its attention, or what it does around it. Not a test.
 
     python scripts/bench_cache_split.py --caches full,int4,compressed --depth 4096
@@ -74,17 +76,20 @@ def split_steps(model, prompt: list[int], caches: list[str], args) -> dict:
 
 def table(kept: dict) -> str:
     lines = [
-        "| cache | step ms | / first | attention ms | indexer ms | rest ms |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| cache | step ms | / first | attention ms | indexer ms | rest ms | linears ms "
+        "| outside the layers' call ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     first = None
     for cache, (steps, turns) in kept.items():
         step = statistics.median(steps)
         first = first or step
         timed = {name: statistics.median(turn[name][0] for turn in turns) for name in timers.NAMES}
-        rest = step - sum(timed.values())
+        rest = step - timed["attention"] - timed["indexer"]
+        outside = f"{step - timed['layers']:.2f}" if timed["layers"] else "- (layer by layer)"
         lines.append(f"| {cache} | {step:.2f} | {step / first:.3f} | {timed['attention']:.2f} | "
-                     f"{timed['indexer']:.2f} | {rest:.2f} |")  # fmt: skip
+                     f"{timed['indexer']:.2f} | {rest:.2f} | {timed['linears']:.2f} | "
+                     f"{outside} |")  # fmt: skip
     return "\n".join(lines)
 
 
