@@ -134,11 +134,20 @@ def test_the_fp32_activation_in_c_is_torchs_bit_for_bit_or_not_taken():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_decode_step_runs_its_layers_in_one_c_call(dtype, tiny_checkpoints, monkeypatch):
+@pytest.mark.parametrize(
+    ("cache", "options"),
+    [("full", {}), ("paged", {"block_size": 4}), ("int4", {"group_size": 4, "residual": 2}),
+     ("sliding", {"sinks": 1, "window": 4})],
+    ids=["full", "paged", "int4", "sliding"],
+)  # fmt: skip
+def test_a_decode_step_runs_its_layers_in_one_c_call(
+    dtype, cache, options, tiny_checkpoints, monkeypatch
+):
     """Where every layer takes the one-call path, a decode step runs them all in one C call
-    (``FusedStep``): the op-by-op logits bit for bit, no layer called on its own; an fp32
-    model without the activation in C (two calls a layer) runs them one by one, with the
-    same logits."""
+    (``FusedStep``), the cache's attentions made for all layers at once
+    (``fused_attentions``: the contiguous, paged, staged and ring stores): the op-by-op
+    logits bit for bit, no layer called on its own; an fp32 model without the activation in
+    C (two calls a layer) runs them one by one, with the same logits."""
     if dtype == torch.float32 and fused_layer.fp32_activation() is None:
         pytest.skip("no vector exp of torch's at a width this build has")
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)
@@ -149,14 +158,15 @@ def test_a_decode_step_runs_its_layers_in_one_c_call(dtype, tiny_checkpoints, mo
     monkeypatch.setattr(fused_layer.FusedDecode, "__call__",
                         lambda self, *a: one_by_one.append(1) or single(self, *a))  # fmt: skip
     with torch.inference_mode():
-        fused = decode_logits(model)
+        fused = decode_logits(model, cache=cache, **options)
         assert len(steps) == 5 and all(y is not None for y in steps) and not one_by_one
         with monkeypatch.context() as patch:
             patch.setattr(llama, "fused_plan", lambda layer: None)
-            reference = decode_logits(model)
+            reference = decode_logits(model, cache=cache, **options)
         if dtype == torch.float32:
             monkeypatch.setattr(fused_layer, "fp32_activation", lambda: None)
-            two_calls = decode_logits(with_decode_linears(tiny_checkpoints["llama"], dtype))
+            model = with_decode_linears(tiny_checkpoints["llama"], dtype)
+            two_calls = decode_logits(model, cache=cache, **options)
             assert len(steps) == 5 and one_by_one  # no step in one call: layer by layer
             assert all(torch.equal(a, b) for a, b in zip(two_calls, reference, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(fused, reference, strict=True))

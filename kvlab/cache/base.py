@@ -321,6 +321,12 @@ class KVCache(ABC):
         default): the layer then calls :meth:`attend`."""
         return None
 
+    def fused_attentions(self, step: Step, layers: list[int]) -> list:
+        """:meth:`fused_attention` of each of ``layers``, for a step whose layers run in one
+        C call (``kvlab.models.fused_layer.FusedStep``); a strategy may make what they share
+        once."""
+        return [self.fused_attention(step, layer) for layer in layers]
+
     def end(self, step: Step) -> None:
         """Called once after the layers: the step's real tokens now count as stored."""
         new = step.info.num_new

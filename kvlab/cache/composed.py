@@ -173,6 +173,11 @@ class ComposedCache(KVCache):
             return None
         return self.policy.fused_attention(step, self.store, layer)
 
+    def fused_attentions(self, step, layers):
+        if self.rotation is not None:
+            return [None] * len(layers)
+        return self.policy.fused_attentions(step, self.store, layers)
+
     def end(self, step) -> None:
         self.policy.end(step, self.store)
         super().end(step)

@@ -175,6 +175,7 @@ class LayerAttentions:
         self.widths: tuple[int, ...] = ()
         self.pointers: list[int] = []
         self.pooling_fits: tuple = (None, [])  # (batch, a step's pooling indices) found to fit
+        self.indexed: tuple = (None, None)  # the last (blocks, slots) found int64, contiguous
 
     def at(
         self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None, key=None
@@ -252,8 +253,10 @@ class LayerAttentions:
         """What a store's ``fused_attention`` returns: (address, blocks, slots, dtype), the
         step's rows going to slot ``slots[b]`` of block ``blocks[b]`` (int64, (B, 1)) of
         ``written``; None where something does not fit. (``key``: see :meth:`at`.)"""
-        if not (index_applies(blocks) and index_applies(slots)):
-            return None
+        if not (blocks is self.indexed[0] and slots is self.indexed[1]):  # once a step
+            if not (index_applies(blocks) and index_applies(slots)):
+                return None
+            self.indexed = (blocks, slots)  # held: the same tensors, the same answer
         batch = blocks.shape[0]
         address = self.at(layer, written, reads, group, bounds, batch, pooling, key)
         return None if address is None else (address, blocks, slots, written[0].dtype)

@@ -391,6 +391,7 @@ class FusedStep:
         self.rows = min(min(p.rows[1], p.one_call_rows) for p in plans)
         self.table = (ctypes.c_void_p * (4 * len(plans)))()
         self.plan_addresses = [p.plan_address for p in plans]
+        self.layers = [p.layer for p in plans]
         self.between: dict[int, torch.Tensor] = {}
         self.decode = kernel("kvlab_layers_decode", POINTER, INT, INT64, INT64, POINTER,
                              *[POINTER] * 12)  # fmt: skip
@@ -405,7 +406,7 @@ class FusedStep:
         batch, first = x.shape[0], self.plans[0]
         if batch > self.rows or not first.takes(x, rope.cos) or not c_kernel_allowed():
             return None
-        attentions = [cache.fused_attention(step, p.layer) for p in self.plans]
+        attentions = cache.fused_attentions(step, self.layers)
         dtype = first.dtype
         if any(a is None or a[3] != dtype for a in attentions):
             return None

@@ -110,6 +110,11 @@ class Policy:
         more; None by default (then the fused decode layer calls :meth:`attend`)."""
         return None
 
+    def fused_attentions(self, step: Step, store: Store, layers: list[int]) -> list:
+        """:meth:`fused_attention` of each of ``layers`` (a policy may make what they share
+        once: :class:`KeepAll` does)."""
+        return [self.fused_attention(step, store, layer) for layer in layers]
+
     def check_truncation(self, lengths: list[int], kept: list[int]) -> None:
         """Refuse, before the store changes anything, a rollback from ``lengths`` to
         ``kept`` the policy cannot make exact (``ValueError``, the reason)."""

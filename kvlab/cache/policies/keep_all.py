@@ -59,10 +59,13 @@ class KeepAll(Policy):
         return step
 
     def fused_attention(self, step, store, layer):
+        return self.fused_attentions(step, store, [layer])[0]
+
+    def fused_attentions(self, step, store, layers):
         if type(self) is not KeepAll or not (step.in_place and step.decode):
-            return None  # a subclass attends otherwise; a short step, per token
+            return [None] * len(layers)  # a subclass attends otherwise; a short step, per token
         group = self.spec.num_heads // self.spec.num_kv_heads
-        return store.fused_attention(step.where, layer, step.origin, step.end, group)
+        return store.fused_attentions(step.where, layers, step.origin, step.end, group)
 
     def attend(self, step, store, layer, q, k, v, k_raw):
         if step.in_place:

@@ -108,10 +108,15 @@ class Store(ABC):
         """A decode step's writes and attention for ``layer`` as one C description the fused
         decode layer runs (``(address, blocks, slots, dtype)``, see
         :class:`~kvlab.kernels.cached_attention.CachedAttention`), where this store holds the
-        layer exactly and in place; None (the default) where it cannot: then the policy's
-        :meth:`write` and :meth:`segments` serve the step. ``lo``/``hi`` (B,): the logical
-        slots attended; ``group``: query heads per KV head."""
-        return None
+        layer exactly and in place; None where it cannot: then the policy's :meth:`write`
+        and :meth:`segments` serve the step. ``lo``/``hi`` (B,): the logical slots attended;
+        ``group``: query heads per KV head. (:meth:`fused_attentions` for one layer.)"""
+        return self.fused_attentions(where, [layer], lo, hi, group)[0]
+
+    def fused_attentions(self, where: Any, layers: list[int], lo, hi, group: int) -> list:
+        """:meth:`fused_attention` of each of ``layers``, what they share made once (a whole
+        step in one call, ``kvlab.models.fused_layer.FusedStep``); all None by default."""
+        return [None] * len(layers)
 
     @abstractmethod
     def read(self, layer: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,26 +105,28 @@ class ContiguousStore(Store):
         keys, values = self.key_codec.stored(keys), self.value_codec.stored(values)
         return Segment(queries, keys, values, where.rows, lo, hi, ring)
 
-    def fused_attention(self, where: ContiguousWrite, layer, lo, hi, group: int):
-        """This layer's writes and attention in place for the fused decode layer, where the
+    def fused_attentions(self, where: ContiguousWrite, layers, lo, hi, group: int) -> list:
+        """The layers' writes and attention in place for the fused decode layer, where the
         store is this class itself in exact codes on the CPU (a subclass places and reads
         otherwise): each row is a block of the C job's table."""
         if type(self) is not ContiguousStore:
-            return None
-        return self.fused_in_place(where, layer, lo, hi, group)
+            return [None] * len(layers)
+        return self.fused_in_place(where, layers, lo, hi, group)
 
-    def fused_in_place(self, where: ContiguousWrite, layer, lo, hi, group: int):
-        """:meth:`fused_attention` of a store that writes ``layer`` slot by slot through
-        ``where`` and reads slots [lo, hi) of each row in place; None in other codecs."""
-        parts = self.exact_parts(layer)
-        if parts is None:
-            return None
-        keys, values = parts
-        rows = where.rows
-        return self._attentions.fused(
-            layer, parts, [(Stored(keys), Stored(values), 0)], group, [(rows, lo, hi)], rows,
-            where.slots,
-        )  # fmt: skip
+    def fused_in_place(self, where: ContiguousWrite, layers, lo, hi, group: int) -> list:
+        """:meth:`fused_attentions` of a store that writes each layer slot by slot through
+        ``where`` and reads slots [lo, hi) of each row in place; Nones in other codecs. The
+        step's bounds are one list for all the layers (read once, see LayerAttentions)."""
+        if self._inexact:
+            return [None] * len(layers)
+        rows, slots, bounds = where.rows, where.slots, [(where.rows, lo, hi)]
+        fused = self._attentions.fused
+        out = []
+        for layer in layers:
+            keys, values = self.keys[layer][0], self.values[layer][0]
+            reads = [(Stored(keys), Stored(values), 0)]
+            out.append(fused(layer, (keys, values), reads, group, bounds, rows, slots))
+        return out
 
     def exact_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``layer``'s keys and values (B, H_kv, slots, D) where both codecs are exact (one

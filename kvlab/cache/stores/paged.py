@@ -254,17 +254,19 @@ class PagedStore(Store):
             for pool, value in zip(parts, self.codec.encode(new), strict=True):
                 pool[where.blocks, :, where.slots] = value.transpose(1, 2)
 
-    def fused_attention(self, where: PagedWrite, layer, lo, hi, group: int):
-        """This layer's writes and attention in place for the fused decode layer, where the
+    def fused_attentions(self, where: PagedWrite, layers, lo, hi, group: int) -> list:
+        """The layers' writes and attention in place for the fused decode layer, where the
         pool holds exact rows on the CPU: the step's rows go to their blocks and slots, the
-        job reads through the row tables."""
+        job reads through the row tables (the step's bounds one list for all layers)."""
         if type(self.codec) is not Exact:
-            return None
-        keys, values = self.keys[layer][0], self.values[layer][0]
-        return self._attentions.fused(
-            layer, (keys, values), [(Stored(keys), Stored(values), 0)], group,
-            [(self.table, lo, hi)], where.blocks, where.slots,
-        )  # fmt: skip
+            return [None] * len(layers)
+        bounds, fused, out = [(self.table, lo, hi)], self._attentions.fused, []
+        for layer in layers:
+            keys, values = self.keys[layer][0], self.values[layer][0]
+            reads = [(Stored(keys), Stored(values), 0)]
+            out.append(fused(layer, (keys, values), reads, group, bounds, where.blocks,
+                             where.slots))  # fmt: skip
+        return out
 
     def segment(self, where, layer, queries, lo, hi, ring=0) -> Segment:
         keys = self.codec.stored(self.keys[layer])

@@ -83,11 +83,11 @@ class RingStore(ContiguousStore):
         first = self.segment(where, layer, queries, 0 * end, end.clamp(max=sinks), 0, slice(sinks))
         return [first, ring]
 
-    def fused_attention(self, where: RingWrite, layer, lo, hi, group: int):
+    def fused_attentions(self, where: RingWrite, layers, lo, hi, group: int) -> list:
         """Slots [lo, hi) of each row in place, written as the contiguous store writes."""
         if type(self) is not RingStore:
-            return None
-        return self.fused_in_place(where, layer, lo, hi, group)
+            return [None] * len(layers)
+        return self.fused_in_place(where, layers, lo, hi, group)
 
     def place(self, lengths, info, slots, real) -> RingWrite:
         """``slots`` are the new tokens' positions; ``real`` those the ring keeps."""

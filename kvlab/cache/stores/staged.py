@@ -266,22 +266,25 @@ class StagedStore(ContiguousStore):
                         where.coded, hi, ring=self.ring_size)  # fmt: skip
         return [codes, exact]
 
-    def fused_attention(self, where: StagedWrite, layer, lo, hi, group: int):
-        """A decode step's ring write and its two segments (codes, exact ring) for the
+    def fused_attentions(self, where: StagedWrite, layers, lo, hi, group: int) -> list:
+        """A decode step's ring writes and their two segments (codes, exact ring) for the
         fused decode layer, as :meth:`write` and :meth:`segments` do them; the groups it
-        closes are still encoded at :meth:`commit`."""
+        closes are still encoded at :meth:`commit`. The step's bounds are one list for all
+        the layers."""
         if type(self) is not StagedStore or not where.in_place:
-            return None
-        codes = (
-            self.key_codec.stored(self.keys[layer]),
-            self.value_codec.stored(self.values[layer]),
-        )
-        key_ring, value_ring = self.rings[layer]
-        reads = [(*codes, 0), (Stored(key_ring), Stored(value_ring), self.ring_size)]
+            return [None] * len(layers)
         bounds = [(where.rows, lo, where.coded), (where.rows, where.coded, hi)]
-        return self._attentions.fused(
-            layer, (key_ring, value_ring), reads, group, bounds, where.rows, where.ring_slots
-        )
+        fused, out = self._attentions.fused, []
+        for layer in layers:
+            codes = (
+                self.key_codec.stored(self.keys[layer]),
+                self.value_codec.stored(self.values[layer]),
+            )
+            key_ring, value_ring = self.rings[layer]
+            reads = [(*codes, 0), (Stored(key_ring), Stored(value_ring), self.ring_size)]
+            out.append(fused(layer, (key_ring, value_ring), reads, group, bounds, where.rows,
+                             where.ring_slots))  # fmt: skip
+        return out
 
     def _write_ring(self, where: StagedWrite, layer: int, k, v) -> None:
         for ring, new in zip(self.rings[layer], (k, v), strict=True):
