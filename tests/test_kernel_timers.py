@@ -47,7 +47,7 @@ def test_kvlab_s_own_build_times_nothing():
     library = build.library()
     library.kvlab_timers_reset()
     run_kernels()
-    assert read_timers(library) == ([0.0, 0.0], [0, 0])
+    assert read_timers(library) == ([0.0] * len(timers.NAMES), [0] * len(timers.NAMES))
 
 
 @pytest.mark.slow
@@ -66,9 +66,57 @@ def test_a_timed_build_counts_each_call_and_computes_the_same(tmp_path, monkeypa
         seconds, calls = read_timers(timed)
     finally:
         build.kernel.cache_clear()
-    assert calls == [3, 2]
-    assert all(s > 0 for s in seconds)
+    assert calls == [3, 2, 0, 0]  # no fused layer ran: its products and call count nothing
+    assert all(s > 0 for s in seconds[:2])
     torch.testing.assert_close(out, plain[0], rtol=0, atol=0)
     assert torch.equal(table, plain[1])
     timed.kvlab_timers_reset()
-    assert read_timers(timed) == ([0.0, 0.0], [0, 0])
+    assert read_timers(timed) == ([0.0] * len(timers.NAMES), [0] * len(timers.NAMES))
+
+
+@pytest.mark.slow
+def test_a_timed_build_counts_a_fused_steps_products_and_its_layers_call(
+    tiny_checkpoints, tmp_path, monkeypatch
+):
+    """Every kernel built with -DKVLAB_TIMERS: a decode step whose layers run in one call
+    counts that call once, each layer's four products and its attention once, and decodes
+    the tokens the plain build decodes."""
+    from torch import nn
+
+    from kvlab import load_model
+    from kvlab.cache import build_cache
+    from kvlab.engine import Engine, GenerationConfig
+    from kvlab.kernels.linear import DecodeLinear
+    from kvlab.models import fused_layer
+
+    model, _ = load_model(str(tiny_checkpoints["llama"]), dtype=torch.bfloat16, cpu_prepack=False)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, DecodeLinear(child))
+
+    def generate() -> list:
+        engine = Engine(model, build_cache("full", model.cache_spec()))
+        return engine.generate([[5, 17, 3, 99]], GenerationConfig(5, stop_on_eos=False)).tokens
+
+    with torch.inference_mode():
+        plain = generate()
+        monkeypatch.setattr(build, "FLAGS", [*build.FLAGS, "-DKVLAB_TIMERS"])
+        build._compile(build._compiler(), tmp_path / "timed.so")
+        timed = ctypes.CDLL(str(tmp_path / "timed.so"))
+        monkeypatch.setattr(build, "library", lambda: timed)
+        build.kernel.cache_clear()
+        fused_layer.weights_changed()
+        try:
+            timed.kvlab_timers_reset()
+            tokens = generate()
+            _, calls = read_timers(timed)
+        finally:
+            build.kernel.cache_clear()
+            fused_layer.weights_changed()
+    layers, steps = model.config.num_layers, 4  # 5 tokens: the prefill's and 4 decode steps
+    assert tokens == plain
+    assert dict(zip(timers.NAMES, calls, strict=True)) == {
+        "attention": layers * steps, "indexer": 0, "linears": 4 * layers * steps,
+        "layers": steps,
+    }  # fmt: skip
