@@ -21,6 +21,7 @@ kvlab ``full`` (model dtype) / ``int8`` / ``int4`` vs llama.cpp f16 / q8_0 / q4_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -96,11 +97,14 @@ def load_weights(weights: Weights, head: str = "gguf") -> torch.nn.Module:
     a quantized model's output head then in int8 per channel, as the GGUF holds it in Q8_0
     (``head`` "gguf"), or left as the run leaves it ("bf16")."""
     cfg = compose_run_config([f"quant={weights.quant}", f"model.dtype={weights.dtype}"])
-    model = load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
-    if head == "gguf" and weights.quant != "none":
+    gguf_head = head == "gguf" and weights.quant != "none"
+    moves = cfg.model.huge_pages  # where the run moves its weights, they move once: at the end
+    model_cfg = dataclasses.replace(cfg.model, huge_pages=moves and not gguf_head)
+    model = load_run_model(model_cfg, cfg.quant, torch.device("cpu"))[0]
+    if gguf_head:
         quantize_(model, "rtn", {"bits": 8, "skip": []})  # only the head is a plain linear now
-        if model.huge_pages:
-            put_on_huge_pages(model)  # the new head too, as the run moved the rest
+        if moves:
+            put_on_huge_pages(model)
     print(f"kvlab {weights.name}: {summary(model)}", flush=True)
     return model
 
