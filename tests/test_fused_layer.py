@@ -173,6 +173,31 @@ def test_a_decode_step_runs_its_layers_in_one_c_call(
 
 
 @needs_kernel
+def test_a_step_stays_layer_by_layer_where_one_layer_does_not_take_its_rows(
+    tiny_checkpoints, monkeypatch
+):
+    """The step in one call serves the batch sizes every layer's kernels take: where one
+    layer's start at two rows (an int8 kernel chosen for a few rows only), a one-row step
+    runs its layers one by one, with the op-by-op logits."""
+    model = with_decode_linears(tiny_checkpoints["llama"], torch.bfloat16)
+    steps = []
+    whole = fused_layer.FusedStep.__call__
+    monkeypatch.setattr(fused_layer.FusedStep, "__call__",
+                        lambda self, *a: steps.append(whole(self, *a)) or steps[-1])  # fmt: skip
+    with torch.inference_mode():
+        decode_logits(model, steps=2, prompts=PROMPTS[:1])
+        assert steps and all(y is not None for y in steps)
+        last = model.layers[-1].fused.rows[1]
+        model.layers[-1].fused.rows = (2, last)
+        model.fused_step, steps[:] = None, []
+        fused = decode_logits(model, prompts=PROMPTS[:1])
+        assert steps and all(y is None for y in steps)
+        monkeypatch.setattr(llama, "fused_plan", lambda layer: None)
+        reference = decode_logits(model, prompts=PROMPTS[:1])
+    assert all(torch.equal(a, b) for a, b in zip(fused, reference, strict=True))
+
+
+@needs_kernel
 def test_fused_layer_kernel_serves_only_layers_it_can(tiny_checkpoints):
     """q/k norms (Qwen3), layers not on kvlab's kernels and quantized layers computing in
     another dtype than the model's keep the op-by-op path; a plan is taken again once a layer's

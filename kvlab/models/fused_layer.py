@@ -388,7 +388,9 @@ class FusedStep:
         )
         if not self.applies:
             return
-        self.rows = min(min(p.rows[1], p.one_call_rows) for p in plans)
+        # the batch sizes every layer takes in one call (their kernels' rows may differ)
+        self.rows = (max(p.rows[0] for p in plans),
+                     min(min(p.rows[1], p.one_call_rows) for p in plans))  # fmt: skip
         self.table = (ctypes.c_void_p * (4 * len(plans)))()
         self.plan_addresses = [p.plan_address for p in plans]
         self.layers = [p.layer for p in plans]
@@ -404,7 +406,8 @@ class FusedStep:
         """The last layer's output (B, 1, hidden) for the first one's input x, or None where
         a layer cannot take the one-call path this step (the caller runs them one by one)."""
         batch, first = x.shape[0], self.plans[0]
-        if batch > self.rows or not first.takes(x, rope.cos) or not c_kernel_allowed():
+        fits = self.rows[0] <= batch <= self.rows[1] and first.takes(x, rope.cos)
+        if not fits or not c_kernel_allowed():
             return None
         attentions = cache.fused_attentions(step, self.layers)
         dtype = first.dtype
