@@ -169,9 +169,7 @@ class ComposedCache(KVCache):
         return out @ r.T
 
     def fused_attention(self, step, layer):
-        if self.rotation is not None:
-            return None
-        return self.policy.fused_attention(step, self.store, layer)
+        return self.fused_attentions(step, [layer])[0]
 
     def fused_attentions(self, step, layers):
         if self.rotation is not None:

@@ -246,6 +246,15 @@ class LayerAttentions:
         self.bounds_list = bounds
         return True
 
+    def fused_exact(self, layers, parts, group: int, bounds, blocks, slots) -> list:
+        """:meth:`fused` of each of ``layers`` over its keys and values ``parts[i]``, held
+        exactly in the model dtype, written and read in place (one job); ``bounds``: the
+        step's, one list for all the layers, so :meth:`at` reads them once."""
+        return [
+            self.fused(layer, (k, v), [(Stored(k), Stored(v), 0)], group, bounds, blocks, slots)
+            for layer, (k, v) in zip(layers, parts, strict=True)
+        ]
+
     def fused(
         self, layer: int, written, reads, group: int, bounds, blocks, slots, pooling=None,
         key=None,

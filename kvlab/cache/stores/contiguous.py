@@ -14,7 +14,7 @@ from kvlab.cache.base import RowState, nbytes, rows_of
 from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import Store, allocate_layers, parts_bytes
-from kvlab.kernels import Segment, Stored
+from kvlab.kernels import Segment
 from kvlab.kernels.cached_attention import LayerAttentions
 
 
@@ -119,14 +119,9 @@ class ContiguousStore(Store):
         step's bounds are one list for all the layers (read once, see LayerAttentions)."""
         if self._inexact:
             return [None] * len(layers)
-        rows, slots, bounds = where.rows, where.slots, [(where.rows, lo, hi)]
-        fused = self._attentions.fused
-        out = []
-        for layer in layers:
-            keys, values = self.keys[layer][0], self.values[layer][0]
-            reads = [(Stored(keys), Stored(values), 0)]
-            out.append(fused(layer, (keys, values), reads, group, bounds, rows, slots))
-        return out
+        parts = [self.exact_parts(layer) for layer in layers]
+        bounds = [(where.rows, lo, hi)]
+        return self._attentions.fused_exact(layers, parts, group, bounds, where.rows, where.slots)
 
     def exact_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``layer``'s keys and values (B, H_kv, slots, D) where both codecs are exact (one

@@ -19,7 +19,7 @@ from kvlab.cache.base import RowState, at_least, nbytes
 from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.stores.base import Store, allocate_layers, parts_bytes
 from kvlab.cache.stores.blocks import BlockPool
-from kvlab.kernels import Segment, Stored
+from kvlab.kernels import Segment
 from kvlab.kernels.cached_attention import LayerAttentions
 
 
@@ -260,13 +260,10 @@ class PagedStore(Store):
         job reads through the row tables (the step's bounds one list for all layers)."""
         if type(self.codec) is not Exact:
             return [None] * len(layers)
-        bounds, fused, out = [(self.table, lo, hi)], self._attentions.fused, []
-        for layer in layers:
-            keys, values = self.keys[layer][0], self.values[layer][0]
-            reads = [(Stored(keys), Stored(values), 0)]
-            out.append(fused(layer, (keys, values), reads, group, bounds, where.blocks,
-                             where.slots))  # fmt: skip
-        return out
+        parts = [(self.keys[layer][0], self.values[layer][0]) for layer in layers]
+        bounds = [(self.table, lo, hi)]
+        return self._attentions.fused_exact(layers, parts, group, bounds, where.blocks,
+                                            where.slots)  # fmt: skip
 
     def segment(self, where, layer, queries, lo, hi, ring=0) -> Segment:
         keys = self.codec.stored(self.keys[layer])
