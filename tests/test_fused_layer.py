@@ -105,13 +105,12 @@ def test_the_fp32_activation_in_c_is_torchs_bit_for_bit_or_not_taken():
     own silu calls (``fp32_activation``): where the probe took it, it gives torch's bits
     over other rows than the probe's (long and short, gates from a normal and from the
     exp's far ends); a close but different exp (glibc's vector expf, <= 1 ulp) is refused
-    by the probe. Without one (a torch dispatching to no vector width the build has) the
-    layers keep the activation in torch between two calls."""
+    by the probe. Without one (a torch dispatching to no vector width the build has, or no
+    such export) the layers keep the activation in torch between two calls; the probe
+    itself never refuses torch's own exp."""
     activation = fused_layer.fp32_activation()
     if activation is None:
-        assert torch.backends.cpu.get_cpu_capability() not in fused_layer.TORCH_VECTOR_EXP or (
-            fused_layer._torch_symbol("Sleef_expf16_u10") is None
-        )
+        assert fused_layer.torch_vector_exp() is None
         pytest.skip("no vector exp of torch's at a width this build has")
     width, swiglu = activation.width, fused_layer.kernel(
         "kvlab_swiglu", *[ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64],

@@ -120,9 +120,20 @@ def bf16_activation() -> Activation:
 @functools.cache
 def fp32_activation() -> Activation | None:
     """The fp32 SwiGLU activation in C (``swiglu_f32``) with the vector exp torch's own
-    silu calls on this CPU, where the build has that width and it gives torch's
+    silu calls on this CPU (:func:`torch_vector_exp`), where it gives torch's
     ``F.silu(gate) * up`` bit for bit over a probe of every magnitude; else None (the
     activation stays in torch between two calls)."""
+    found = torch_vector_exp()
+    if found is None:
+        return None
+    activation = Activation(exp=found[0], width=found[1])
+    return activation if _swiglu_matches_torch(activation, found[1]) else None
+
+
+def torch_vector_exp() -> tuple[int, int] | None:
+    """(address, width in floats) of the vector exp torch's fp32 silu calls at the CPU
+    capability it dispatches to, where the kernel build has vectors of that width and
+    libtorch exports it; else None."""
     exp_name, width = TORCH_VECTOR_EXP.get(torch.backends.cpu.get_cpu_capability(), (None, 0))
     lib = library()
     if exp_name is None or lib is None:
@@ -132,10 +143,7 @@ def fp32_activation() -> Activation | None:
     if not widths() & WIDTH_BITS[width]:
         return None
     exp = _torch_symbol(exp_name)
-    if exp is None:
-        return None
-    activation = Activation(exp=exp, width=width)
-    return activation if _swiglu_matches_torch(activation, width) else None
+    return None if exp is None else (exp, width)
 
 
 def _torch_symbol(name: str) -> int | None:
