@@ -377,11 +377,11 @@ class FusedStep:
     """A model's decode step through all its layers in one C call
     (``kvlab_layers_decode``) where every layer takes the one-call path
     (:meth:`FusedDecode._with_cached_attention`): its Python a layer (the module call, the
-    plan, the C call's arguments and output) paid once a step. The cache still hands each
-    layer's writes and attention over first (``KVCache.fused_attention``), all before the
-    call; the values are the per-layer calls', the same C code in the same order. Made per
-    model on first use and again when a layer's plan changes (:func:`fused_plan`); a copied
-    or pickled model makes its own."""
+    plan, the C call's arguments and output) paid once a step. The cache hands every
+    layer's writes and attention over first, all at once (``KVCache.fused_attentions``);
+    the values are the per-layer calls', the same C code in the same order. Made per model
+    on first use and again when a layer's plan changes (:func:`fused_plan`); a copied or
+    pickled model makes its own."""
 
     def __reduce__(self):
         return _unplanned, ()

@@ -105,7 +105,7 @@ class DecoderLayer(nn.Module):
         return super()._apply(fn, recurse)
 
 
-def steps_in_one_call(x: torch.Tensor) -> bool:
+def fits_one_call(x: torch.Tensor) -> bool:
     """Whether a step of x (B, T, hidden) may run its layers in one C call
     (:class:`FusedStep`): one token a row, eager, on the CPU."""
     return x.shape[1] == 1 and x.device.type == "cpu" and not torch.compiler.is_compiling()
@@ -194,7 +194,7 @@ class Decoder(nn.Module):
         no Python loop over rows, so it compiles to one graph per shape."""
         x = self.embed_tokens(ids)  # (B, T, hidden)
         in_one_call = None
-        if self.step_in_one_call and steps_in_one_call(x):
+        if self.step_in_one_call and fits_one_call(x):
             whole = fused_step(self, fused_plan)
             in_one_call = None if whole is None else whole(x, rope, cache, step)
         if in_one_call is not None:
