@@ -269,12 +269,25 @@ def test_int8_linear_equals_the_dequantized_linear(dtype, rows, out_features, bi
 @pytest.mark.parametrize("rows", [1, 2, 5, 32])
 @pytest.mark.parametrize("out_features", [96, 99])
 @pytest.mark.parametrize("in_features", [200, 576, 7])
-def test_w8a8_kernel_gives_its_reference_bit_for_bit(dtype, rows, out_features, in_features):
+@pytest.mark.parametrize("order", ["rows", "tiles"])
+def test_w8a8_kernel_gives_its_reference_bit_for_bit(dtype, rows, out_features, in_features, order):
     """gemv_w8a8.c (int8 activations: vpdpbusd over 64 channels with a masked tail on
     AVX512-VNNI, vpmaddubsw over 32 and a scalar tail on AVX2; weight rows four at a time, 99
-    leaving three alone; a row of zeros) equals its torch reference exactly, and the
-    reference is the float product up to the activations' rounding (half a step of each
-    row's scale per channel)."""
+    leaving three alone, or, for one row in the int8 weights' ``rows`` order, one after
+    another in blocks of 16, 99 leaving three; a row of zeros) equals its torch reference
+    exactly, and the reference is the float product up to the activations' rounding (half a
+    step of each row's scale per channel)."""
+    from kvlab.kernels.linear import gemv_order, set_gemv_order
+
+    before = gemv_order(torch.int8)
+    set_gemv_order(torch.int8, order)
+    try:
+        _check_w8a8_kernel(dtype, rows, out_features, in_features)
+    finally:
+        set_gemv_order(torch.int8, before)
+
+
+def _check_w8a8_kernel(dtype, rows, out_features, in_features):
     from kvlab.kernels.w8a8 import quantize_rows, w8a8_linear, w8a8_reference
 
     generator = torch.Generator().manual_seed(rows * out_features + in_features)
