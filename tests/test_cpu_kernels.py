@@ -307,6 +307,64 @@ def _check_w8a8_kernel(dtype, rows, out_features, in_features):
         assert torch.equal(got[-1], torch.zeros_like(got[-1]))
 
 
+def _w4a8_exact(x, codes, scale, offset, group_size):
+    """W4A8's product in float64 from the same quantized activations as the reference, and
+    the sum of its terms' magnitudes (what fp32 rounding errors scale with)."""
+    from kvlab.kernels.w4a8 import quantize_groups
+
+    xq, steps, _ = quantize_groups(x, group_size)
+    rows, groups = steps.shape
+    sums = x.double().view(rows, groups, group_size).sum(-1)
+    xq, codes = xq.double().view(rows, groups, -1), codes.double().view(-1, groups, group_size)
+    dots = torch.einsum("mgk,ngk->mng", xq, codes)  # exact integers
+    codes_term = dots * steps.double()[:, None, :] * scale.double().T[None]
+    shift_term = sums[:, None, :] * (offset.double() - 8 * scale.double()).T[None]
+    terms = codes_term + shift_term
+    return terms.sum(-1), (codes_term.abs() + shift_term.abs()).sum(-1)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 32])
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "group_size"),
+    [(96, 576, 32), (32, 64, 32), (48, 256, 64), (16, 512, 128), (64, 1536, 256)],
+)
+def test_w4a8_kernel_gives_its_reference(dtype, rows, out_features, in_features, group_size):
+    """gemv_w4a8.c (int4 codes times int8 activations quantized per weight group: vpdpbusd
+    on AVX512-VNNI, vpmaddubsw on AVX2) gives the exact product of the reference's
+    quantized activations up to fp32 rounding (and bf16's output rounding), so it quantizes
+    them to the reference's codes; a row of zeros gives the offsets' term alone, zero. And
+    the reference is the float product up to the activations' rounding: half a step of each
+    group's scale per channel, on the codes' term only."""
+    from kvlab.kernels.w4a8 import quantize_groups, w4a8_linear, w4a8_reference
+    from kvlab.quant.packing import block_int4
+    from kvlab.quant.rtn import dequantize_int4, quantize_int4
+
+    generator = torch.Generator().manual_seed(rows * out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    codes, scale, offset = quantize_int4(weight, group_size, symmetric=False)
+    scale, offset = scale.to(dtype), offset.to(dtype)
+    x = (3 * torch.randn(rows, in_features, generator=generator)).to(dtype)
+    x[-1] = 0 if rows > 1 else x[-1]
+    got = w4a8_linear(x, *block_int4(codes, scale, offset), group_size)
+    assert got.dtype == dtype
+    exact, magnitude = _w4a8_exact(x, codes, scale, offset, group_size)
+    rounding = 0.0 if dtype == torch.float32 else 2.0**-8 * exact.abs()  # bf16's half ulp
+    assert ((got.double() - exact).abs() <= 1e-6 * magnitude + rounding + 1e-9).all()
+    want = w4a8_reference(x, codes, scale, offset, group_size)
+    assert ((want.double() - exact).abs() <= 1e-6 * magnitude + rounding + 1e-9).all()
+    if rows > 1:
+        assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    _, steps, _ = quantize_groups(x, group_size)
+    codes_part = (codes.float() * scale.float().repeat_interleave(group_size, 0).T).abs()
+    per_group = codes_part.view(out_features, -1, group_size).sum(-1)  # (N, K/G)
+    bound = (steps.double() / 2) @ per_group.double().T
+    weights = dequantize_int4(codes, scale.float(), offset.float(), group_size).double()
+    error = (want.double() - x.double() @ weights.T).abs()
+    assert (error <= bound * 1.01 + 1e-6 * magnitude + rounding + 1e-6).all()
+
+
 def test_w8a8_reference_without_an_int8_matmul_gives_the_same_products(monkeypatch):
     """Where torch's int8 matmul refuses the shapes (CUDA's, under 17 rows), the reference
     multiplies in float64, exactly: the same outputs."""

@@ -29,7 +29,7 @@ HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # part of the build's key, 
 # line: there gcc adds crtfastmath.o, which sets flush-to-zero for the whole process
 FLAGS = ["-O3", "-march=native", "-fPIC", "-fopenmp", "-std=c11", "-ffast-math"]
 # bit-identical to the torch path: no fast-math
-EXACT = ("codes.c", "decode_layer.c", "gemv_w8a8.c", "rms_norm.c")
+EXACT = ("codes.c", "decode_layer.c", "gemv_w4a8.c", "gemv_w8a8.c", "rms_norm.c")
 LIBS = ["-lmvec", "-lm"]
 
 

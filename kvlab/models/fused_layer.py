@@ -65,7 +65,7 @@ class _Linear(ctypes.Structure):
         ("kind", ctypes.c_int32), ("scale_bf16", ctypes.c_int32), ("scale", ctypes.c_void_p),
         ("group", ctypes.c_int64),
     ]  # fmt: skip
-    FP, INT8, INT4, W8A8 = 0, 1, 2, 3
+    FP, INT8, INT4, W8A8, W4A8 = 0, 1, 2, 3, 4
 
 
 class _LayerPlan(ctypes.Structure):  # decode_layer.c's LayerPlan
@@ -187,7 +187,8 @@ def _linear(layer: nn.Module) -> _Linear:
         return _Linear(weight=layer.weight.data_ptr(), weight_bf16=is_bf16(layer.weight), **fields)
     if type(layer) is Int4Linear:
         scale_offset = layer.scale_offset
-        return _Linear(weight=layer.packed.data_ptr(), kind=_Linear.INT4,
+        kind = _Linear.W4A8 if layer.int8_activations else _Linear.INT4
+        return _Linear(weight=layer.packed.data_ptr(), kind=kind,
                        scale_bf16=is_bf16(scale_offset), scale=scale_offset.data_ptr(),
                        group=layer.group_size, **fields)  # fmt: skip
     scale, kind = layer.scale, _Linear.W8A8 if layer.int8_activations else _Linear.INT8

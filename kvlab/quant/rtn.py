@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels.linear import MAX_ROWS, int4_linear, int8_linear, int8_wide_linear
+from kvlab.kernels.w4a8 import w4a8_linear, w4a8_reference
 from kvlab.kernels.w8a8 import w8a8_linear
 from kvlab.models.cpu_kernels import int4_kernel, int8_kernel
 from kvlab.models.wide_kernels import wide_kernel
@@ -34,8 +35,9 @@ ACTIVATIONS = ("none", "int8")
 class RtnOptions(QuantOptions):
     """``bits`` 8 (per output channel, symmetric) or 4 (``group_size`` input channels per
     scale; None = 64); ``compute_dtype``: bfloat16, or ``input`` (the activations' dtype);
-    ``activations``: ``none`` (weight-only) or, with 8 bits, ``int8`` (each token's
-    activations quantized too, W8A8: :mod:`kvlab.kernels.w8a8`)."""
+    ``activations``: ``none`` (weight-only) or ``int8``: each token's activations quantized
+    too, with 8 bits per row (W8A8: :mod:`kvlab.kernels.w8a8`), with 4 bits per weight group
+    (W4A8: :mod:`kvlab.kernels.w4a8`)."""
 
     bits: int = 4
     group_size: int | None = None
@@ -59,10 +61,10 @@ class RtnOptions(QuantOptions):
                     f"quant.options.group_size={self.group_size!r} is invalid; allowed: "
                     f"{', '.join(map(str, INT4_GROUP_SIZES))}"
                 )
-        if self.activations not in ACTIVATIONS or (self.activations != "none" and self.bits != 8):
+        if self.activations not in ACTIVATIONS:
             raise ValueError(
-                f"quant.options.activations={self.activations!r} is invalid with "
-                f"bits={self.bits}; allowed: none, or int8 with bits=8"
+                f"quant.options.activations={self.activations!r} is invalid; allowed: "
+                f"{', '.join(ACTIVATIONS)}"
             )
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(
@@ -106,7 +108,10 @@ class Int4Linear(nn.Module):
     through ``gemv_int4.c``, more rows dequantized into one product) or the layout of
     PyTorch's int4 kernel (``aten``), whichever :func:`int4_kernel` measured faster here;
     elsewhere (or ``cpu_kernel=False``) row-packed (``rows``), dequantized per call.
-    ``input_perm`` reorders input channels first (GPTQ act-order checkpoints)."""
+    ``input_perm`` reorders input channels first (GPTQ act-order checkpoints). With
+    ``int8_activations`` each row of the input is quantized too, one scale a weight group,
+    and the codes multiplied in int8 (W4A8: :func:`~kvlab.kernels.w4a8.w4a8_linear`, in
+    kvlab's blocks or, where they do not fit, row-packed)."""
 
     def __init__(
         self,
@@ -117,13 +122,15 @@ class Int4Linear(nn.Module):
         compute_dtype: torch.dtype | None = torch.bfloat16,
         input_perm: torch.Tensor | None = None,
         cpu_kernel: bool = True,
+        int8_activations: bool = False,
     ):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group_size = self.in_features // scale.shape[0]
         self.compute_dtype = compute_dtype  # None: the input's dtype
+        self.int8_activations = int8_activations
         dtype = compute_dtype or scale.dtype
-        self.layout = _int4_layout(codes, self.group_size, cpu_kernel)
+        self.layout = _int4_layout(codes, self.group_size, cpu_kernel, int8_activations)
         if self.layout == "kvlab":
             packed, scale_offset = block_int4(codes, scale.to(dtype), offset.to(dtype))
         else:
@@ -154,7 +161,9 @@ class Int4Linear(nn.Module):
             x = x.index_select(-1, self.input_perm)
         dtype = self.compute_dtype or x.dtype
         flat = x.reshape(-1, self.in_features).to(dtype).contiguous()  # (M, K): the kernel's
-        if self.layout == "kvlab" and len(flat) <= MAX_ROWS and flat.device.type == "cpu":
+        if self.int8_activations:
+            out = self._w4a8(flat, dtype)
+        elif self.layout == "kvlab" and len(flat) <= MAX_ROWS and flat.device.type == "cpu":
             out = int4_linear(flat, self.packed, self.scale_offset.to(dtype), self.group_size)
         elif self.layout == "aten":
             sz = self.scale_offset.to(dtype)
@@ -164,14 +173,27 @@ class Int4Linear(nn.Module):
         out = out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
+    def _w4a8(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The product with int8 activations (W4A8) over the ``kvlab`` or ``rows`` layout."""
+        scale_offset = self.scale_offset.to(dtype)
+        if self.layout == "kvlab":
+            return w4a8_linear(flat, self.packed, scale_offset, self.group_size)
+        scale, offset = scale_offset.unbind(-1)
+        return w4a8_reference(flat, unpack(self.packed, 4), scale, offset, self.group_size)
 
-def _int4_layout(codes: torch.Tensor, group_size: int, cpu_kernel: bool) -> str:
+
+def _int4_layout(
+    codes: torch.Tensor, group_size: int, cpu_kernel: bool, int8_activations: bool = False
+) -> str:
     """``kvlab`` or ``aten`` on the CPU (as :func:`int4_kernel` chose; ``aten`` where kvlab's
     blocks do not fit the shape: 16 outputs a block, groups of whole chunks of 8 input
-    channels), else ``rows``."""
+    channels), else ``rows``. With int8 activations ``kvlab`` wherever its blocks fit on the
+    CPU (``gemv_w4a8.c`` reads them), else ``rows``."""
     if not cpu_kernel or codes.device.type != "cpu":
         return "rows"
     fits = codes.shape[0] % 16 == 0 and group_size % 8 == 0
+    if int8_activations:
+        return "kvlab" if fits else "rows"
     return "kvlab" if fits and int4_kernel()["kernel"] == "kvlab" else "aten"
 
 
@@ -239,6 +261,7 @@ def apply_rtn(model: nn.Module, options: RtnOptions) -> int:
                 f"{linear.in_features} input features of {name}; allowed: a divisor of it"
             )
         codes, scale, offset = quantize_int4(linear.weight, options.group_size, options.symmetric)
-        return Int4Linear(codes, scale, offset, linear.bias, dtype)
+        int8_activations = options.activations == "int8"
+        return Int4Linear(codes, scale, offset, linear.bias, dtype, None, True, int8_activations)
 
     return replace_linears(model, options, make)

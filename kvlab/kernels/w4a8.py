@@ -1,0 +1,86 @@
+"""Grouped int4 weights times int8 activations (W4A8, dynamic: each row of x quantized with
+one scale per weight group, as llama.cpp's Q4_1 x Q8_1 dot products quantize activations in
+blocks of 32). :func:`w4a8_reference` defines the numbers in torch; :func:`w4a8_linear`
+runs ``gemv_w4a8.c`` where it serves (integer dot products on VNNI's vpdpbusd, or AVX2's
+vpmaddubsw), which gives them up to fp32 summation order: both quantize x to the same codes
+bit for bit, and the integer part of each group's product is exact."""
+
+from __future__ import annotations
+
+import torch
+
+from kvlab.kernels.build import INT, INT64, POINTER, kernel, library
+from kvlab.kernels.linear import MAX_ROWS
+
+_ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER, INT, INT64,
+         INT64, INT64)  # fmt: skip
+
+
+def quantize_groups(
+    x: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (codes (M, K) int8, steps (M, K/G) fp32, sums (M, K/G) fp32): per group
+    of ``group_size`` channels d = max|x| / 127 and codes round(x / d) (ties to even), 0
+    where a group is all zeros; sums: each group's sum of x itself."""
+    rows, channels = x.shape
+    groups = x.float().view(rows, channels // group_size, group_size)
+    steps = groups.abs().amax(dim=-1) / 127
+    codes = torch.where(steps[..., None] > 0, groups / steps[..., None], 0.0).round()
+    return codes.to(torch.int8).view(rows, channels), steps, groups.sum(dim=-1)
+
+
+def w4a8_reference(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """x (M, K) @ W^T in x's dtype, W = (codes - 8) * scale + offset per group of
+    ``group_size`` input channels (codes (N, K) in 0..15; scale, offset (K/G, N), as
+    :func:`kvlab.quant.rtn.quantize_int4` gives them), with x quantized per group
+    (:func:`quantize_groups`): the codes' term on the quantized x, the offsets' term
+    (offset - 8 * scale) on each group's sum of x itself. In fp32."""
+    xq, steps, sums = quantize_groups(x, group_size)
+    rows, channels = x.shape
+    groups = channels // group_size
+    quantized = (xq.float().view(rows, groups, group_size) * steps[..., None]).view(rows, -1)
+    scaled = codes.float() * scale.float().repeat_interleave(group_size, dim=0).T  # (N, K)
+    shift = offset.float() - 8 * scale.float()  # (K/G, N)
+    return (quantized @ scaled.T + sums @ shift).to(x.dtype)
+
+
+def kernel_serves(x: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether ``gemv_w4a8.c`` takes these: CPU tensors, x fp32 or bf16 of at most
+    ``MAX_ROWS`` rows (more: a prefill, through the reference's one product), the kernels
+    built."""
+    return (
+        len(x) <= MAX_ROWS
+        and x.device.type == "cpu"
+        and packed.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and library() is not None
+    )
+
+
+def w4a8_linear(
+    x: torch.Tensor, packed: torch.Tensor, scale_offset: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """:func:`w4a8_reference`'s product over weights in kvlab's int4 blocks
+    (:func:`kvlab.quant.packing.block_int4`: packed (N/16, K/2, 16), scale_offset
+    (N/16, K/G, 2, 16)) through the C kernel where it serves (eager, CPU, decode rows),
+    else through the reference on the unblocked weights."""
+    if torch.compiler.is_compiling() or not kernel_serves(x, packed):
+        from kvlab.quant.packing import unblock_int4  # kvlab.quant imports the kernels
+
+        codes, scale, offset = unblock_int4(packed, scale_offset)
+        return w4a8_reference(x, codes, scale, offset, group_size)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    rows, out_features = x.shape[0], packed.shape[0] * packed.shape[2]
+    out = torch.empty(rows, out_features, dtype=x.dtype)
+    bf16 = [int(t.dtype == torch.bfloat16) for t in (x, scale_offset, out)]
+    kernel("kvlab_gemv_w4a8", *_ARGS)(
+        x.data_ptr(), bf16[0], x.stride(0), packed.data_ptr(), scale_offset.data_ptr(), bf16[1],
+        group_size, None, 0, out.data_ptr(), bf16[2], rows, out_features, packed.shape[1] * 2,
+    )  # fmt: skip
+    return out
