@@ -175,6 +175,56 @@ def test_a_decode_step_runs_its_layers_in_one_c_call(
     assert all(torch.equal(a, b) for a, b in zip(fused, reference, strict=True))
 
 
+def _step_inputs(batch: int, width: int = 1):
+    """A step's bounds (one job: a table ``width`` blocks wide, rows [0, 5)) and the rows'
+    blocks and slots, new tensors each call, as a store makes them each step."""
+    table = torch.arange(batch * width).view(batch, width)
+    bounds = [(table, torch.zeros(batch, dtype=torch.int64), torch.full((batch,), 5))]
+    return bounds, torch.arange(batch).view(batch, 1), torch.full((batch, 1), 5)
+
+
+@needs_kernel
+def test_a_steps_cached_attentions_are_reused_only_while_they_hold(monkeypatch):
+    """``LayerAttentions.fused_exact`` answers a step as it answered the last one, without a
+    call a layer, while the same layers hand over the same key and value tensors, still
+    where they were, for the same batch and table widths (the new step's blocks and slots
+    in the answer); a tensor replaced or its storage, a batch of another size or a wider
+    table builds them again, the C structs then pointing at the new tensors, also where a
+    new tensor sits at an old one's address with other strides."""
+    attentions = cached_attention.LayerAttentions()
+    calls = []
+    fused = cached_attention.LayerAttentions.fused
+    monkeypatch.setattr(cached_attention.LayerAttentions, "fused",
+                        lambda self, *a: calls.append(a[0]) or fused(self, *a))  # fmt: skip
+    parts = [(torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)) for _ in range(2)]
+    first = attentions.fused_exact([0, 1], parts, 2, *_step_inputs(2))
+    assert calls == [0, 1] and all(found is not None for found in first)
+    bounds, blocks, slots = _step_inputs(2)
+    again = attentions.fused_exact([0, 1], parts, 2, bounds, blocks, slots)
+    assert calls == [0, 1]
+    assert [a[0] for a in again] == [a[0] for a in first]
+    assert all(a[1] is blocks and a[2] is slots for a in again)
+    parts[1] = (parts[1][0].clone(), parts[1][1])  # the store moved layer 1's keys
+    moved = attentions.fused_exact([0, 1], parts, 2, *_step_inputs(2))
+    assert calls == [0, 1, 0, 1]
+    assert attentions.layers[1].layouts[0][0] == parts[1][0].data_ptr()
+    assert moved[0][0] == first[0][0] and moved[1][0] != first[1][0]
+    parts[0][0].set_(parts[0][0].clone())  # the same tensor object, its storage replaced
+    attentions.fused_exact([0, 1], parts, 2, *_step_inputs(2))
+    assert calls[4:] == [0, 1]
+    assert attentions.layers[0].layouts[0][0] == parts[0][0].data_ptr()
+    attentions.fused_exact([0, 1], parts, 2, *_step_inputs(1))  # one row
+    attentions.fused_exact([0, 1], parts, 2, *_step_inputs(2))
+    wider = attentions.fused_exact([0, 1], parts, 2, *_step_inputs(2, width=2))
+    assert calls[6:] == [0, 1, 0, 1, 0, 1] and all(found is not None for found in wider)
+    kept = attentions.layers[1]
+    parts[1] = tuple(t.view(2, 2, 8, 16)[..., :8] for t in parts[1])  # same address, strides
+    assert all(found is not None for found in attentions.fused_exact(
+        [0, 1], parts, 2, *_step_inputs(2, width=2)))  # fmt: skip
+    assert attentions.layers[1] is not kept
+    assert attentions.layers[1].layouts[0][2] == parts[1][0].stride()
+
+
 @needs_kernel
 def test_a_step_stays_layer_by_layer_where_one_layer_does_not_take_its_rows(
     tiny_checkpoints, monkeypatch

@@ -68,7 +68,7 @@ class CachedAttention:
         keys, values = written
         blocks, heads, slots, dim = keys.shape
         self.tensors = _tensors(written, reads, pooling)  # kept alive: structs point into them
-        self.pointers = tuple(t.data_ptr() for t in self.tensors)
+        self.layouts = tuple(map(_layout, self.tensors))  # the structs bake these in
         self.key = key  # the caller's name for these tensors where they are (see holds)
         self.queries = torch.empty(batch, heads, group, dim, dtype=torch.float32)
         per_head = pooling is not None and pooling.top_k > 0
@@ -118,8 +118,10 @@ class CachedAttention:
     def holds(
         self, written, reads, batch: int, pooling: Pooling | None = None, key: tuple | None = None
     ) -> bool:
-        """Whether it was built over these tensors, still where they were, for ``batch``
-        rows (and the same top-k). ``key``: the caller's name for every tensor it hands
+        """Whether it was built over these tensors, still where and as they were (address,
+        shape and strides: a tensor made anew at a freed one's address may be laid out
+        otherwise), for ``batch`` rows (and the same top-k). ``key``: the caller's name for
+        every tensor it hands
         over, which changes whenever one of them moves (a pooling layer's addresses, see
         ``pooled/decode.py``): the same key stands for the same addresses, unread."""
         top_k = None if pooling is None else pooling.top_k
@@ -129,7 +131,7 @@ class CachedAttention:
             and top_k == (None if self.pooling is None else self.pooling.top_k)
             and (
                 (key is not None and key == self.key)
-                or tuple(map(DATA_PTR, _tensors(written, reads, pooling))) == self.pointers
+                or tuple(map(_layout, _tensors(written, reads, pooling))) == self.layouts
             )
         )
 
@@ -150,6 +152,11 @@ class CachedAttention:
                 chunks += -(-span // job.chunk)
             self.floats = (widths, batch * heads * chunks * group * (dim + 2))
         return self.floats[1]
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """Where a tensor's elements are: its address, shape and strides."""
+    return t.data_ptr(), t.shape, t.stride()
 
 
 def _tensors(written, reads, pooling: Pooling | None = None) -> list[torch.Tensor]:
@@ -176,6 +183,7 @@ class LayerAttentions:
         self.pointers: list[int] = []
         self.pooling_fits: tuple = (None, [])  # (batch, a step's pooling indices) found to fit
         self.indexed: tuple = (None, None)  # the last (blocks, slots) found int64, contiguous
+        self.exact: _ExactStep | None = None  # fused_exact's last answer, while it holds
 
     def at(
         self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None, key=None
@@ -249,11 +257,29 @@ class LayerAttentions:
     def fused_exact(self, layers, parts, group: int, bounds, blocks, slots) -> list:
         """:meth:`fused` of each of ``layers`` over its keys and values ``parts[i]``, held
         exactly in the model dtype, written and read in place (one job); ``bounds``: the
-        step's, one list for all the layers, so :meth:`at` reads them once."""
-        return [
+        step's, one list for all the layers, so :meth:`at` reads them once. The last step's
+        cached attentions again, without a call a layer, where they still hold
+        (:class:`_ExactStep`)."""
+        last = self.exact
+        if last is not None and self._indexes_fit(blocks, slots) and self._point_at(bounds):
+            if last.holds(self, layers, parts, blocks.shape[0]):
+                return [(address, blocks, slots, last.dtype) for address in last.addresses]
+        found = [
             self.fused(layer, (k, v), [(Stored(k), Stored(v), 0)], group, bounds, blocks, slots)
             for layer, (k, v) in zip(layers, parts, strict=True)
         ]
+        complete = bool(found) and all(f is not None for f in found)
+        self.exact = _ExactStep(self, layers, parts, found) if complete else None
+        return found
+
+    def _indexes_fit(self, blocks, slots) -> bool:
+        """Whether the step's (blocks, slots) are int64 and contiguous, found once a step
+        (held: the same tensors, the same answer)."""
+        if not (blocks is self.indexed[0] and slots is self.indexed[1]):
+            if not (index_applies(blocks) and index_applies(slots)):
+                return False
+            self.indexed = (blocks, slots)
+        return True
 
     def fused(
         self, layer: int, written, reads, group: int, bounds, blocks, slots, pooling=None,
@@ -262,10 +288,37 @@ class LayerAttentions:
         """What a store's ``fused_attention`` returns: (address, blocks, slots, dtype), the
         step's rows going to slot ``slots[b]`` of block ``blocks[b]`` (int64, (B, 1)) of
         ``written``; None where something does not fit. (``key``: see :meth:`at`.)"""
-        if not (blocks is self.indexed[0] and slots is self.indexed[1]):  # once a step
-            if not (index_applies(blocks) and index_applies(slots)):
-                return None
-            self.indexed = (blocks, slots)  # held: the same tensors, the same answer
+        if not self._indexes_fit(blocks, slots):
+            return None
         batch = blocks.shape[0]
         address = self.at(layer, written, reads, group, bounds, batch, pooling, key)
         return None if address is None else (address, blocks, slots, written[0].dtype)
+
+
+class _ExactStep:
+    """A step's :meth:`LayerAttentions.fused_exact` answer, for the next steps: it holds
+    while the same layers hand over the same key and value tensors, still where they were,
+    for the same batch and table widths, and each layer's cached attention is still the one
+    it answered with (held here, so its address stays valid). Then every :meth:`at` would
+    answer the same: that is what its checks are, once a step instead of once a layer."""
+
+    def __init__(self, attentions: LayerAttentions, layers, parts, found):
+        self.layers = list(layers)
+        self.tensors = [t for part in parts for t in part]
+        self.pointers = list(map(DATA_PTR, self.tensors))
+        self.cached = [attentions.layers[layer] for layer in self.layers]
+        self.batch, self.widths = found[0][1].shape[0], attentions.widths
+        self.addresses = [address for address, *_ in found]
+        self.dtype = found[0][3]
+
+    def holds(self, attentions: LayerAttentions, layers, parts, batch: int) -> bool:
+        tensors = [t for part in parts for t in part]
+        return (
+            batch == self.batch
+            and attentions.widths == self.widths
+            and self.layers == list(layers)
+            and len(tensors) == len(self.tensors)
+            and all(map(operator.is_, tensors, self.tensors))
+            and list(map(DATA_PTR, tensors)) == self.pointers
+            and all(map(operator.is_, (attentions.layers[i] for i in layers), self.cached))
+        )
