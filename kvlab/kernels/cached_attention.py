@@ -255,21 +255,32 @@ class LayerAttentions:
         return True
 
     def fused_exact(self, layers, parts, group: int, bounds, blocks, slots) -> list:
-        """:meth:`fused` of each of ``layers`` over its keys and values ``parts[i]``, held
-        exactly in the model dtype, written and read in place (one job); ``bounds``: the
-        step's, one list for all the layers, so :meth:`at` reads them once. The last step's
-        cached attentions again, without a call a layer, where they still hold
+        """:meth:`fused_layers` over each layer's keys and values ``parts[i]``, held exactly
+        in the model dtype, written and read in place (one job)."""
+
+        def made(i: int) -> tuple:
+            keys, values = parts[i]
+            return parts[i], [(Stored(keys), Stored(values), 0)]
+
+        return self.fused_layers(layers, parts, made, group, bounds, blocks, slots)
+
+    def fused_layers(self, layers, tensors, made, group: int, bounds, blocks, slots) -> list:
+        """:meth:`fused` of each of ``layers``, ``made(i)`` giving the i-th one's (written,
+        reads); ``tensors[i]``: every tensor those point into; ``bounds``: the step's, one
+        list for all the layers, so :meth:`at` reads them once. The last step's cached
+        attentions again, without a call a layer (nor ``made``), where they still hold
         (:class:`_ExactStep`)."""
+        flat = [t for layer_tensors in tensors for t in layer_tensors]
         last = self.exact
         if last is not None and self._indexes_fit(blocks, slots) and self._point_at(bounds):
-            if last.holds(self, layers, parts, blocks.shape[0]):
+            if last.holds(self, layers, flat, blocks.shape[0]):
                 return [(address, blocks, slots, last.dtype) for address in last.addresses]
         found = [
-            self.fused(layer, (k, v), [(Stored(k), Stored(v), 0)], group, bounds, blocks, slots)
-            for layer, (k, v) in zip(layers, parts, strict=True)
+            self.fused(layer, *made(i), group, bounds, blocks, slots)
+            for i, layer in enumerate(layers)
         ]
         complete = bool(found) and all(f is not None for f in found)
-        self.exact = _ExactStep(self, layers, parts, found) if complete else None
+        self.exact = _ExactStep(self, layers, flat, found) if complete else None
         return found
 
     def _indexes_fit(self, blocks, slots) -> bool:
@@ -296,23 +307,22 @@ class LayerAttentions:
 
 
 class _ExactStep:
-    """A step's :meth:`LayerAttentions.fused_exact` answer, for the next steps: it holds
+    """A step's :meth:`LayerAttentions.fused_layers` answer, for the next steps: it holds
     while the same layers hand over the same key and value tensors, still where they were,
     for the same batch and table widths, and each layer's cached attention is still the one
     it answered with (held here, so its address stays valid). Then every :meth:`at` would
     answer the same: that is what its checks are, once a step instead of once a layer."""
 
-    def __init__(self, attentions: LayerAttentions, layers, parts, found):
+    def __init__(self, attentions: LayerAttentions, layers, tensors, found):
         self.layers = list(layers)
-        self.tensors = [t for part in parts for t in part]
+        self.tensors = tensors
         self.pointers = list(map(DATA_PTR, self.tensors))
         self.cached = [attentions.layers[layer] for layer in self.layers]
         self.batch, self.widths = found[0][1].shape[0], attentions.widths
         self.addresses = [address for address, *_ in found]
         self.dtype = found[0][3]
 
-    def holds(self, attentions: LayerAttentions, layers, parts, batch: int) -> bool:
-        tensors = [t for part in parts for t in part]
+    def holds(self, attentions: LayerAttentions, layers, tensors, batch: int) -> bool:
         return (
             batch == self.batch
             and attentions.widths == self.widths

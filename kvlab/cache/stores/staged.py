@@ -274,17 +274,20 @@ class StagedStore(ContiguousStore):
         if type(self) is not StagedStore or not where.in_place:
             return [None] * len(layers)
         bounds = [(where.rows, lo, where.coded), (where.rows, where.coded, hi)]
-        fused, out = self._attentions.fused, []
-        for layer in layers:
+
+        def made(i: int) -> tuple:
+            layer = layers[i]
             codes = (
                 self.key_codec.stored(self.keys[layer]),
                 self.value_codec.stored(self.values[layer]),
             )
             key_ring, value_ring = self.rings[layer]
             reads = [(*codes, 0), (Stored(key_ring), Stored(value_ring), self.ring_size)]
-            out.append(fused(layer, (key_ring, value_ring), reads, group, bounds, where.rows,
-                             where.ring_slots))  # fmt: skip
-        return out
+            return (key_ring, value_ring), reads
+
+        tensors = [[*self.keys[i], *self.values[i], *self.rings[i]] for i in layers]
+        return self._attentions.fused_layers(layers, tensors, made, group, bounds, where.rows,
+                                             where.ring_slots)  # fmt: skip
 
     def _write_ring(self, where: StagedWrite, layer: int, k, v) -> None:
         for ring, new in zip(self.rings[layer], (k, v), strict=True):
