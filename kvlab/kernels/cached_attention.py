@@ -121,9 +121,9 @@ class CachedAttention:
         """Whether it was built over these tensors, still where and as they were (address,
         shape and strides: a tensor made anew at a freed one's address may be laid out
         otherwise), for ``batch`` rows (and the same top-k). ``key``: the caller's name for
-        every tensor it hands
-        over, which changes whenever one of them moves (a pooling layer's addresses, see
-        ``pooled/decode.py``): the same key stands for the same addresses, unread."""
+        every tensor it hands over, which changes whenever one of them moves (a pooling
+        layer's addresses, see ``pooled/decode.py``): the same key stands for the same
+        addresses, unread."""
         top_k = None if pooling is None else pooling.top_k
         return (
             self.queries.shape[0] == batch
@@ -183,7 +183,7 @@ class LayerAttentions:
         self.pointers: list[int] = []
         self.pooling_fits: tuple = (None, [])  # (batch, a step's pooling indices) found to fit
         self.indexed: tuple = (None, None)  # the last (blocks, slots) found int64, contiguous
-        self.exact: _ExactStep | None = None  # fused_exact's last answer, while it holds
+        self.last_step: _LastStep | None = None  # fused_layers' last answer, while it holds
 
     def at(
         self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None, key=None
@@ -269,9 +269,9 @@ class LayerAttentions:
         reads); ``tensors[i]``: every tensor those point into; ``bounds``: the step's, one
         list for all the layers, so :meth:`at` reads them once. The last step's cached
         attentions again, without a call a layer (nor ``made``), where they still hold
-        (:class:`_ExactStep`)."""
+        (:class:`_LastStep`)."""
         flat = [t for layer_tensors in tensors for t in layer_tensors]
-        last = self.exact
+        last = self.last_step
         if last is not None and self._indexes_fit(blocks, slots) and self._point_at(bounds):
             if last.holds(self, layers, flat, blocks.shape[0]):
                 return [(address, blocks, slots, last.dtype) for address in last.addresses]
@@ -280,7 +280,7 @@ class LayerAttentions:
             for i, layer in enumerate(layers)
         ]
         complete = bool(found) and all(f is not None for f in found)
-        self.exact = _ExactStep(self, layers, flat, found) if complete else None
+        self.last_step = _LastStep(self, layers, flat, found) if complete else None
         return found
 
     def _indexes_fit(self, blocks, slots) -> bool:
@@ -306,12 +306,13 @@ class LayerAttentions:
         return None if address is None else (address, blocks, slots, written[0].dtype)
 
 
-class _ExactStep:
+class _LastStep:
     """A step's :meth:`LayerAttentions.fused_layers` answer, for the next steps: it holds
-    while the same layers hand over the same key and value tensors, still where they were,
-    for the same batch and table widths, and each layer's cached attention is still the one
-    it answered with (held here, so its address stays valid). Then every :meth:`at` would
-    answer the same: that is what its checks are, once a step instead of once a layer."""
+    while the same layers hand over the same tensors (objects), still at their addresses
+    (stores replace a tensor, never reshape one in place), for the same batch and table
+    widths, and each layer's cached attention is still the one it answered with (held here,
+    so its address stays valid). Then every :meth:`at` would answer the same: that is what
+    its checks are, once a step instead of once a layer."""
 
     def __init__(self, attentions: LayerAttentions, layers, tensors, found):
         self.layers = list(layers)
