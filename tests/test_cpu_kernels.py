@@ -389,6 +389,25 @@ def test_w4a8_prefill_product_over_the_dequantized_weight_is_the_references(dtyp
     assert torch.equal(layer(x), got)
 
 
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a8_prefill_quantization_in_c_is_torchs(x_dtype, dtype, monkeypatch):
+    """``kvlab_w4a8_fake_quantize`` (one pass over x, rows across threads) gives torch's
+    quantized activations bit for bit, in fp32 or rounded to bf16, and each group's sum of
+    x less theirs up to fp32 summation order; a row of zeros stays zeros."""
+    from kvlab.kernels import w4a8
+
+    generator = torch.Generator().manual_seed(5)
+    x = (3 * torch.randn(37, 384, generator=generator)).to(x_dtype)
+    x[7] = 0
+    got, correction = w4a8.fake_quantized(x, 64, dtype)
+    monkeypatch.setattr(w4a8, "_fake_quantize_serves", lambda x, dtype: False)
+    want, want_correction = w4a8.fake_quantized(x, 64, dtype)
+    assert got.dtype == dtype and torch.equal(got, want) and not got[7].any()
+    torch.testing.assert_close(correction, want_correction, rtol=0, atol=1e-4)
+
+
 def test_w8a8_reference_without_an_int8_matmul_gives_the_same_products(monkeypatch):
     """Where torch's int8 matmul refuses the shapes (CUDA's, under 17 rows), the reference
     multiplies in float64, exactly: the same outputs."""

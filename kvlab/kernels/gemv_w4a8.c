@@ -236,3 +236,32 @@ void kvlab_gemv_w4a8(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
   free(packed);
   free(row_codes);
 }
+
+/* Prefill rows of x (M, K, rows x_stride apart) as W4A8 quantizes them, for one product over
+ * the dequantized weight (kvlab.kernels.w4a8.w4a8_dequantized): out (M, K) = each group's
+ * codes times its d, in fp32, stored as fp32 or rounded to bf16 (out_bf16), and correction
+ * (M, K/G) = the group's sum of x less the sum of those fp32 values. One pass over x where
+ * torch's ops take a dozen; rows split across threads. */
+void kvlab_w4a8_fake_quantize(const void *x, int x_bf16, int64_t x_stride, int64_t M,
+                              int64_t K, int64_t G, void *out, int out_bf16, float *correction) {
+  const int64_t groups = K / G;
+#pragma omp parallel
+  {
+    int8_t *codes = malloc((size_t)G);
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t at = m * x_stride + g * G;
+        const float d = top_of(x, x_bf16, at, G) / 127.f;
+        const float sum = group_codes(x, x_bf16, at, G, d, codes);
+        float quantized_sum = 0.f;
+        for (int64_t k = 0; k < G; k++) {
+          const float v = (float)codes[k] * d;
+          quantized_sum += v;
+          store(out, out_bf16, m * K + g * G + k, v);
+        }
+        correction[m * groups + g] = sum - quantized_sum;
+      }
+    free(codes);
+  }
+}

@@ -14,6 +14,7 @@ from kvlab.kernels.linear import MAX_ROWS
 
 _ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER, INT, INT64,
          INT64, INT64)  # fmt: skip
+_FAKE_ARGS = (POINTER, INT, INT64, INT64, INT64, INT64, POINTER, INT, POINTER)
 
 
 def quantize_groups(
@@ -61,13 +62,45 @@ def w4a8_dequantized(
     dequantized weight (N, K) (prefill rows, or where the kernel does not serve; the
     weight-only int4 layers' prefill multiplies so too): x quantized per group, times
     ``weight``, then the offsets' term moved from the quantized x's group sums to x's own
-    ((sums - quantized sums) @ (offset - 8 * scale)). In x's dtype."""
-    xq, steps, sums = quantize_groups(x, group_size)
+    ((sums - quantized sums) @ (offset - 8 * scale), added in ``weight``'s dtype). In x's
+    dtype."""
+    quantized, correction = fake_quantized(x, group_size, weight.dtype)
+    shift = (offset.float() - 8 * scale.float()).to(weight.dtype)  # (K/G, N)
+    product = quantized @ weight.T
+    return product.addmm_(correction.to(weight.dtype), shift).to(x.dtype)
+
+
+def fake_quantized(
+    x: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) quantized per group as :func:`quantize_groups` does, each code times its
+    group's step (fp32), in ``dtype``; and (M, K/G) each group's sum of x less the sum of
+    those fp32 values. Through ``kvlab_w4a8_fake_quantize`` (one pass) where it serves:
+    the same values, the sums in another order."""
     rows, channels = x.shape
+    if _fake_quantize_serves(x, dtype):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        out = torch.empty(rows, channels, dtype=dtype)
+        correction = torch.empty(rows, channels // group_size)
+        kernel("kvlab_w4a8_fake_quantize", *_FAKE_ARGS)(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), rows, channels,
+            group_size, out.data_ptr(), int(dtype == torch.bfloat16), correction.data_ptr(),
+        )  # fmt: skip
+        return out, correction
+    xq, steps, sums = quantize_groups(x, group_size)
     groups = xq.float().view(rows, channels // group_size, group_size) * steps[..., None]
-    shift = offset.float() - 8 * scale.float()  # (K/G, N)
-    product = groups.view(rows, channels).to(weight.dtype) @ weight.T
-    return (product.float() + (sums - groups.sum(dim=-1)) @ shift).to(x.dtype)
+    return groups.view(rows, channels).to(dtype), sums - groups.sum(dim=-1)
+
+
+def _fake_quantize_serves(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    floats = (torch.float32, torch.bfloat16)
+    return (
+        x.device.type == "cpu"
+        and x.dtype in floats
+        and dtype in floats
+        and not torch.compiler.is_compiling()
+        and library() is not None
+    )
 
 
 def kernel_serves(x: torch.Tensor, packed: torch.Tensor) -> bool:
