@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.kernels.build import INT, INT64, POINTER, kernel, library
-from kvlab.kernels.linear import MAX_ROWS
+from kvlab.kernels.w8a8 import kernel_serves  # gemv_w4a8.c takes what gemv_w8a8.c takes
 
 _ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER, INT, INT64,
          INT64, INT64)  # fmt: skip
@@ -99,19 +99,6 @@ def _fake_quantize_serves(x: torch.Tensor, dtype: torch.dtype) -> bool:
         and x.dtype in floats
         and dtype in floats
         and not torch.compiler.is_compiling()
-        and library() is not None
-    )
-
-
-def kernel_serves(x: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether ``gemv_w4a8.c`` takes these: CPU tensors, x fp32 or bf16 of at most
-    ``MAX_ROWS`` rows (more: a prefill, through the reference's one product), the kernels
-    built."""
-    return (
-        len(x) <= MAX_ROWS
-        and x.device.type == "cpu"
-        and packed.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
         and library() is not None
     )
 
