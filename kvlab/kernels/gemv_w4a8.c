@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "int8_codes.h"
 #include "simd.h"
 
 #if defined(__AVX2__)
@@ -50,54 +51,31 @@ typedef struct {
   float *sum;      /* (K / G,): sum of x over each group, unquantized */
 } Quantized;
 
-/* max|x| over x[at .. at + n) (fp32 or bf16). */
-static float top_of(const void *x, int x_bf16, int64_t at, int64_t n) {
-  float top = 0.f;
-  int64_t k = 0;
-#if defined(__AVX512F__)
-  __m512 tops = _mm512_setzero_ps();
-  for (; k + 16 <= n; k += 16) tops = _mm512_max_ps(tops, _mm512_abs_ps(vload(x, x_bf16, at + k)));
-  top = _mm512_reduce_max_ps(tops);
-#endif
-  for (; k < n; k++) {
-    const float a = fabsf(value_at(x, x_bf16, at + k));
-    top = a > top ? a : top;
-  }
-  return top;
-}
-
-/* The group's codes round(x / d) into codes[0 .. n) and its sum of x (IEEE division and
- * rounding to nearest even, vectorized or not). */
-static float group_codes(const void *x, int x_bf16, int64_t at, int64_t n, float d,
-                         int8_t *codes) {
+/* The sum of x[at .. at + n) (fp32 or bf16), 16 lanes at a time then the rest. */
+static float sum_of(const void *x, int x_bf16, int64_t at, int64_t n) {
   float sum = 0.f;
   int64_t k = 0;
 #if defined(__AVX512F__)
-  const __m512 dv = _mm512_set1_ps(d);
   __m512 sums = _mm512_setzero_ps();
-  for (; d > 0.f && k + 16 <= n; k += 16) {
-    const __m512 v = vload(x, x_bf16, at + k);
-    const __m512 scaled = _mm512_roundscale_ps(_mm512_div_ps(v, dv),
-                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm_storeu_si128((__m128i *)(codes + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(scaled)));
-    sums = _mm512_add_ps(sums, v);
-  }
+  for (; k + 16 <= n; k += 16) sums = _mm512_add_ps(sums, vload(x, x_bf16, at + k));
   sum = _mm512_reduce_add_ps(sums);
 #endif
-  for (; k < n; k++) {
-    const float v = value_at(x, x_bf16, at + k);
-    codes[k] = d > 0.f ? (int8_t)nearbyintf(v / d) : 0;
-    sum += v;
-  }
+  for (; k < n; k++) sum += value_at(x, x_bf16, at + k);
   return sum;
+}
+
+/* The group's codes (int8_codes.h) into codes[0 .. n), its d and its sum of x. */
+static float group_codes(const void *x, int x_bf16, int64_t at, int64_t n, int8_t *codes,
+                         float *d) {
+  *d = max_abs(x, x_bf16, at, n) / 127.f;
+  int8_codes(x, x_bf16, at, n, *d, codes);
+  return sum_of(x, x_bf16, at, n);
 }
 
 static void quantize_row(const void *x, int x_bf16, int64_t at, int64_t K, int64_t G,
                          int8_t *codes, Quantized *q) {
   for (int64_t g = 0; g < K / G; g++) {
-    const float d = top_of(x, x_bf16, at + g * G, G) / 127.f;
-    q->step[g] = d;
-    q->sum[g] = group_codes(x, x_bf16, at + g * G, G, d, codes + g * G);
+    q->sum[g] = group_codes(x, x_bf16, at + g * G, G, codes + g * G, &q->step[g]);
   }
   static const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
   int64_t c = 0;
@@ -252,8 +230,8 @@ void kvlab_w4a8_fake_quantize(const void *x, int x_bf16, int64_t x_stride, int64
     for (int64_t m = 0; m < M; m++)
       for (int64_t g = 0; g < groups; g++) {
         const int64_t at = m * x_stride + g * G;
-        const float d = top_of(x, x_bf16, at, G) / 127.f;
-        const float sum = group_codes(x, x_bf16, at, G, d, codes);
+        float d;
+        const float sum = group_codes(x, x_bf16, at, G, codes, &d);
         float quantized_sum = 0.f;
         for (int64_t k = 0; k < G; k++) {
           const float v = (float)codes[k] * d;

@@ -11,12 +11,12 @@
  * threads; one row of x walks the weight rows one after another where the int8 weights'
  * order says so (gemv_order.h), else weight rows go four at a time, the next four
  * prefetched into L2. */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "bf16.h"
 #include "gemv_order.h"
+#include "int8_codes.h"
 #include "simd.h"
 
 #if defined(__AVX2__)
@@ -70,40 +70,13 @@ static inline __attribute__((always_inline)) void int_dots(const int8_t *w, int6
     for (int j = 0; j < COUNT; j++) dots[j] += (int32_t)w[j * K + k] * xq[k];
 }
 
-/* Row m of x (fp32 or bf16) quantized: its scale, its codes xq and xu = xq + 128 (IEEE
- * division and rounding to nearest even, vectorized or not: torch's numbers). */
+/* Row m of x (fp32 or bf16) quantized: its scale, its codes xq and xu = xq + 128 (torch's
+ * numbers: int8_codes.h). */
 static float quantize_row(const void *x, int x_bf16, int64_t at, int64_t K, int8_t *xq,
                           uint8_t *xu) {
-  float top = 0.f;
-  int64_t k0 = 0;
-#if defined(__AVX512F__)
-  __m512 tops = _mm512_setzero_ps();
-  for (; k0 + 16 <= K; k0 += 16)
-    tops = _mm512_max_ps(tops, _mm512_abs_ps(vload(x, x_bf16, at + k0)));
-  top = _mm512_reduce_max_ps(tops);
-#endif
-  for (int64_t k = k0; k < K; k++) {
-    const float a = fabsf(value_at(x, x_bf16, at + k));
-    top = a > top ? a : top;
-  }
-  const float d = top / 127.f;
-  k0 = 0;
-#if defined(__AVX512F__)
-  const __m512 dv = _mm512_set1_ps(d);
-  for (; d > 0.f && k0 + 16 <= K; k0 += 16) {
-    const __m512 scaled = _mm512_div_ps(vload(x, x_bf16, at + k0), dv);
-    const __m512i code = _mm512_cvtps_epi32(
-        _mm512_roundscale_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    _mm_storeu_si128((__m128i *)(xq + k0), _mm512_cvtsepi32_epi8(code));
-    _mm_storeu_si128((__m128i *)(xu + k0),
-                     _mm512_cvtepi32_epi8(_mm512_add_epi32(code, _mm512_set1_epi32(128))));
-  }
-#endif
-  for (int64_t k = k0; k < K; k++) {
-    const int32_t code = d > 0.f ? (int32_t)nearbyintf(value_at(x, x_bf16, at + k) / d) : 0;
-    xq[k] = (int8_t)code;
-    xu[k] = (uint8_t)(code + 128);
-  }
+  const float d = max_abs(x, x_bf16, at, K) / 127.f;
+  int8_codes(x, x_bf16, at, K, d, xq);
+  for (int64_t k = 0; k < K; k++) xu[k] = (uint8_t)(xq[k] + 128);
   return d;
 }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.kernels.build import INT, INT64, POINTER, kernel, library
-from kvlab.kernels.w8a8 import kernel_serves  # gemv_w4a8.c takes what gemv_w8a8.c takes
+from kvlab.kernels.w8a8 import kernel_serves, quantize_rows  # gemv_w4a8.c takes what W8A8 takes
 
 _ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER, INT, INT64,
          INT64, INT64)  # fmt: skip
@@ -20,14 +20,22 @@ _FAKE_ARGS = (POINTER, INT, INT64, INT64, INT64, INT64, POINTER, INT, POINTER)
 def quantize_groups(
     x: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, K) -> (codes (M, K) int8, steps (M, K/G) fp32, sums (M, K/G) fp32): per group
-    of ``group_size`` channels d = max|x| / 127 and codes round(x / d) (ties to even), 0
-    where a group is all zeros; sums: each group's sum of x itself."""
+    """x (M, K) -> (codes (M, K) int8, steps (M, K/G) fp32, sums (M, K/G) fp32): each group
+    of ``group_size`` channels quantized as W8A8 quantizes a row (:func:`quantize_rows`:
+    d = max|x| / 127, codes round(x / d)); sums: each group's sum of x itself."""
     rows, channels = x.shape
-    groups = x.float().view(rows, channels // group_size, group_size)
-    steps = groups.abs().amax(dim=-1) / 127
-    codes = torch.where(steps[..., None] > 0, groups / steps[..., None], 0.0).round()
-    return codes.to(torch.int8).view(rows, channels), steps, groups.sum(dim=-1)
+    codes, steps = quantize_rows(x.reshape(-1, group_size))
+    sums = x.float().view(rows, channels // group_size, group_size).sum(dim=-1)
+    return codes.view(rows, channels), steps.view(rows, -1), sums
+
+
+def _quantized(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x quantized per group, each code times its group's step, fp32 (M, K); each group's
+    sum of x itself (M, K/G))."""
+    xq, steps, sums = quantize_groups(x, group_size)
+    rows, channels = x.shape
+    groups = xq.float().view(rows, channels // group_size, group_size) * steps[..., None]
+    return groups.view(rows, channels), sums
 
 
 def w4a8_reference(
@@ -42,10 +50,7 @@ def w4a8_reference(
     :func:`kvlab.quant.rtn.quantize_int4` gives them), with x quantized per group
     (:func:`quantize_groups`): the codes' term on the quantized x, the offsets' term
     (offset - 8 * scale) on each group's sum of x itself. In fp32."""
-    xq, steps, sums = quantize_groups(x, group_size)
-    rows, channels = x.shape
-    groups = channels // group_size
-    quantized = (xq.float().view(rows, groups, group_size) * steps[..., None]).view(rows, -1)
+    quantized, sums = _quantized(x, group_size)
     scaled = codes.float() * scale.float().repeat_interleave(group_size, dim=0).T  # (N, K)
     shift = offset.float() - 8 * scale.float()  # (K/G, N)
     return (quantized @ scaled.T + sums @ shift).to(x.dtype)
@@ -87,9 +92,8 @@ def fake_quantized(
             group_size, out.data_ptr(), int(dtype == torch.bfloat16), correction.data_ptr(),
         )  # fmt: skip
         return out, correction
-    xq, steps, sums = quantize_groups(x, group_size)
-    groups = xq.float().view(rows, channels // group_size, group_size) * steps[..., None]
-    return groups.view(rows, channels).to(dtype), sums - groups.sum(dim=-1)
+    quantized, sums = _quantized(x, group_size)
+    return quantized.to(dtype), sums - quantized.view(*sums.shape, -1).sum(dim=-1)
 
 
 def _fake_quantize_serves(x: torch.Tensor, dtype: torch.dtype) -> bool:

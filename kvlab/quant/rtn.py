@@ -178,8 +178,8 @@ class Int4Linear(nn.Module):
     def _w4a8(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The product with int8 activations (W4A8): decode rows in kvlab's blocks through
         the kernel, else one product over the dequantized weight."""
-        scale_offset = self.scale_offset.to(dtype)
         if self.layout == "kvlab" and w4a8_kernel_serves(flat, self.packed):
+            scale_offset = self.scale_offset.to(dtype)
             return w4a8_linear(flat, self.packed, scale_offset, self.group_size)
         codes, scale, offset = self._parts(dtype)
         weight = dequantize_int4(codes, scale, offset, self.group_size)
