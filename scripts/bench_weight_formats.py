@@ -18,7 +18,8 @@ of its own (a shared machine's bandwidth moves between windows):
 is ``madvise``) instead of huge pages (``model.huge_pages``, kvlab/kernels/huge_pages.py),
 in turns with the same format on huge pages; ``:layers`` calls the fused layers one by one
 instead of a step's layers in one C call (``Decoder.step_in_one_call``, FusedStep in
-kvlab/models/fused_layer.py); ``--cache`` names the KV strategy:
+kvlab/models/fused_layer.py); ``:row`` gives W8A8 one activation scale a row instead of one
+every 32 channels; ``--cache`` names the KV strategy:
 
     python scripts/bench_weight_formats.py --depth 4096 --cache full \
         --formats none@float32,none:4k@float32
@@ -39,11 +40,16 @@ from kvlab.kernels.huge_pages import summary
 from kvlab.run import compose_run_config, load_run_model
 from kvlab.tracking import environment
 
-EXTRAS = {"head": "+quant.options.skip=[]", "4k": "model.huge_pages=false", "layers": None}
+EXTRAS = {
+    "head": "+quant.options.skip=[]",
+    "4k": "model.huge_pages=false",
+    "layers": None,
+    "row": "quant.options.activation_group=row",
+}
 
 
 def load(spec: str, dtype: str) -> torch.nn.Module:
-    """The model for ``spec`` (``preset[:head][:4k][:layers][@dtype]``), in ``dtype`` unless
+    """The model for ``spec`` (``preset[:head][:4k][:layers][:row][@dtype]``), in ``dtype`` unless
     it names one (the run config refuses a dtype it does not know, naming ``model.dtype``)."""
     spec, _, own_dtype = spec.partition("@")
     preset, *extras = spec.split(":")

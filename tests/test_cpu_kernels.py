@@ -307,6 +307,66 @@ def _check_w8a8_kernel(dtype, rows, out_features, in_features):
         assert torch.equal(got[-1], torch.zeros_like(got[-1]))
 
 
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 32])
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "group"),
+    [(96, 576, 32), (99, 1536, 32), (32, 200, 8), (33, 100, 4), (48, 256, 64), (16, 640, 128)],
+)
+@pytest.mark.parametrize("order", ["rows", "tiles"])
+def test_w8a8_kernel_with_a_scale_a_group_gives_the_exact_product(
+    dtype, rows, out_features, in_features, group, order
+):
+    """gemv_w8a8.c with an activation scale every ``group`` channels (a 64-channel load
+    spanning two groups of 32, a masked tail of 8 or 36 channels, the AVX2 and scalar
+    paths' lanes of four channels) gives the float64 product of the reference's quantized
+    activations up to fp32 rounding (and bf16's output rounding), in both walks over the
+    weight rows; so does the reference; a row of zeros gives zeros. The prefill product over
+    the dequantized weight (bf16 codes times bf16 activations where the layer computes in
+    bf16) stays within the activations' own rounding of it."""
+    from kvlab.kernels.linear import gemv_order, set_gemv_order
+    from kvlab.kernels.w8a8 import quantize_groups, w8a8_dequantized, w8a8_linear, w8a8_reference
+
+    generator = torch.Generator().manual_seed(rows * out_features + in_features + group)
+    codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
+                          generator=generator)  # fmt: skip
+    scale = (torch.rand(out_features, generator=generator) / 100).to(dtype)
+    spread = 1 + 8 * torch.rand(in_features, generator=generator)  # groups of other ranges
+    x = (torch.randn(rows, in_features, generator=generator) * spread).to(dtype)
+    x[-1] = 0 if rows > 1 else x[-1]
+    before = gemv_order(torch.int8)
+    set_gemv_order(torch.int8, order)
+    try:
+        got = w8a8_linear(x, codes, scale, group)
+    finally:
+        set_gemv_order(torch.int8, before)
+    xq, steps = quantize_groups(x, group)
+    terms = (
+        torch.einsum(
+            "mgk,ngk->mng",
+            xq.double().view(rows, -1, group),
+            codes.double().view(out_features, -1, group),
+        )
+        * steps.double()[:, None, :]
+    )  # exact integer dots, times each group's step
+    exact = terms.sum(-1) * scale.double()
+    magnitude = terms.abs().sum(-1) * scale.double().abs()
+    rounding = 0.0 if dtype == torch.float32 else 2.0**-8 * exact.abs()  # bf16's half ulp
+    assert got.dtype == dtype
+    assert ((got.double() - exact).abs() <= 1e-6 * magnitude + rounding + 1e-9).all()
+    want = w8a8_reference(x, codes, scale, group)
+    assert ((want.double() - exact).abs() <= 2.0**-24 * exact.abs() + rounding + 1e-12).all()
+    if rows > 1:
+        assert torch.equal(got[-1], torch.zeros_like(got[-1]))
+    prefill = w8a8_dequantized(x, codes, scale, group).double()
+    values = (xq.double().abs() * steps.double().repeat_interleave(group, dim=1)) @ (
+        codes.double().abs() * scale.double().abs()[:, None]
+    ).T  # the sum of the products' magnitudes
+    bf16_values = 0.0 if dtype == torch.float32 else 2.0**-8 * values  # x's values in bf16
+    assert ((prefill - exact).abs() <= 1e-6 * magnitude + 2 * rounding + bf16_values).all()
+
+
 def _w4a8_exact(x, codes, scale, offset, group_size):
     """W4A8's product in float64 from the same quantized activations as the reference, and
     the sum of its terms' magnitudes (what fp32 rounding errors scale with)."""

@@ -437,12 +437,15 @@ def test_compiled_decode_over_fp_codes_equals_eager(tiny_llama, kv_format):
 
 @pytest.mark.slow
 def test_compiled_decode_with_int8_activations_equals_eager(tiny_llama):
-    """W8A8 layers: eager decode steps multiply through gemv_w8a8.c, compiled ones through
-    its torch reference (torch's int8 matmul under inductor): the same numbers."""
+    """W8A8 layers with a scale a row: eager decode steps multiply through gemv_w8a8.c,
+    compiled ones through its torch reference (torch's int8 matmul under inductor): the same
+    numbers. (With a scale a group the two agree up to fp32 summation order only, which
+    moves activations across rounding boundaries over a generation: not compared here.)"""
     from kvlab.quant import quantize_
 
     model = copy.deepcopy(tiny_llama)
-    quantize_(model, "rtn", {"bits": 8, "activations": "int8", "compute_dtype": "input"})
+    options = {"bits": 8, "activations": "int8", "activation_group": "row"}
+    quantize_(model, "rtn", options | {"compute_dtype": "input"})
     assert compiled_against_eager(model, "full", {}) == 1
 
 

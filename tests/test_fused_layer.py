@@ -31,13 +31,16 @@ def with_decode_linears(
     path, dtype: torch.dtype, bits: int | str | None = None, compute: str = "input"
 ) -> nn.Module:
     """The tiny checkpoint at ``path`` in ``dtype``, every linear on a kvlab kernel: int8,
-    int8 with int8 activations (``bits`` "w8a8"), int4 (asymmetric groups of 32) weights or
+    int8 with int8 activations (``bits`` "w8a8": a scale every 32 channels; "w8a8-row": one
+    a row), int4 (asymmetric groups of 32) weights or
     those with int8 activations (``bits`` "w4a8") computing in ``compute``, else fp."""
     model, _ = load_model(str(path), dtype=dtype, cpu_prepack=False)
     if bits is not None:
         options = {"bits": bits, "compute_dtype": compute}
-        if bits == "w8a8":
+        if bits in ("w8a8", "w8a8-row"):
             options |= {"bits": 8, "activations": "int8"}
+        if bits == "w8a8-row":
+            options |= {"activation_group": "row"}
         if bits == "w4a8":
             options |= {"bits": 4, "activations": "int8"}
         if options["bits"] == 4:
@@ -67,7 +70,9 @@ def decode_logits(model, steps: int = 6, cache: str = "full", prompts=PROMPTS, *
 @pytest.mark.parametrize("family", ["llama", "llama3_scaled", "llama2_linear", "qwen2", "smollm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    "bits", [None, 8, "w8a8", 4, "w4a8"], ids=["fp", "int8", "w8a8", "int4", "w4a8"]
+    "bits",
+    [None, 8, "w8a8", "w8a8-row", 4, "w4a8"],
+    ids=["fp", "int8", "w8a8", "w8a8-row", "int4", "w4a8"],
 )
 def test_fused_layer_kernel_gives_the_op_by_op_logits(
     family, dtype, bits, tiny_checkpoints, monkeypatch

@@ -23,6 +23,11 @@ CASES = {  # bounds about 1.5x what each measures here (shrinks: just below)
     "none": ({}, 0.0, 1.0),
     "rtn-int8": ({"bits": 8}, 0.01, 3.8),
     "rtn-int8-w8a8": ({"bits": 8, "activations": "int8"}, 0.012, 3.8),
+    "rtn-int8-w8a8-row": (
+        {"bits": 8, "activations": "int8", "activation_group": "row"},
+        0.012,
+        3.8,
+    ),
     "rtn-int4-g32-asym": ({"bits": 4, "group_size": 32, "symmetric": False}, 0.13, 6.2),
     "rtn-int4-g32-asym-w4a8": (
         {"bits": 4, "group_size": 32, "symmetric": False, "activations": "int8"},
@@ -133,6 +138,18 @@ def test_gptq_reader_matches_the_gptq_formula(act_order):
         ("rtn", {"bits": 4, "group_size": 48}, "group_size"),
         ("rtn", {"bits": 4, "activations": "int4"}, "activations"),
         ("rtn", {"bits": 8, "activations": "fp8"}, "activations"),
+        ("rtn", {"bits": 8, "activations": "int8", "activation_group": 30}, "activation_group"),
+        (
+            "rtn",
+            {"bits": 8, "activations": "int8", "activation_group": "token"},
+            "activation_group",
+        ),  # fmt: skip
+        ("rtn", {"bits": 8, "activation_group": 32}, "activation_group"),
+        (
+            "rtn",
+            {"bits": 4, "group_size": 32, "activations": "int8", "activation_group": 64},
+            "activation_group",
+        ),  # fmt: skip
         ("bnb", {"mode": "int4"}, "mode"),
         ("gptq", {"group_size": 100}, "group_size"),
         ("gptq", {"bits": 3}, "bits"),
@@ -150,6 +167,24 @@ def test_group_size_must_divide_the_layer(tiny_checkpoints):
     model, _ = load_model(str(tiny_checkpoints["llama"]), cpu_prepack=False)
     with pytest.raises(ValueError, match="does not divide the 64 input features"):
         quantize_(model, "rtn", {"bits": 4, "group_size": 256})
+
+
+def test_activation_group_must_divide_the_layer(tiny_checkpoints):
+    model, _ = load_model(str(tiny_checkpoints["llama"]), cpu_prepack=False)
+    options = {"bits": 8, "activations": "int8", "activation_group": 128}
+    with pytest.raises(ValueError, match="activation_group=128 does not divide the 64 input"):
+        quantize_(model, "rtn", options)
+
+
+def test_w8a8_scales_activations_per_group_of_32_by_default(tiny_checkpoints):
+    """W8A8's layers take an activation scale every 32 channels unless asked for a row's
+    (``row``) or another group; W4A8's stay on their weight groups."""
+    groups = {}
+    for group in (None, "row", 16):
+        model, _ = load_model(str(tiny_checkpoints["llama"]), cpu_prepack=False)
+        quantize_(model, "rtn", {"bits": 8, "activations": "int8", "activation_group": group})
+        groups[group] = {m.activation_group for m in model.modules() if hasattr(m, "qweight")}
+    assert groups == {None: {32}, "row": {None}, 16: {16}}
 
 
 def test_missing_backend_names_its_extra(tiny_checkpoints, monkeypatch):

@@ -18,7 +18,8 @@
  * INT8: int8 codes with a scale per output (kvlab_gemv_int8); INT4: int4 codes in blocks
  * with their scales and offsets (kvlab_gemv_int4, groups of `group` inputs). Quantized
  * layers add the bias to the rounded product, as kvlab.quant.rtn's layers do. W8A8: INT8's
- * weights with each row of x quantized to int8 too (kvlab_gemv_w8a8); W4A8: INT4's with
+ * weights with x quantized to int8 too, a scale every `group` inputs of a row (the row's
+ * length: one a row; kvlab_gemv_w8a8); W4A8: INT4's with
  * each group of each row of x quantized to int8 (kvlab_gemv_w4a8). */
 enum { FP = 0, INT8 = 1, INT4 = 2, W8A8 = 3, W4A8 = 4 };
 typedef struct {
@@ -39,8 +40,8 @@ void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *
                      const void *scale, int scale_bf16, const void *bias, int bias_bf16,
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
 void kvlab_gemv_w8a8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
-                     const void *scale, int scale_bf16, const void *bias, int bias_bf16,
-                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
+                     const void *scale, int scale_bf16, int64_t AG, const void *bias,
+                     int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
 void kvlab_gemv_int4(const void *x, int x_bf16, int64_t x_stride, const uint8_t *codes,
                      const void *so, int so_bf16, int64_t G, const void *bias, int bias_bf16,
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
@@ -59,7 +60,8 @@ static void product(const Linear *l, const void *x, int bf16, void *y, int64_t M
   if (l->kind == INT8)
     kvlab_gemv_int8(x, bf16, K, l->weight, l->scale, l->scale_bf16, NULL, 0, y, bf16, M, N, K);
   else if (l->kind == W8A8)
-    kvlab_gemv_w8a8(x, bf16, K, l->weight, l->scale, l->scale_bf16, NULL, 0, y, bf16, M, N, K);
+    kvlab_gemv_w8a8(x, bf16, K, l->weight, l->scale, l->scale_bf16, l->group, NULL, 0, y, bf16,
+                    M, N, K);
   else if (l->kind == W4A8)
     kvlab_gemv_w4a8(x, bf16, K, l->weight, l->scale, l->scale_bf16, l->group, NULL, 0, y, bf16,
                     M, N, K);

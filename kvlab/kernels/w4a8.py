@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.kernels import w8a8
 from kvlab.kernels.build import INT, INT64, POINTER, kernel, library
-from kvlab.kernels.w8a8 import kernel_serves, quantize_rows  # gemv_w4a8.c takes what W8A8 takes
+from kvlab.kernels.w8a8 import kernel_serves  # gemv_w4a8.c takes what W8A8 takes
 
 _ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER, INT, INT64,
          INT64, INT64)  # fmt: skip
@@ -21,12 +22,13 @@ def quantize_groups(
     x: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, K) -> (codes (M, K) int8, steps (M, K/G) fp32, sums (M, K/G) fp32): each group
-    of ``group_size`` channels quantized as W8A8 quantizes a row (:func:`quantize_rows`:
-    d = max|x| / 127, codes round(x / d)); sums: each group's sum of x itself."""
+    of ``group_size`` channels quantized as W8A8 quantizes a row
+    (:func:`kvlab.kernels.w8a8.quantize_groups`: d = max|x| / 127, codes round(x / d));
+    sums: each group's sum of x itself."""
     rows, channels = x.shape
-    codes, steps = quantize_rows(x.reshape(-1, group_size))
+    codes, steps = w8a8.quantize_groups(x, group_size)
     sums = x.float().view(rows, channels // group_size, group_size).sum(dim=-1)
-    return codes.view(rows, channels), steps.view(rows, -1), sums
+    return codes, steps, sums
 
 
 def _quantized(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,8 +1,10 @@
-"""Int8 weights times int8 activations (W8A8, dynamic per-token activation scales, as
-torchao's int8 dynamic-activation int8-weight scheme and llama.cpp's Q8_0 dot products):
-each row of x is quantized to int8 with its own scale, the product is exact in int32, then
-scaled. :func:`w8a8_reference` defines the numbers in torch; :func:`w8a8_linear` runs
-``gemv_w8a8.c`` (VNNI's vpdpbusd where the CPU has it), which gives them bit for bit."""
+"""Int8 weights times int8 activations (W8A8, dynamic activation scales): each row of x is
+quantized to int8 with its own scale (torchao's int8 dynamic-activation int8-weight scheme),
+or with a scale every ``group`` channels of a row (llama.cpp's Q8_0 dot products quantize
+activations in blocks of 32); the integer products are exact, then scaled.
+:func:`w8a8_reference` defines the numbers in torch; :func:`w8a8_linear` runs
+``gemv_w8a8.c`` (VNNI's vpdpbusd where the CPU has it), which gives them bit for bit with a
+scale a row, and up to fp32 summation order with a scale a group."""
 
 from __future__ import annotations
 
@@ -11,8 +13,8 @@ import torch
 from kvlab.kernels.build import INT, INT64, POINTER, kernel, library
 from kvlab.kernels.linear import MAX_ROWS
 
-_ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, POINTER, INT, POINTER, INT, INT64, INT64,
-         INT64)  # fmt: skip
+_ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER, INT, INT64,
+         INT64, INT64)  # fmt: skip
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,12 +26,43 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.to(torch.int8), scales
 
 
-def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (M, K) @ (codes (N, K) int8 * scale (N,))^T with x quantized per row, in x's dtype:
-    (xq . codes, exact in int32) * d * scale, in fp32, then rounded."""
+def w8a8_reference(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int | None = None
+) -> torch.Tensor:
+    """x (M, K) @ (codes (N, K) int8 * scale (N,))^T with x quantized per row (``group``
+    None), in x's dtype: (xq . codes, exact in int32) * d * scale, in fp32, then rounded.
+    With a ``group``: x quantized per group of that many channels (d_g, xq_g), the sum over
+    groups of d_g * (xq_g . codes_g) times scale, in float64 (each group's integer product
+    exact), then rounded."""
+    if group is not None:
+        xq, steps = quantize_groups(x, group)
+        stepped = xq.double() * steps.double().repeat_interleave(group, dim=1)
+        return ((stepped @ codes.double().T) * scale.double()).to(x.dtype)
     xq, d = quantize_rows(x)
     dots = _int_products(xq, codes).float()  # exact in int32: |dot| <= 127 * 127 * K
     return (dots * d[:, None] * scale.float()).to(x.dtype)
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) -> (codes (M, K) int8, steps (M, K / group) fp32): each group of ``group``
+    channels of a row quantized as :func:`quantize_rows` quantizes a row."""
+    rows, channels = x.shape
+    codes, steps = quantize_rows(x.reshape(-1, group))
+    return codes.view(rows, channels), steps.view(rows, -1)
+
+
+def w8a8_dequantized(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int
+) -> torch.Tensor:
+    """:func:`w8a8_reference`'s grouped product through one matmul in ``scale``'s dtype
+    (prefill rows, or where the kernel does not serve): x quantized per group, each code
+    times its step (:func:`kvlab.kernels.w4a8.fake_quantized`), times the codes, then the
+    scales. In x's dtype."""
+    from kvlab.kernels.w4a8 import fake_quantized  # w4a8 builds on this module
+
+    dtype = scale.dtype
+    quantized, _ = fake_quantized(x, group, dtype)
+    return ((quantized @ codes.to(dtype).T) * scale).to(x.dtype)
 
 
 def _int_products(xq: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -55,17 +88,23 @@ def kernel_serves(x: torch.Tensor, codes: torch.Tensor) -> bool:
     )
 
 
-def w8a8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """:func:`w8a8_reference`'s product through the C kernel where it serves (eager, CPU,
-    decode rows), else through the reference itself: the same numbers either way."""
+def w8a8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int | None = None
+) -> torch.Tensor:
+    """:func:`w8a8_reference`'s product (``group``: channels an activation scale, None a
+    row) through the C kernel where it serves (eager, CPU, decode rows), else a row's scale
+    through the reference itself (the same numbers), a group's through
+    :func:`w8a8_dequantized`."""
     if torch.compiler.is_compiling() or not kernel_serves(x, codes):
-        return w8a8_reference(x, codes, scale)
+        if group is None:
+            return w8a8_reference(x, codes, scale)
+        return w8a8_dequantized(x, codes, scale, group)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    rows, out_features = x.shape[0], codes.shape[0]
+    rows, out_features, in_features = x.shape[0], codes.shape[0], codes.shape[1]
     out = torch.empty(rows, out_features, dtype=x.dtype)
     bf16 = [int(t.dtype == torch.bfloat16) for t in (x, scale, out)]
     kernel("kvlab_gemv_w8a8", *_ARGS)(
-        x.data_ptr(), bf16[0], x.stride(0), codes.data_ptr(), scale.data_ptr(), bf16[1], None, 0,
-        out.data_ptr(), bf16[2], rows, out_features, codes.shape[1],
+        x.data_ptr(), bf16[0], x.stride(0), codes.data_ptr(), scale.data_ptr(), bf16[1],
+        group or in_features, None, 0, out.data_ptr(), bf16[2], rows, out_features, in_features,
     )  # fmt: skip
     return out

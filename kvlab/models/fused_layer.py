@@ -192,8 +192,9 @@ def _linear(layer: nn.Module) -> _Linear:
                        scale_bf16=is_bf16(scale_offset), scale=scale_offset.data_ptr(),
                        group=layer.group_size, **fields)  # fmt: skip
     scale, kind = layer.scale, _Linear.W8A8 if layer.int8_activations else _Linear.INT8
+    group = layer.activation_group or layer.in_features  # W8A8 with a scale a row: the row
     return _Linear(weight=layer.qweight.data_ptr(), kind=kind, scale_bf16=is_bf16(scale),
-                   scale=scale.data_ptr(), **fields)  # fmt: skip
+                   scale=scale.data_ptr(), group=group, **fields)  # fmt: skip
 
 
 def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:

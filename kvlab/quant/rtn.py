@@ -30,6 +30,7 @@ from kvlab.quant.packing import block_int4, pack, unblock_int4, unpack
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 COMPUTE_DTYPES = ("bfloat16", "input")
 ACTIVATIONS = ("none", "int8")
+W8A8_GROUP = 32  # W8A8's channels an activation scale by default: llama.cpp's Q8_0 blocks
 
 
 @dataclass
@@ -37,14 +38,17 @@ class RtnOptions(QuantOptions):
     """``bits`` 8 (per output channel, symmetric) or 4 (``group_size`` input channels per
     scale; None = 64); ``compute_dtype``: bfloat16, or ``input`` (the activations' dtype);
     ``activations``: ``none`` (weight-only) or ``int8``: each token's activations quantized
-    too, with 8 bits per row (W8A8: :mod:`kvlab.kernels.w8a8`), with 4 bits per weight group
-    (W4A8: :mod:`kvlab.kernels.w4a8`)."""
+    too, one scale every ``activation_group`` channels: with 8 bits (W8A8:
+    :mod:`kvlab.kernels.w8a8`) 32 by default (null), ``row`` for one a row (torchao's
+    per-token scheme), or a multiple of 4 dividing every layer's input features; with 4 bits
+    (W4A8: :mod:`kvlab.kernels.w4a8`) the weight group (null or ``group_size``)."""
 
     bits: int = 4
     group_size: int | None = None
     symmetric: bool = True
     compute_dtype: str = "bfloat16"
     activations: str = "none"
+    activation_group: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in (4, 8):
@@ -67,11 +71,37 @@ class RtnOptions(QuantOptions):
                 f"quant.options.activations={self.activations!r} is invalid; allowed: "
                 f"{', '.join(ACTIVATIONS)}"
             )
+        self._check_activation_group()
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"quant.options.compute_dtype={self.compute_dtype!r} is invalid; allowed: "
                 f"{', '.join(COMPUTE_DTYPES)}"
             )
+
+    def _check_activation_group(self) -> None:
+        group = self.activation_group
+        if self.activations == "none":
+            allowed = "null (activations=none keeps them unquantized)"
+            ok = group is None
+        elif self.bits == 4:
+            allowed = f"null or {self.group_size} (W4A8 scales a weight group)"
+            ok = group in (None, self.group_size)
+        else:
+            allowed = "null (32), row, or a positive multiple of 4"
+            ok = group in (None, "row") or (
+                isinstance(group, int) and not isinstance(group, bool) and group > 0
+                and group % 4 == 0
+            )  # fmt: skip
+        if not ok:
+            raise ValueError(
+                f"quant.options.activation_group={group!r} is invalid with bits={self.bits}, "
+                f"activations={self.activations}; allowed: {allowed}"
+            )
+
+    def w8a8_group(self) -> int | None:
+        """W8A8's channels an activation scale (None: one a row)."""
+        group = self.activation_group
+        return None if group == "row" else group or W8A8_GROUP
 
 
 def quantize_int4(
@@ -207,16 +237,24 @@ class Int8Linear(nn.Module):
     for that width on this CPU (kvlab's or PyTorch's), more rows the kernel
     :func:`~kvlab.models.wide_kernels.wide_kernel` chose for int8 weights. With
     ``int8_activations`` every row of the input is quantized too and the product taken in
-    int8 (:func:`~kvlab.kernels.w8a8.w8a8_linear`)."""
+    int8 (:func:`~kvlab.kernels.w8a8.w8a8_linear`), one scale a row, or one every
+    ``activation_group`` channels of a row."""
 
     def __init__(
         self,
         linear: nn.Linear,
         compute_dtype: torch.dtype | None = torch.bfloat16,
         int8_activations: bool = False,
+        activation_group: int | None = None,
     ):
         super().__init__()
+        if activation_group is not None and linear.in_features % activation_group:
+            raise ValueError(
+                f"quant.options.activation_group={activation_group} does not divide the "
+                f"{linear.in_features} input features of a layer; allowed: a divisor of it"
+            )
         self.int8_activations = int8_activations
+        self.activation_group = activation_group if int8_activations else None
         weight = linear.weight.detach().float()
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
         self.register_buffer("qweight", (weight / scale[:, None]).round_().to(torch.int8))
@@ -235,7 +273,7 @@ class Int8Linear(nn.Module):
         scale = self.scale.to(dtype)
         kernel = self.decode_kernel if len(flat) == 1 else self.few_rows_kernel
         if self.int8_activations:
-            out = w8a8_linear(flat, self.qweight, scale)
+            out = w8a8_linear(flat, self.qweight, scale, self.activation_group)
         elif flat.device.type == "cpu" and kernel == "kvlab" and len(flat) <= MAX_ROWS:
             out = int8_linear(flat, self.qweight, scale, None)
         elif flat.device.type == "cpu":
@@ -258,7 +296,8 @@ def apply_rtn(model: nn.Module, options: RtnOptions) -> int:
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         if options.bits == 8:
-            return Int8Linear(linear, dtype, options.activations == "int8")
+            w8a8 = options.activations == "int8"
+            return Int8Linear(linear, dtype, w8a8, options.w8a8_group() if w8a8 else None)
         if linear.in_features % options.group_size:
             raise ValueError(
                 f"quant.options.group_size={options.group_size} does not divide the "

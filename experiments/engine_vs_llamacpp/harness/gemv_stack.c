@@ -5,7 +5,8 @@
  * sums 1000 numbers runs before each layer's first matrix, as attention's regions run in a
  * decode step (its own time is not counted). int4: groups of 32 with bf16 scales and
  * offsets (~66 MB). w8a8, w4a8: the int8 or int4 codes times int8 activations
- * (gemv_w8a8.c, gemv_w4a8.c). With HUGE=1
+ * (gemv_w8a8.c, gemv_w4a8.c; w8a8's activations a scale a row, or with GROUP=n in the
+ * environment a scale every n channels). With HUGE=1
  * in the environment the weights lie in one mapping advised MADV_HUGEPAGE before first
  * touch, as kvlab/kernels/huge_pages.py places a run's weights (else aligned_alloc's, on
  * 4 KiB pages where THP is "madvise"). Not a test; build against
@@ -54,8 +55,8 @@ void kvlab_gemv_int4(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
                      const void *so, int so_bf16, int64_t G, const void *bias, int bias_bf16,
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
 void kvlab_gemv_w8a8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
-                     const void *scale, int scale_bf16, const void *bias, int bias_bf16,
-                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
+                     const void *scale, int scale_bf16, int64_t AG, const void *bias,
+                     int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
 void kvlab_gemv_w4a8(const void *x, int x_bf16, int64_t x_stride, const uint8_t *codes,
                      const void *so, int so_bf16, int64_t G, const void *bias, int bias_bf16,
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
@@ -68,6 +69,7 @@ int main(int argc, char **argv) {
   }
   const int w4a8 = !strcmp(argv[1], "w4a8"), int4 = !strcmp(argv[1], "int4") || w4a8;
   const int w8a8 = !strcmp(argv[1], "w8a8");
+  const int64_t w8a8_group = getenv("GROUP") ? atoll(getenv("GROUP")) : 0;
   const int format = !strcmp(argv[1], "int8") || w8a8 ? 2 : !strcmp(argv[1], "bf16") ? 1 : 0;
   const int size = format == 2 ? 1 : format == 1 ? 2 : 4, between = argc > 3;
   if (!int4) kvlab_gemv_set_order(format, !strcmp(argv[2], "rows"));
@@ -109,7 +111,8 @@ int main(int argc, char **argv) {
         else if (int4)
           kvlab_gemv_int4(x, 1, K, w[i], so[i], 1, 32, NULL, 0, y, 1, 1, N, K);
         else if (w8a8)
-          kvlab_gemv_w8a8(x, 1, K, w[i], scale, 1, NULL, 0, y, 1, 1, N, K);
+          kvlab_gemv_w8a8(x, 1, K, w[i], scale, 1, w8a8_group ? w8a8_group : K, NULL, 0, y, 1, 1, N,
+                          K);
         else if (format == 2)
           kvlab_gemv_int8(x, 1, K, w[i], scale, 1, NULL, 0, y, 1, 1, N, K);
         else
