@@ -1,6 +1,7 @@
 """Weight formats side by side on the default model's decode: one engine per format, their
 decode steps interleaved one step of each in turn (so a slow spell of a shared machine hits
-every format alike), ITL as the median of per-step ratios to the first format. Not a test.
+every format alike), ITL as the median of per-step ratios to the first format; and their
+prefills (TTFT: prefill and first token) in turns each round. Not a test.
 
     python scripts/bench_weight_formats.py --depth 1024 \
         --formats none,rtn_int8,rtn_int8_w8a8,rtn_int8:head,rtn_int8_w8a8:head
@@ -64,15 +65,21 @@ def load(spec: str, dtype: str) -> torch.nn.Module:
     return model
 
 
-def interleaved_steps(engines: dict, prompt: list[int], steps: int, rounds: int) -> dict:
-    """{format: [seconds of each decode step]}, every round one generation per engine whose
-    steps take turns."""
+def interleaved_steps(
+    engines: dict, prompt: list[int], steps: int, rounds: int
+) -> tuple[dict, dict]:
+    """({format: [seconds of each decode step]}, {format: [seconds of each prefill and first
+    token]}), every round one generation per engine, their prefills and then their steps
+    taking turns."""
     times = {name: [] for name in engines}
+    first = {name: [] for name in engines}
     gen = GenerationConfig(steps + 1, stop_on_eos=False)
     for _ in range(rounds):
         runs = {name: iter(engine.stream([prompt], gen)) for name, engine in engines.items()}
-        for run in runs.values():
+        for name, run in runs.items():
+            start = time.perf_counter()
             next(run)  # prefill and first token
+            first[name].append(time.perf_counter() - start)
         for _ in range(steps):
             for name, run in runs.items():
                 start = time.perf_counter()
@@ -81,7 +88,7 @@ def interleaved_steps(engines: dict, prompt: list[int], steps: int, rounds: int)
         for run in runs.values():
             for _ in run:
                 pass
-    return times
+    return times, first
 
 
 def main() -> None:
@@ -102,20 +109,23 @@ def main() -> None:
             print(f"{spec}: {summary(model)}", flush=True)
             engines[spec] = Engine(model, cache_factory(args.cache, model, {})(static=False))
             engines[spec].generate([prompt[:600]], GenerationConfig(4, stop_on_eos=False))
-        times = interleaved_steps(engines, prompt, args.steps, args.rounds)
+        times, first = interleaved_steps(engines, prompt, args.steps, args.rounds)
     env = environment()
     print(f"decode at depth {args.depth}, cache {args.cache}, {args.dtype} activations "
           f"(unless a format says), {args.steps} steps x {args.rounds} rounds interleaved; "
           f"{env['cpu']}, "
           f"{torch.get_num_threads()} threads, "
           f"torch {env['torch']}\n")  # fmt: skip
-    print(f"| format | ITL p50 ms | ITL / {formats[0]} (median of per-step ratios) |")
-    print("|---|---:|---:|")
-    reference = times[formats[0]]
+    print(f"| format | ITL p50 ms | ITL / {formats[0]} (median of per-step ratios) "
+          f"| TTFT p50 ms | TTFT / {formats[0]} (median of per-round ratios) |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|")
+    reference, first_reference = times[formats[0]], first[formats[0]]
     for spec in formats:
         ratios = [a / b for a, b in zip(times[spec], reference, strict=True)]
+        first_ratios = [a / b for a, b in zip(first[spec], first_reference, strict=True)]
         print(f"| {spec} | {statistics.median(times[spec]) * 1e3:.2f} | "
-              f"{statistics.median(ratios):.3f} |")  # fmt: skip
+              f"{statistics.median(ratios):.3f} | {statistics.median(first[spec]) * 1e3:.0f} | "
+              f"{statistics.median(first_ratios):.3f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

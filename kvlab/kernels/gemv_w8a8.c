@@ -16,7 +16,7 @@
  * rows split across threads; one row of x walks the weight rows one after another where the
  * int8 weights' order says so (gemv_order.h), else weight rows go four at a time, the next
  * four prefetched into L2. A scale a group costs a conversion and an FMA a 64 codes more:
- * whole decode steps took 1.01-1.09x a scale a row's (Zen4, in turns); its activation
+ * whole decode steps took 1.02-1.09x a scale a row's (Zen4, in turns); its activation
  * buffers start on cache lines (unaligned, the two loads a 64 codes split lines: 1.07x). */
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +28,16 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+/* Lane l (of 8): the exact sum of q[k] * x[k] over channels 4l .. 4l + 3 of 32, by
+ * vpmaddubsw on |q| and x signed as q (llama.cpp's trick: no int16 saturation as |q|,
+ * |x| <= 127), then pairs of those summed. */
+static inline __m256i quad_dots(__m256i q, __m256i x) {
+  const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
 #endif
 
 /* dots[j] = row j of w (COUNT rows of K codes, K apart) . xq, xu = xq + 128 (as u8). */
@@ -54,15 +64,13 @@ static inline __attribute__((always_inline)) void int_dots(const int8_t *w, int6
     dots[j] = _mm512_reduce_add_epi32(acc[j]) - 128 * _mm512_reduce_add_epi32(sums[j]);
 #elif defined(__AVX2__)
   __m256i acc[4];
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int j = 0; j < COUNT; j++) acc[j] = _mm256_setzero_si256();
   for (; k0 + 32 <= K; k0 += 32) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + k0));
     for (int j = 0; j < COUNT; j++) {
       if (COUNT > 1) __builtin_prefetch(w + (COUNT + j) * K + k0, 0, 2);
       const __m256i q = _mm256_loadu_si256((const __m256i *)(w + j * K + k0));
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-      acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(pairs, ones));
+      acc[j] = _mm256_add_epi32(acc[j], quad_dots(q, x));
     }
   }
   for (int j = 0; j < COUNT; j++) {
@@ -114,7 +122,6 @@ static inline __attribute__((always_inline)) void grouped_dots(const int8_t *w, 
   for (int j = 0; j < COUNT; j++) dots[j] = _mm512_reduce_add_ps(acc[j]) - offset;
 #elif defined(__AVX2__) && defined(__FMA__)
   __m256 acc[4];
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int j = 0; j < COUNT; j++) acc[j] = _mm256_setzero_ps();
   for (; k0 + 32 <= K; k0 += 32) {
     const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + k0));
@@ -122,9 +129,7 @@ static inline __attribute__((always_inline)) void grouped_dots(const int8_t *w, 
     for (int j = 0; j < COUNT; j++) {
       if (COUNT > 1) __builtin_prefetch(w + (COUNT + j) * K + k0, 0, 2);
       const __m256i q = _mm256_loadu_si256((const __m256i *)(w + j * K + k0));
-      const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-      const __m256i exact = _mm256_madd_epi16(pairs, ones); /* lane l: channels 4l .. 4l + 3 */
-      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), step, acc[j]);
+      acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(quad_dots(q, x)), step, acc[j]);
     }
   }
   for (int j = 0; j < COUNT; j++) {

@@ -9,6 +9,7 @@ scale a row, and up to fp32 summation order with a scale a group."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvlab.kernels.build import INT, INT64, POINTER, kernel, library
 from kvlab.kernels.linear import MAX_ROWS
@@ -56,13 +57,14 @@ def w8a8_dequantized(
 ) -> torch.Tensor:
     """:func:`w8a8_reference`'s grouped product through one matmul in ``scale``'s dtype
     (prefill rows, or where the kernel does not serve): x quantized per group, each code
-    times its step (:func:`kvlab.kernels.w4a8.fake_quantized`), times the codes, then the
-    scales. In x's dtype."""
+    times its step (:func:`kvlab.kernels.w4a8.fake_quantized`), times the codes times their
+    scales (dequantized per call: N x K products, where scaling the output would take
+    M x N, 0.5x a bf16 matmul's time at 1024 rows). In x's dtype."""
     from kvlab.kernels.w4a8 import fake_quantized  # w4a8 builds on this module
 
     dtype = scale.dtype
     quantized, _ = fake_quantized(x, group, dtype)
-    return ((quantized @ codes.to(dtype).T) * scale).to(x.dtype)
+    return F.linear(quantized, codes.to(dtype) * scale[:, None]).to(x.dtype)
 
 
 def _int_products(xq: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
