@@ -248,11 +248,7 @@ class Int8Linear(nn.Module):
         activation_group: int | None = None,
     ):
         super().__init__()
-        if activation_group is not None and linear.in_features % activation_group:
-            raise ValueError(
-                f"quant.options.activation_group={activation_group} does not divide the "
-                f"{linear.in_features} input features of a layer; allowed: a divisor of it"
-            )
+        _check_divides("activation_group", activation_group, linear, "this layer")
         self.int8_activations = int8_activations
         self.activation_group = activation_group if int8_activations else None
         weight = linear.weight.detach().float()
@@ -296,15 +292,20 @@ def apply_rtn(model: nn.Module, options: RtnOptions) -> int:
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         if options.bits == 8:
-            w8a8 = options.activations == "int8"
-            return Int8Linear(linear, dtype, w8a8, options.w8a8_group() if w8a8 else None)
-        if linear.in_features % options.group_size:
-            raise ValueError(
-                f"quant.options.group_size={options.group_size} does not divide the "
-                f"{linear.in_features} input features of {name}; allowed: a divisor of it"
-            )
+            group = options.w8a8_group() if options.activations == "int8" else None
+            _check_divides("activation_group", group, linear, name)
+            return Int8Linear(linear, dtype, options.activations == "int8", group)
+        _check_divides("group_size", options.group_size, linear, name)
         codes, scale, offset = quantize_int4(linear.weight, options.group_size, options.symmetric)
         int8_activations = options.activations == "int8"
         return Int4Linear(codes, scale, offset, linear.bias, dtype, None, True, int8_activations)
 
     return replace_linears(model, options, make)
+
+
+def _check_divides(option: str, span: int | None, linear: nn.Linear, name: str) -> None:
+    if span is not None and linear.in_features % span:
+        raise ValueError(
+            f"quant.options.{option}={span} does not divide the {linear.in_features} input "
+            f"features of {name}; allowed: a divisor of it"
+        )
