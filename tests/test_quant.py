@@ -153,6 +153,7 @@ def test_gptq_reader_matches_the_gptq_formula(act_order):
         ("bnb", {"mode": "int4"}, "mode"),
         ("gptq", {"group_size": 100}, "group_size"),
         ("gptq", {"bits": 3}, "bits"),
+        ("gptq", {"activations": "int4"}, "activations"),
         ("awq", {"group_size": 48}, "group_size"),
         ("awq", {"seqlen": 8}, "seqlen"),
         ("qat", {}, "quant.name"),
@@ -289,3 +290,24 @@ def test_a_gptq_checkpoint_loads_as_the_model_source(tmp_path):
         expected = hf(ids).logits
     error = ((_logits(model, ids) - expected).norm() / expected.norm()).item()
     assert error < 0.02  # bf16 compute in the int4 kernel
+
+
+def test_a_gptq_checkpoint_takes_int8_activations(tmp_path, tiny_checkpoints):
+    """quant.options.activations=int8 on a GPTQ checkpoint gives W4A8 layers (its int4 codes
+    times each token's activations quantized a weight group at a time): the logits stay
+    within the activations' rounding of the weight-only layers' and differ from them."""
+    from conftest import tiny_hf_model
+
+    _gptq_checkpoint(tiny_hf_model("llama"), tmp_path)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for activations in ("none", "int8"):
+        model, _ = load_model(str(tiny_checkpoints["llama"]), cpu_prepack=False)
+        options = {"checkpoint": str(tmp_path), "group_size": 32, "activations": activations}
+        assert quantize_(model, "gptq", options) == LINEARS_OF_TINY_LLAMA
+        layers = [m for m in model.modules() if type(m) is Int4Linear]
+        assert {m.int8_activations for m in layers} == {activations == "int8"}
+        logits[activations] = _logits(model, ids)
+    weight_only, w4a8 = logits["none"], logits["int8"]
+    error = ((w4a8 - weight_only).norm() / weight_only.norm()).item()
+    assert 0 < error < 0.03  # 0.017 here

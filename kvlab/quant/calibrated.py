@@ -23,9 +23,10 @@ import torch
 
 from kvlab.paths import cache_dir
 from kvlab.quant.base import QuantOptions
-from kvlab.quant.rtn import COMPUTE_DTYPES
+from kvlab.quant.rtn import ACTIVATIONS, COMPUTE_DTYPES
 
-UNFITTED = ("checkpoint", "compute_dtype", "skip")  # options that do not change the weights
+# options that do not change the weights (not in a checkpoint's cache key)
+UNFITTED = ("checkpoint", "compute_dtype", "skip", "activations")
 
 
 @dataclass
@@ -33,7 +34,9 @@ class CalibratedOptions(QuantOptions):
     """int4 in groups of ``group_size`` input channels (must divide every layer's input
     size), calibrated on ``samples`` windows of ``seqlen`` tokens of ``calibration``
     (``wikitext2-valid`` or a text file; never test text). ``checkpoint``: a checkpoint
-    of this format to load instead of quantizing."""
+    of this format to load instead of quantizing. ``activations``: ``int8`` quantizes each
+    token's activations too, a scale a weight group, and multiplies the codes in int8 (W4A8,
+    as :mod:`kvlab.quant.rtn`'s option)."""
 
     bits: int = 4
     group_size: int = 64
@@ -44,6 +47,7 @@ class CalibratedOptions(QuantOptions):
     seed: int = 0
     checkpoint: str | None = None
     compute_dtype: str = "bfloat16"
+    activations: str = "none"
 
     def checks(self) -> list[tuple[str, bool, str]]:
         """(field, valid, what is allowed) of every option; subclasses add theirs."""
@@ -53,6 +57,7 @@ class CalibratedOptions(QuantOptions):
             ("samples", self.samples >= 1, "an integer >= 1"),
             ("seqlen", self.seqlen >= 16, "an integer >= 16"),
             ("compute_dtype", self.compute_dtype in COMPUTE_DTYPES, ", ".join(COMPUTE_DTYPES)),
+            ("activations", self.activations in ACTIVATIONS, ", ".join(ACTIVATIONS)),
         ]
 
     def __post_init__(self) -> None:

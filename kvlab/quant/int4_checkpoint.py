@@ -113,9 +113,11 @@ def int4_layer(
     qcfg: dict[str, Any],
     dtype: torch.dtype | None,
     device: torch.device,
+    int8_activations: bool = False,
 ) -> Int4Linear:
     """kvlab layer ``name`` (fused ones from their parts) as an Int4Linear on ``device``
-    (built there, so it takes the kernel layout of that device)."""
+    (built there, so it takes the kernel layout of that device); ``int8_activations``: W4A8
+    (see :class:`Int4Linear`)."""
     parts, method = checkpoint_parts(name), quant_method(qcfg)
     v1 = qcfg.get("checkpoint_format", qcfg.get("format", "gptq")) == "gptq"
 
@@ -133,7 +135,7 @@ def int4_layer(
     biases = [tensors.get(f"{p}.bias") for p in parts]
     bias = torch.cat(biases).to(device) if all(b is not None for b in biases) else None
     perm = None if perm is None else perm.to(device)
-    return Int4Linear(codes, scale, offset, bias, dtype, perm)
+    return Int4Linear(codes, scale, offset, bias, dtype, perm, True, int8_activations)
 
 
 def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -154,11 +156,13 @@ def swap_in_int4_layers(
     checkpoint's norms (its scales folded in) replace the model's."""
     tensors, qcfg = read_int4_checkpoint(directory)
     dtype = resolve_compute_dtype(getattr(options, "compute_dtype", "bfloat16"))
+    int8_activations = getattr(options, "activations", "none") == "int8"
     swapped = 0
     for name, linear in linear_layers(model, options):
         if f"{checkpoint_parts(name)[0]}.qweight" not in tensors:
             continue  # left in full precision by the checkpoint (the output head)
-        layer = int4_layer(tensors, name, qcfg, dtype, device or linear.weight.device)
+        where = device or linear.weight.device
+        layer = int4_layer(tensors, name, qcfg, dtype, where, int8_activations)
         if (layer.out_features, layer.in_features) != (linear.out_features, linear.in_features):
             raise ValueError(
                 f"quant.options.checkpoint={str(directory)!r}: {name} is "
