@@ -456,14 +456,14 @@ def test_w4a8_prefill_quantization_in_c_is_torchs(x_dtype, dtype, monkeypatch):
     """``kvlab_w4a8_fake_quantize`` (one pass over x, rows across threads) gives torch's
     quantized activations bit for bit, in fp32 or rounded to bf16, and each group's sum of
     x less theirs up to fp32 summation order; a row of zeros stays zeros."""
-    from kvlab.kernels import w4a8
+    from kvlab.kernels import w8a8
 
     generator = torch.Generator().manual_seed(5)
     x = (3 * torch.randn(37, 384, generator=generator)).to(x_dtype)
     x[7] = 0
-    got, correction = w4a8.fake_quantized(x, 64, dtype)
-    monkeypatch.setattr(w4a8, "_fake_quantize_serves", lambda x, dtype: False)
-    want, want_correction = w4a8.fake_quantized(x, 64, dtype)
+    got, correction = w8a8.fake_quantized(x, 64, dtype)
+    monkeypatch.setattr(w8a8, "_fake_quantize_serves", lambda x, dtype: False)
+    want, want_correction = w8a8.fake_quantized(x, 64, dtype)
     assert got.dtype == dtype and torch.equal(got, want) and not got[7].any()
     torch.testing.assert_close(correction, want_correction, rtol=0, atol=1e-4)
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 import torch
 
 from kvlab.kernels import w8a8
-from kvlab.kernels.build import INT, INT64, POINTER, kernel, library
-from kvlab.kernels.w8a8 import kernel_serves  # gemv_w4a8.c takes what W8A8 takes
+from kvlab.kernels.build import INT, INT64, POINTER, kernel
+from kvlab.kernels.w8a8 import fake_quantized, kernel_serves  # as W8A8 takes them
 
 _ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER, INT, INT64,
          INT64, INT64)  # fmt: skip
-_FAKE_ARGS = (POINTER, INT, INT64, INT64, INT64, INT64, POINTER, INT, POINTER)
 
 
 def quantize_groups(
@@ -31,15 +30,6 @@ def quantize_groups(
     return codes, steps, sums
 
 
-def _quantized(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x quantized per group, each code times its group's step, fp32 (M, K); each group's
-    sum of x itself (M, K/G))."""
-    xq, steps, sums = quantize_groups(x, group_size)
-    rows, channels = x.shape
-    groups = xq.float().view(rows, channels // group_size, group_size) * steps[..., None]
-    return groups.view(rows, channels), sums
-
-
 def w4a8_reference(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -52,7 +42,7 @@ def w4a8_reference(
     :func:`kvlab.quant.rtn.quantize_int4` gives them), with x quantized per group
     (:func:`quantize_groups`): the codes' term on the quantized x, the offsets' term
     (offset - 8 * scale) on each group's sum of x itself. In fp32."""
-    quantized, sums = _quantized(x, group_size)
+    quantized, sums = w8a8.stepped(x, group_size)
     scaled = codes.float() * scale.float().repeat_interleave(group_size, dim=0).T  # (N, K)
     shift = offset.float() - 8 * scale.float()  # (K/G, N)
     return (quantized @ scaled.T + sums @ shift).to(x.dtype)
@@ -75,38 +65,6 @@ def w4a8_dequantized(
     shift = (offset.float() - 8 * scale.float()).to(weight.dtype)  # (K/G, N)
     product = quantized @ weight.T
     return product.addmm_(correction.to(weight.dtype), shift).to(x.dtype)
-
-
-def fake_quantized(
-    x: torch.Tensor, group_size: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) quantized per group as :func:`quantize_groups` does, each code times its
-    group's step (fp32), in ``dtype``; and (M, K/G) each group's sum of x less the sum of
-    those fp32 values. Through ``kvlab_w4a8_fake_quantize`` (one pass) where it serves:
-    the same values, the sums in another order."""
-    rows, channels = x.shape
-    if _fake_quantize_serves(x, dtype):
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        out = torch.empty(rows, channels, dtype=dtype)
-        correction = torch.empty(rows, channels // group_size)
-        kernel("kvlab_w4a8_fake_quantize", *_FAKE_ARGS)(
-            x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), rows, channels,
-            group_size, out.data_ptr(), int(dtype == torch.bfloat16), correction.data_ptr(),
-        )  # fmt: skip
-        return out, correction
-    quantized, sums = _quantized(x, group_size)
-    return quantized.to(dtype), sums - quantized.view(*sums.shape, -1).sum(dim=-1)
-
-
-def _fake_quantize_serves(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    floats = (torch.float32, torch.bfloat16)
-    return (
-        x.device.type == "cpu"
-        and x.dtype in floats
-        and dtype in floats
-        and not torch.compiler.is_compiling()
-        and library() is not None
-    )
 
 
 def w4a8_linear(

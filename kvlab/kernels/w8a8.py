@@ -16,6 +16,7 @@ from kvlab.kernels.linear import MAX_ROWS
 
 _ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER, INT, INT64,
          INT64, INT64)  # fmt: skip
+_FAKE_ARGS = (POINTER, INT, INT64, INT64, INT64, INT64, POINTER, INT, POINTER)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,16 +53,56 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     return codes.view(rows, channels), steps.view(rows, -1)
 
 
+def stepped(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x quantized per group (:func:`quantize_groups`), each code times its group's step,
+    fp32 (M, K); each group's sum of x itself (M, K / group))."""
+    xq, steps = quantize_groups(x, group)
+    rows, channels = x.shape
+    groups = xq.float().view(rows, channels // group, group) * steps[..., None]
+    sums = x.float().view(rows, channels // group, group).sum(dim=-1)
+    return groups.view(rows, channels), sums
+
+
+def fake_quantized(
+    x: torch.Tensor, group: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) quantized per group as :func:`quantize_groups` does, each code times its
+    group's step (fp32), in ``dtype``; and (M, K / group) each group's sum of x less the sum
+    of those fp32 values (W4A8's offsets' correction). Through ``kvlab_w4a8_fake_quantize``
+    (one pass) where it serves: the same values, the sums in another order."""
+    rows, channels = x.shape
+    if _fake_quantize_serves(x, dtype):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        out = torch.empty(rows, channels, dtype=dtype)
+        correction = torch.empty(rows, channels // group)
+        kernel("kvlab_w4a8_fake_quantize", *_FAKE_ARGS)(
+            x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), rows, channels,
+            group, out.data_ptr(), int(dtype == torch.bfloat16), correction.data_ptr(),
+        )  # fmt: skip
+        return out, correction
+    quantized, sums = stepped(x, group)
+    return quantized.to(dtype), sums - quantized.view(*sums.shape, -1).sum(dim=-1)
+
+
+def _fake_quantize_serves(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    floats = (torch.float32, torch.bfloat16)
+    return (
+        x.device.type == "cpu"
+        and x.dtype in floats
+        and dtype in floats
+        and not torch.compiler.is_compiling()
+        and library() is not None
+    )
+
+
 def w8a8_dequantized(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int
 ) -> torch.Tensor:
     """:func:`w8a8_reference`'s grouped product through one matmul in ``scale``'s dtype
     (prefill rows, or where the kernel does not serve): x quantized per group, each code
-    times its step (:func:`kvlab.kernels.w4a8.fake_quantized`), times the codes times their
-    scales (dequantized per call: N x K products, where scaling the output would take
-    M x N, 0.5x a bf16 matmul's time at 1024 rows). In x's dtype."""
-    from kvlab.kernels.w4a8 import fake_quantized  # w4a8 builds on this module
-
+    times its step (:func:`fake_quantized`), times the codes times their scales
+    (dequantized per call: N x K products, where scaling the output would take M x N, 0.5x
+    a bf16 matmul's time at 1024 rows). In x's dtype."""
     dtype = scale.dtype
     quantized, _ = fake_quantized(x, group, dtype)
     return F.linear(quantized, codes.to(dtype) * scale[:, None]).to(x.dtype)
