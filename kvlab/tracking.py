@@ -135,8 +135,11 @@ def _cpu_kernels() -> dict[str, Any]:
     """Which kernels this process runs linear layers with (per weight dtype: the kernel, the
     applicable ones and their timing, for decode widths, :mod:`kvlab.models.cpu_kernels`,
     and for many rows, :mod:`kvlab.models.wide_kernels`; the order kvlab's one-row kernel
-    walks weights in, :mod:`kvlab.models.gemv_order`) and decode attention with."""
+    walks weights in, :mod:`kvlab.models.gemv_order`) and decode attention with; whether
+    torch's int8 matmul is exact here (W8A8's prefill takes it only then,
+    :func:`kvlab.kernels.w8a8.int8_matmul_exact`)."""
     from kvlab.kernels import kernel_available
+    from kvlab.kernels.w8a8 import int8_matmul_exact
     from kvlab.models.cpu_kernels import chosen_kernels, onednn_bf16_reorder_works
     from kvlab.models.gemv_order import chosen_orders
     from kvlab.models.wide_kernels import chosen_wide_kernels
@@ -147,6 +150,7 @@ def _cpu_kernels() -> dict[str, Any]:
         "gemv_order": chosen_orders(),
         "attention": "kvlab C decode attention" if kernel_available() else "torch",
         "onednn_bf16_reorder": onednn_bf16_reorder_works(),
+        "torch_int8_matmul_exact": int8_matmul_exact("cpu"),
     }
 
 

@@ -468,9 +468,25 @@ def test_w4a8_prefill_quantization_in_c_is_torchs(x_dtype, dtype, monkeypatch):
     torch.testing.assert_close(correction, want_correction, rtol=0, atol=1e-4)
 
 
+def test_int8_products_are_exact_on_every_cpu():
+    """W8A8's integer products (its per-token reference and prefill) are exact whatever the
+    CPU: codes of +-127 in every pair, which saturate oneDNN's int8 matmul without VNNI
+    (there it is probed inexact and not taken), and a product over more channels than one
+    exact float span."""
+    from kvlab.kernels import w8a8
+
+    generator = torch.Generator().manual_seed(3)
+    xq = torch.randint(-127, 128, (40, 2500), dtype=torch.int8, generator=generator)
+    codes = torch.randint(-127, 128, (24, 2500), dtype=torch.int8, generator=generator)
+    xq[:4], codes[:2], codes[2:4] = 127, 127, -127
+    want = (xq.double() @ codes.double().T).to(torch.int32)
+    assert torch.equal(w8a8._int_products(xq, codes), want)
+    assert torch.equal(w8a8._float_products(xq, codes), want)
+
+
 def test_w8a8_reference_without_an_int8_matmul_gives_the_same_products(monkeypatch):
     """Where torch's int8 matmul refuses the shapes (CUDA's, under 17 rows), the reference
-    multiplies in float64, exactly: the same outputs."""
+    multiplies in fp32 spans, exactly: the same outputs."""
     from kvlab.kernels import w8a8
 
     generator = torch.Generator().manual_seed(0)

@@ -108,14 +108,62 @@ def w8a8_dequantized(
     return F.linear(quantized, codes.to(dtype) * scale[:, None]).to(x.dtype)
 
 
+EXACT_SPAN = 1024  # channels a float matmul of int8 codes sums exactly: 127**2 * 1024 < 2**24
+
+
 def _int_products(xq: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
-    """xq (M, K) . codes (N, K)^T in int32: torch's int8 matmul (oneDNN on the CPU, ~15x an
-    int32 matmul's speed for a prefill), else, where it refuses the shapes (CUDA's wants more
-    than 16 rows), a float64 matmul: exact, as every partial sum is an integer below 2^53."""
+    """xq (M, K) . codes (N, K)^T in int32, exact: torch's int8 matmul (oneDNN on the CPU,
+    ~15x an int32 matmul's speed for a prefill) where :func:`int8_matmul_exact` found it
+    exact on this device and it takes the shapes (CUDA's wants more than 16 rows), else
+    :func:`_float_products`."""
+    device = xq.device.type
+    compiling = torch.compiler.is_compiling()  # a compiled step reads the eager probe's answer
+    if _PROBED.get(device, False) if compiling else int8_matmul_exact(device):
+        try:
+            return torch._int_mm(xq, codes.T)
+        except RuntimeError:
+            pass
+    return _float_products(xq, codes)
+
+
+def _float_products(xq: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """:func:`_int_products` through fp32 matmuls over spans of :data:`EXACT_SPAN`
+    channels: every partial sum is an integer of magnitude at most 127 * 127 * 1024 < 2^24,
+    so each fp32 addition is exact in whatever order the matmul takes (codes of |c| <= 127
+    are exact in bf16 and TF32 too); the spans are summed in int32."""
+    out = torch.zeros(xq.shape[0], codes.shape[0], dtype=torch.int32, device=xq.device)
+    for k0 in range(0, xq.shape[1], EXACT_SPAN):
+        span = slice(k0, k0 + EXACT_SPAN)
+        out += (xq[:, span].float() @ codes[:, span].float().T).to(torch.int32)
+    return out
+
+
+_PROBED: dict[str, bool] = {}  # int8_matmul_exact's answers, by device type
+
+
+def int8_matmul_exact(device_type: str) -> bool:
+    """Whether torch's int8 matmul multiplies full-range int8 codes exactly on this device
+    (probed once): without VNNI, oneDNN sums u8 x s8 pairs in saturating int16 (vpmaddubsw)
+    and its products come out wrong (off by 33045 in a 64-channel one with oneDNN held to
+    AVX2), which the AVX2-only and AVX-512-without-VNNI CPUs run. Codes of +-127, whose
+    pairs saturate there, against their exact products. Int8Linear asks at construction,
+    so a compiled step finds the answer (:func:`_int_products`)."""
+    if device_type not in _PROBED:
+        _PROBED[device_type] = _probe_int8_matmul(device_type)
+    return _PROBED[device_type]
+
+
+def _probe_int8_matmul(device_type: str) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    xq = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=generator)
+    codes = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=generator)
+    xq[0], codes[0], codes[1] = 127, 127, -127
+    xq, codes = xq.to(device_type), codes.to(device_type)
     try:
-        return torch._int_mm(xq, codes.T)
+        got = torch._int_mm(xq, codes.T)
     except RuntimeError:
-        return (xq.double() @ codes.double().T).to(torch.int32)
+        return False
+    return torch.equal(got.cpu(), _float_products(xq, codes).cpu())
 
 
 def kernel_serves(x: torch.Tensor, codes: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ from torch import nn
 from kvlab.kernels.linear import MAX_ROWS, int4_linear, int8_linear, int8_wide_linear
 from kvlab.kernels.w4a8 import kernel_serves as w4a8_kernel_serves
 from kvlab.kernels.w4a8 import w4a8_dequantized, w4a8_linear
-from kvlab.kernels.w8a8 import w8a8_linear
+from kvlab.kernels.w8a8 import int8_matmul_exact, w8a8_linear
 from kvlab.models.cpu_kernels import int4_kernel, int8_kernel
 from kvlab.models.wide_kernels import wide_kernel
 from kvlab.quant.base import QuantOptions, register_quantizer, replace_linears
@@ -251,6 +251,8 @@ class Int8Linear(nn.Module):
         _check_divides("activation_group", activation_group, linear, "this layer")
         self.int8_activations = int8_activations
         self.activation_group = activation_group if int8_activations else None
+        if int8_activations and activation_group is None:  # probed eagerly, outside a graph
+            int8_matmul_exact(linear.weight.device.type)
         weight = linear.weight.detach().float()
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127  # (N,)
         self.register_buffer("qweight", (weight / scale[:, None]).round_().to(torch.int8))
