@@ -342,14 +342,7 @@ def test_w8a8_kernel_with_a_scale_a_group_gives_the_exact_product(
     finally:
         set_gemv_order(torch.int8, before)
     xq, steps = quantize_groups(x, group)
-    terms = (
-        torch.einsum(
-            "mgk,ngk->mng",
-            xq.double().view(rows, -1, group),
-            codes.double().view(out_features, -1, group),
-        )
-        * steps.double()[:, None, :]
-    )  # exact integer dots, times each group's step
+    terms = _stepped_group_dots(xq, steps, codes, group)
     exact = terms.sum(-1) * scale.double()
     magnitude = terms.abs().sum(-1) * scale.double().abs()
     rounding = 0.0 if dtype == torch.float32 else 2.0**-8 * exact.abs()  # bf16's half ulp
@@ -367,17 +360,23 @@ def test_w8a8_kernel_with_a_scale_a_group_gives_the_exact_product(
     assert ((prefill - exact).abs() <= 1e-6 * magnitude + 2 * rounding + bf16_values).all()
 
 
+def _stepped_group_dots(xq, steps, codes, group):
+    """(M, N, K / group) float64: each group's exact integer dot of the activations' codes
+    xq (M, K) and the weight codes (N, K), times the group's step (M, K / group)."""
+    rows, groups = steps.shape
+    xq, codes = xq.double().view(rows, groups, group), codes.double().view(-1, groups, group)
+    return torch.einsum("mgk,ngk->mng", xq, codes) * steps.double()[:, None, :]
+
+
 def _w4a8_exact(x, codes, scale, offset, group_size):
     """W4A8's product in float64 from the same quantized activations as the reference, and
     the sum of its terms' magnitudes (what fp32 rounding errors scale with)."""
-    from kvlab.kernels.w4a8 import quantize_groups
+    from kvlab.kernels.w8a8 import quantize_groups
 
-    xq, steps, _ = quantize_groups(x, group_size)
+    xq, steps = quantize_groups(x, group_size)
     rows, groups = steps.shape
     sums = x.double().view(rows, groups, group_size).sum(-1)
-    xq, codes = xq.double().view(rows, groups, -1), codes.double().view(-1, groups, group_size)
-    dots = torch.einsum("mgk,ngk->mng", xq, codes)  # exact integers
-    codes_term = dots * steps.double()[:, None, :] * scale.double().T[None]
+    codes_term = _stepped_group_dots(xq, steps, codes, group_size) * scale.double().T[None]
     shift_term = sums[:, None, :] * (offset.double() - 8 * scale.double()).T[None]
     terms = codes_term + shift_term
     return terms.sum(-1), (codes_term.abs() + shift_term.abs()).sum(-1)
@@ -397,7 +396,8 @@ def test_w4a8_kernel_gives_its_reference(dtype, rows, out_features, in_features,
     them to the reference's codes; a row of zeros gives the offsets' term alone, zero. And
     the reference is the float product up to the activations' rounding: half a step of each
     group's scale per channel, on the codes' term only."""
-    from kvlab.kernels.w4a8 import quantize_groups, w4a8_linear, w4a8_reference
+    from kvlab.kernels.w4a8 import w4a8_linear, w4a8_reference
+    from kvlab.kernels.w8a8 import quantize_groups
     from kvlab.quant.packing import block_int4
     from kvlab.quant.rtn import dequantize_int4, quantize_int4
 
@@ -416,7 +416,7 @@ def test_w4a8_kernel_gives_its_reference(dtype, rows, out_features, in_features,
     assert ((want.double() - exact).abs() <= 1e-6 * magnitude + rounding + 1e-9).all()
     if rows > 1:
         assert torch.equal(got[-1], torch.zeros_like(got[-1]))
-    _, steps, _ = quantize_groups(x, group_size)
+    _, steps = quantize_groups(x, group_size)
     codes_part = (codes.float() * scale.float().repeat_interleave(group_size, 0).T).abs()
     per_group = codes_part.view(out_features, -1, group_size).sum(-1)  # (N, K/G)
     bound = (steps.double() / 2) @ per_group.double().T

@@ -175,21 +175,20 @@ static inline __attribute__((always_inline)) void row_dots(const int8_t *w, int6
 /* Row m of x (fp32 or bf16, K channels from `at`) quantized in spans of AG channels (AG =
  * K: the whole row; torch's numbers, int8_codes.h) into r's buffers. */
 static void quantize_row(const void *x, int x_bf16, int64_t at, int64_t K, int64_t AG, Row *r) {
-  r->offset = 0.f;
+  r->offset = 0.f, r->d = 1.f;
   for (int64_t k0 = 0; k0 < K; k0 += AG) {
     const float step = max_abs(x, x_bf16, at + k0, AG) / 127.f;
     int8_codes(x, x_bf16, at + k0, AG, step, r->xq + k0);
-    r->d = step;
-    if (r->steps == NULL) continue;
+    if (r->steps == NULL) { /* one span, the row: its scale, and xq + 128 for int_dots */
+      r->d = step;
+      for (int64_t k = 0; k < K; k++) r->xu[k] = (uint8_t)(r->xq[k] + 128);
+      continue;
+    }
     int32_t sum = 0;
     for (int64_t k = k0; k < k0 + AG; k++) sum += r->xq[k];
     for (int64_t k = k0; k < k0 + AG; k += 4) r->steps[k / 4] = step;
     r->offset += step * (float)(128 * sum);
   }
-  if (r->steps == NULL)
-    for (int64_t k = 0; k < K; k++) r->xu[k] = (uint8_t)(r->xq[k] + 128);
-  else
-    r->d = 1.f;
 }
 
 /* y (N,) = one row of x against this thread's share of the weight rows, one row after

@@ -17,19 +17,6 @@ _ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTE
          INT64, INT64)  # fmt: skip
 
 
-def quantize_groups(
-    x: torch.Tensor, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, K) -> (codes (M, K) int8, steps (M, K/G) fp32, sums (M, K/G) fp32): each group
-    of ``group_size`` channels quantized as W8A8 quantizes a row
-    (:func:`kvlab.kernels.w8a8.quantize_groups`: d = max|x| / 127, codes round(x / d));
-    sums: each group's sum of x itself."""
-    rows, channels = x.shape
-    codes, steps = w8a8.quantize_groups(x, group_size)
-    sums = x.float().view(rows, channels // group_size, group_size).sum(dim=-1)
-    return codes, steps, sums
-
-
 def w4a8_reference(
     x: torch.Tensor,
     codes: torch.Tensor,
@@ -40,8 +27,8 @@ def w4a8_reference(
     """x (M, K) @ W^T in x's dtype, W = (codes - 8) * scale + offset per group of
     ``group_size`` input channels (codes (N, K) in 0..15; scale, offset (K/G, N), as
     :func:`kvlab.quant.rtn.quantize_int4` gives them), with x quantized per group
-    (:func:`quantize_groups`): the codes' term on the quantized x, the offsets' term
-    (offset - 8 * scale) on each group's sum of x itself. In fp32."""
+    (:func:`kvlab.kernels.w8a8.quantize_groups`): the codes' term on the quantized x, the
+    offsets' term (offset - 8 * scale) on each group's sum of x itself. In fp32."""
     quantized, sums = w8a8.stepped(x, group_size)
     scaled = codes.float() * scale.float().repeat_interleave(group_size, dim=0).T  # (N, K)
     shift = offset.float() - 8 * scale.float()  # (K/G, N)

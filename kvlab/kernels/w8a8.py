@@ -168,8 +168,7 @@ def _probe_int8_matmul(device_type: str) -> bool:
 
 def kernel_serves(x: torch.Tensor, codes: torch.Tensor) -> bool:
     """Whether ``gemv_w8a8.c`` takes these: CPU tensors, x fp32 or bf16 of at most
-    ``MAX_ROWS`` rows (more: a prefill, where torch's int8 matmul is faster), the kernels
-    built."""
+    ``MAX_ROWS`` rows (more: a prefill, where one matmul is faster), the kernels built."""
     return (
         len(x) <= MAX_ROWS
         and x.device.type == "cpu"
