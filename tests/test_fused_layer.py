@@ -21,7 +21,7 @@ from kvlab.kernels import attention_c, cached_attention, kernel_available
 from kvlab.kernels.linear import DecodeLinear
 from kvlab.models import fused_layer, llama
 from kvlab.quant import quantize_, rtn
-from kvlab.quant.rtn import Int8Linear
+from kvlab.quant.rtn import Int4Linear, Int8Linear
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler for the kernel")
 PROMPTS = [[5, 17, 3, 99, 42, 7], [8, 1, 200], [64, 65, 66, 67, 68]]
@@ -33,8 +33,13 @@ def with_decode_linears(
     """The tiny checkpoint at ``path`` in ``dtype``, every linear on a kvlab kernel: int8,
     int8 with int8 activations (``bits`` "w8a8": a scale every 32 channels; "w8a8-row": one
     a row), int4 (asymmetric groups of 32) weights or
-    those with int8 activations (``bits`` "w4a8") computing in ``compute``, else fp."""
+    those with int8 activations (``bits`` "w4a8"), either with a GPTQ act-order
+    permutation of their inputs ("int4-act-order", "w4a8-act-order"), computing in
+    ``compute``, else fp."""
     model, _ = load_model(str(path), dtype=dtype, cpu_prepack=False)
+    act_order = isinstance(bits, str) and bits.endswith("-act-order")
+    bits = bits.removesuffix("-act-order") if act_order else bits
+    bits = 4 if bits == "int4" else bits
     if bits is not None:
         options = {"bits": bits, "compute_dtype": compute}
         if bits in ("w8a8", "w8a8-row"):
@@ -48,9 +53,12 @@ def with_decode_linears(
         with pytest.MonkeyPatch.context() as patch:  # kvlab's int4 blocks, whatever was timed
             patch.setattr(rtn, "int4_kernel", lambda: {"kernel": "kvlab"})
             quantize_(model, "rtn", options)
+        generator = torch.Generator().manual_seed(0)
         for layer in model.modules():
             if type(layer) is Int8Linear:
                 layer.decode_kernel = layer.few_rows_kernel = "kvlab"
+            if type(layer) is Int4Linear and act_order:  # groups over permuted inputs
+                layer.input_perm = torch.randperm(layer.in_features, generator=generator)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
@@ -71,8 +79,8 @@ def decode_logits(model, steps: int = 6, cache: str = "full", prompts=PROMPTS, *
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "bits",
-    [None, 8, "w8a8", "w8a8-row", 4, "w4a8"],
-    ids=["fp", "int8", "w8a8", "w8a8-row", "int4", "w4a8"],
+    [None, 8, "w8a8", "w8a8-row", 4, "w4a8", "int4-act-order", "w4a8-act-order"],
+    ids=["fp", "int8", "w8a8", "w8a8-row", "int4", "w4a8", "int4-act-order", "w4a8-act-order"],
 )
 def test_fused_layer_kernel_gives_the_op_by_op_logits(
     family, dtype, bits, tiny_checkpoints, monkeypatch

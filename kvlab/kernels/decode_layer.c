@@ -8,6 +8,8 @@
  * multiply-add). Activations, norm weights and rotary tables share one dtype (bf16 = 1:
  * bf16), every activation row is contiguous and M rows of one token each are decoded. */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "attention_job.h" /* Job */
 #include "bf16.h"
@@ -20,7 +22,9 @@
  * layers add the bias to the rounded product, as kvlab.quant.rtn's layers do. W8A8: INT8's
  * weights with x quantized to int8 too, a scale every `group` inputs of a row (the row's
  * length: one a row; kvlab_gemv_w8a8); W4A8: INT4's with
- * each group of each row of x quantized to int8 (kvlab_gemv_w4a8). */
+ * each group of each row of x quantized to int8 (kvlab_gemv_w4a8). input_perm (in_features,)
+ * or NULL: input k of the product is x's input input_perm[k] (GPTQ's act-order, whose
+ * groups are runs of the permuted inputs), as Int4Linear's index_select takes it. */
 enum { FP = 0, INT8 = 1, INT4 = 2, W8A8 = 3, W4A8 = 4 };
 typedef struct {
   const void *weight;
@@ -31,6 +35,7 @@ typedef struct {
   int32_t kind, scale_bf16;
   const void *scale;
   int64_t group;
+  const int64_t *input_perm;
 } Linear;
 
 void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
@@ -51,8 +56,14 @@ void kvlab_gemv_w4a8(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
 void kvlab_rms_norm(const void *x, int64_t stride, const void *weight, void *out, int bf16,
                     int64_t rows, int64_t dim, float eps);
 
+static void permuted_product(const Linear *l, const void *x, int bf16, void *y, int64_t M);
+
 static void product(const Linear *l, const void *x, int bf16, void *y, int64_t M) {
   const int64_t N = l->out_features, K = l->in_features;
+  if (l->input_perm) {
+    permuted_product(l, x, bf16, y, M);
+    return;
+  }
   if (l->kind == FP) {
     kvlab_gemv(x, bf16, K, l->weight, l->weight_bf16, l->bias, l->bias_bf16, y, bf16, M, N, K);
     return;
@@ -71,6 +82,22 @@ static void product(const Linear *l, const void *x, int bf16, void *y, int64_t M
   if (l->bias)
     for (int64_t i = 0; i < M * N; i++)
       store(y, bf16, i, value_at(y, bf16, i) + value_at(l->bias, l->bias_bf16, i % N));
+}
+
+/* product() of x's inputs gathered in l->input_perm's order. */
+static void permuted_product(const Linear *l, const void *x, int bf16, void *y, int64_t M) {
+  const int64_t K = l->in_features, *perm = l->input_perm;
+  void *gathered = malloc(M * K * (bf16 ? 2 : 4));
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t k = 0; k < K; k++)
+      if (bf16)
+        ((uint16_t *)gathered)[m * K + k] = ((const uint16_t *)x)[m * K + perm[k]];
+      else
+        ((float *)gathered)[m * K + k] = ((const float *)x)[m * K + perm[k]];
+  Linear natural = *l;
+  natural.input_perm = NULL;
+  product(&natural, gathered, bf16, y, M);
+  free(gathered);
 }
 
 static void linear(const Linear *l, const void *x, int bf16, void *y, int64_t M) {

@@ -48,13 +48,14 @@ _GENERATION = [0]  # bumped whenever a layer's weights may have moved (see weigh
 
 def weights_changed(*_) -> None:
     """Drop every layer's fused plan: its pointers are taken again on its next step. Called
-    when any module or parameter is assigned anywhere (a quantizer's swap; torch's global
-    registration hooks) and when a layer is moved or cast (``DecoderLayer._apply``)."""
+    when any module, parameter or buffer is assigned anywhere (a quantizer's swap; torch's
+    global registration hooks) and when a layer is moved or cast (``DecoderLayer._apply``)."""
     _GENERATION[0] += 1
 
 
 torch.nn.modules.module.register_module_module_registration_hook(weights_changed)
 torch.nn.modules.module.register_module_parameter_registration_hook(weights_changed)
+torch.nn.modules.module.register_module_buffer_registration_hook(weights_changed)
 
 
 class _Linear(ctypes.Structure):
@@ -63,7 +64,7 @@ class _Linear(ctypes.Structure):
         ("bias_bf16", ctypes.c_int32), ("bias", ctypes.c_void_p),
         ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
         ("kind", ctypes.c_int32), ("scale_bf16", ctypes.c_int32), ("scale", ctypes.c_void_p),
-        ("group", ctypes.c_int64),
+        ("group", ctypes.c_int64), ("input_perm", ctypes.c_void_p),
     ]  # fmt: skip
     FP, INT8, INT4, W8A8, W4A8 = 0, 1, 2, 3, 4
 
@@ -188,9 +189,11 @@ def _linear(layer: nn.Module) -> _Linear:
     if type(layer) is Int4Linear:
         scale_offset = layer.scale_offset
         kind = _Linear.W4A8 if layer.int8_activations else _Linear.INT4
+        perm = layer.input_perm  # GPTQ's act-order: int64 indices, contiguous
         return _Linear(weight=layer.packed.data_ptr(), kind=kind,
                        scale_bf16=is_bf16(scale_offset), scale=scale_offset.data_ptr(),
-                       group=layer.group_size, **fields)  # fmt: skip
+                       group=layer.group_size,
+                       input_perm=None if perm is None else perm.data_ptr(), **fields)  # fmt: skip
     scale, kind = layer.scale, _Linear.W8A8 if layer.int8_activations else _Linear.INT8
     group = layer.activation_group or layer.in_features  # W8A8 with a scale a row: the row
     return _Linear(weight=layer.qweight.data_ptr(), kind=kind, scale_bf16=is_bf16(scale),
@@ -200,14 +203,16 @@ def _linear(layer: nn.Module) -> _Linear:
 def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
     """The row counts (first, last) for which ``layer`` runs a kvlab kernel the fused layer
     can call, with ``dtype`` activations: a :class:`DecodeLinear`'s; an ``Int4Linear``'s in
-    kvlab's layout and an ``Int8Linear``'s where kvlab's int8 kernel was chosen or its
-    activations are int8 too (``gemv_w8a8.c``), computing in ``dtype``; else None."""
+    kvlab's layout (with GPTQ's act-order permutation too) and an ``Int8Linear``'s where
+    kvlab's int8 kernel was chosen or its activations are int8 too (``gemv_w8a8.c``),
+    computing in ``dtype``; else None."""
     if type(layer) is DecodeLinear:
         return layer.kernel_rows
     if type(layer) not in (Int4Linear, Int8Linear) or layer.compute_dtype not in (None, dtype):
         return None
     if type(layer) is Int4Linear:
-        fits = layer.layout == "kvlab" and layer.input_perm is None
+        perm = layer.input_perm
+        fits = layer.layout == "kvlab" and (perm is None or _plain_indices(perm))
         return (1, MAX_ROWS) if fits and layer.scale_offset.dtype == dtype else None
     if layer.scale.dtype != dtype or layer.qweight.device.type != "cpu":
         return None
@@ -215,6 +220,12 @@ def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
         return 1, MAX_ROWS
     one, few = layer.decode_kernel == "kvlab", layer.few_rows_kernel == "kvlab"
     return ((1 if one else 2), (MAX_ROWS if few else 1)) if one or few else None
+
+
+def _plain_indices(perm: torch.Tensor) -> bool:
+    """Whether C can read ``perm`` as it reads an act-order permutation: int64, contiguous,
+    on the CPU."""
+    return perm.dtype == torch.int64 and perm.is_contiguous() and perm.device.type == "cpu"
 
 
 def fused_plan(layer) -> FusedDecode | None:
