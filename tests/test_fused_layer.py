@@ -97,6 +97,28 @@ def test_fused_layer_kernel_gives_the_op_by_op_logits(
         assert torch.equal(got, want)
 
 
+@needs_kernel
+@pytest.mark.parametrize(
+    "bits", [8, "w8a8", 4, "w4a8", "int4-act-order"],
+    ids=["int8", "w8a8", "int4", "w4a8", "int4-act-order"],
+)  # fmt: skip
+def test_an_fp32_models_layers_computing_in_bf16_take_the_fused_path(
+    bits, tiny_checkpoints, monkeypatch
+):
+    """Quantized layers of an fp32 model that compute in bf16 (the presets' default
+    ``compute_dtype``) take the fused path (qwen2: biases, added in fp32 after the bf16
+    product): C rounds x to bf16 and widens the product as the layer's own ``.to`` calls
+    do, so the logits are the op-by-op layers' bit for bit."""
+    model = with_decode_linears(tiny_checkpoints["qwen2"], torch.float32, bits, "bfloat16")
+    with torch.inference_mode():
+        fused = decode_logits(model)
+        assert all(layer.fused is not None and layer.fused.applies for layer in model.layers)
+        assert any(lin.compute_bf16 for layer in model.layers for lin in layer.fused.linears)
+        monkeypatch.setattr(llama, "fused_plan", lambda layer: None)
+        reference = decode_logits(model)
+    assert all(torch.equal(a, b) for a, b in zip(fused, reference, strict=True))
+
+
 def test_the_silu_table_gives_torchs_silu_in_the_shapes_the_one_call_layer_serves():
     """A bf16 layer's one C call looks its SwiGLU activation up in ``silu_table``: every bf16
     value, laid out as the gate halves of gate/up rows (B, 1, 2 * inner) of the shapes it
@@ -266,14 +288,17 @@ def test_a_step_stays_layer_by_layer_where_one_layer_does_not_take_its_rows(
 @needs_kernel
 def test_fused_layer_kernel_serves_only_layers_it_can(tiny_checkpoints):
     """q/k norms (Qwen3), layers not on kvlab's kernels and quantized layers computing in
-    another dtype than the model's keep the op-by-op path; a plan is taken again once a layer's
+    fp32 in a bf16 model keep the op-by-op path; a plan is taken again once a layer's
     weights change."""
     qwen3 = with_decode_linears(tiny_checkpoints["qwen3"], torch.float32)
     plain, _ = load_model(str(tiny_checkpoints["llama"]), cpu_prepack=False)
-    bf16_int8 = with_decode_linears(tiny_checkpoints["llama"], torch.float32, 8, "bfloat16")
+    fp32_int8 = with_decode_linears(tiny_checkpoints["llama"], torch.bfloat16, 8)
+    for layer in fp32_int8.modules():
+        if type(layer) is Int8Linear:
+            layer.compute_dtype, layer.scale = torch.float32, layer.scale.float()
     model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
     with torch.inference_mode():
-        for unserved in (qwen3, plain, bf16_int8):
+        for unserved in (qwen3, plain, fp32_int8):
             decode_logits(unserved, steps=2)
             assert not any(layer.fused.applies for layer in unserved.layers)
         decode_logits(model, steps=2)

@@ -24,7 +24,10 @@
  * length: one a row; kvlab_gemv_w8a8); W4A8: INT4's with
  * each group of each row of x quantized to int8 (kvlab_gemv_w4a8). input_perm (in_features,)
  * or NULL: input k of the product is x's input input_perm[k] (GPTQ's act-order, whose
- * groups are runs of the permuted inputs), as Int4Linear's index_select takes it. */
+ * groups are runs of the permuted inputs), as Int4Linear's index_select takes it.
+ * compute_bf16: a quantized layer of an fp32 model that computes in bf16 (its
+ * compute_dtype; its scales bf16 too): x rounded to bf16, the product in bf16, widened, the
+ * bias added in fp32 (bf16_product). */
 enum { FP = 0, INT8 = 1, INT4 = 2, W8A8 = 3, W4A8 = 4 };
 typedef struct {
   const void *weight;
@@ -36,6 +39,7 @@ typedef struct {
   const void *scale;
   int64_t group;
   const int64_t *input_perm;
+  int32_t compute_bf16;
 } Linear;
 
 void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
@@ -57,11 +61,16 @@ void kvlab_rms_norm(const void *x, int64_t stride, const void *weight, void *out
                     int64_t rows, int64_t dim, float eps);
 
 static void permuted_product(const Linear *l, const void *x, int bf16, void *y, int64_t M);
+static void bf16_product(const Linear *l, const float *x, float *y, int64_t M);
 
 static void product(const Linear *l, const void *x, int bf16, void *y, int64_t M) {
   const int64_t N = l->out_features, K = l->in_features;
   if (l->input_perm) {
     permuted_product(l, x, bf16, y, M);
+    return;
+  }
+  if (l->compute_bf16 && !bf16) {
+    bf16_product(l, x, y, M);
     return;
   }
   if (l->kind == FP) {
@@ -98,6 +107,21 @@ static void permuted_product(const Linear *l, const void *x, int bf16, void *y, 
   natural.input_perm = NULL;
   product(&natural, gathered, bf16, y, M);
   free(gathered);
+}
+
+/* product() of an fp32 model's x through a layer that computes in bf16, as the layer's
+ * x.to(bfloat16), its kernel, .to(float32) and + bias take it. */
+static void bf16_product(const Linear *l, const float *x, float *y, int64_t M) {
+  const int64_t N = l->out_features, K = l->in_features;
+  uint16_t *rounded = malloc(sizeof(uint16_t) * M * (K + N)), *out = rounded + M * K;
+  for (int64_t i = 0; i < M * K; i++) rounded[i] = to_bf16(x[i]);
+  Linear in_bf16 = *l;
+  in_bf16.compute_bf16 = 0, in_bf16.bias = NULL;
+  product(&in_bf16, rounded, 1, out, M);
+  for (int64_t i = 0; i < M * N; i++)
+    y[i] = l->bias ? bf16_value(out[i]) + value_at(l->bias, l->bias_bf16, i % N)
+                   : bf16_value(out[i]);
+  free(rounded);
 }
 
 static void linear(const Linear *l, const void *x, int bf16, void *y, int64_t M) {

@@ -65,6 +65,7 @@ class _Linear(ctypes.Structure):
         ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
         ("kind", ctypes.c_int32), ("scale_bf16", ctypes.c_int32), ("scale", ctypes.c_void_p),
         ("group", ctypes.c_int64), ("input_perm", ctypes.c_void_p),
+        ("compute_bf16", ctypes.c_int32),
     ]  # fmt: skip
     FP, INT8, INT4, W8A8, W4A8 = 0, 1, 2, 3, 4
 
@@ -178,11 +179,14 @@ def _swiglu_matches_torch(activation: Activation, width: int) -> bool:
     return torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
-def _linear(layer: nn.Module) -> _Linear:
+def _linear(layer: nn.Module, dtype: torch.dtype) -> _Linear:
+    """``layer`` as decode_layer.c's Linear, in a model of ``dtype``."""
     bias = layer.bias
+    compute = getattr(layer, "compute_dtype", None) or dtype
     fields = dict(
         bias_bf16=is_bf16(bias), bias=None if bias is None else bias.data_ptr(),
         out_features=layer.out_features, in_features=layer.in_features,
+        compute_bf16=int(compute != dtype),
     )  # fmt: skip
     if type(layer) is DecodeLinear:
         return _Linear(weight=layer.weight.data_ptr(), weight_bf16=is_bf16(layer.weight), **fields)
@@ -205,16 +209,20 @@ def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
     can call, with ``dtype`` activations: a :class:`DecodeLinear`'s; an ``Int4Linear``'s in
     kvlab's layout (with GPTQ's act-order permutation too) and an ``Int8Linear``'s where
     kvlab's int8 kernel was chosen or its activations are int8 too (``gemv_w8a8.c``),
-    computing in ``dtype``; else None."""
+    computing in ``dtype`` (or in bf16 in an fp32 model, as the quantization presets
+    compute by default: C rounds x to bf16 and widens the product); else None."""
     if type(layer) is DecodeLinear:
         return layer.kernel_rows
-    if type(layer) not in (Int4Linear, Int8Linear) or layer.compute_dtype not in (None, dtype):
+    if type(layer) not in (Int4Linear, Int8Linear):
+        return None
+    compute = layer.compute_dtype or dtype
+    if compute != dtype and (compute, dtype) != (torch.bfloat16, torch.float32):
         return None
     if type(layer) is Int4Linear:
         perm = layer.input_perm
         fits = layer.layout == "kvlab" and (perm is None or _plain_indices(perm))
-        return (1, MAX_ROWS) if fits and layer.scale_offset.dtype == dtype else None
-    if layer.scale.dtype != dtype or layer.qweight.device.type != "cpu":
+        return (1, MAX_ROWS) if fits and layer.scale_offset.dtype == compute else None
+    if layer.scale.dtype != compute or layer.qweight.device.type != "cpu":
         return None
     if layer.int8_activations:  # gemv_w8a8.c, whatever int8_kernel chose
         return 1, MAX_ROWS
@@ -271,7 +279,7 @@ class FusedDecode:
         self.eps = [n.eps for n in norms]
         self.heads, self.kv_heads, self.dim = attn.heads, attn.kv_heads, attn.head_dim
         self.hidden, self.inner = attn.o_proj.out_features, mlp.inner
-        self.linears = [_linear(lin) for lin in linears]  # kept alive: C reads them
+        self.linears = [_linear(lin, dtype) for lin in linears]  # kept alive: C reads them
         # the tensors they point into, kept alive too: a weight swapped without a hook
         # (``param.data = ...``) leaves a stale plan, never a dangling pointer
         self.held = [t for lin in linears for t in (*lin.parameters(), *lin.buffers())]
