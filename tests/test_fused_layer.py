@@ -355,7 +355,8 @@ def test_a_layer_that_decoded_in_inference_mode_decodes_outside_it(tiny_checkpoi
      ("int4", {"group_size": 4, "residual": 2}, True),
      ("int8", {"group_size": 4, "residual": 0, "key_axis": "token"}, True),
      ("paged", {"kv_bits": 4, "kv_group_size": 8}, False), ("full", {"rotate": "hadamard"}, False),
-     ("quest", {}, False)],
+     ("quest", {}, False), ("gqa_shared", {"factor": 1}, True),
+     ("gqa_shared", {"factor": 2}, False)],
 )  # fmt: skip
 def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     dtype, cache, options, in_c, tiny_checkpoints, monkeypatch
@@ -363,8 +364,9 @@ def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     """``full``, ``paged`` and KIVI's ``int4``/``int8`` (keep_all over the contiguous, the
     paged or the staged store) hand their writes and attention to the layer's C call
     (paged: blocks of 4, so a step crosses into new blocks; KIVI: groups of 4 with a short
-    residual, so decode steps read codes and close groups); paged token codes, rotation and
-    policies that extend keep_all attend through the cache. Either way the logits are the
+    residual, so decode steps read codes and close groups), as does ``gqa_shared`` with
+    nothing merged (factor 1); paged token codes, rotation, merged heads and quest attend
+    through the cache. Either way the logits are the
     op-by-op layer's, bit for bit, also when a second generation of another batch size
     re-plans the cache."""
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)

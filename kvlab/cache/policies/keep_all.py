@@ -62,10 +62,15 @@ class KeepAll(Policy):
         return self.fused_attentions(step, store, [layer])[0]
 
     def fused_attentions(self, step, store, layers):
-        if type(self) is not KeepAll or not (step.in_place and step.decode):
+        if not self.attends_as_keep_all() or not (step.in_place and step.decode):
             return [None] * len(layers)  # a subclass attends otherwise; a short step, per token
         group = self.spec.num_heads // self.spec.num_kv_heads
         return store.fused_attentions(step.where, layers, step.origin, step.end, group)
+
+    def attends_as_keep_all(self) -> bool:
+        """Whether a decode step's writes and attention are exactly keep_all's, so the fused
+        layer may run them in C (a subclass that attends otherwise says no)."""
+        return type(self) is KeepAll
 
     def attend(self, step, store, layer, q, k, v, k_raw):
         if step.in_place:

@@ -50,6 +50,11 @@ class MergedHeads(KeepAll):
             "model_gqa_bytes": report.held_bytes * model_spec.num_kv_heads // kept,
         }
 
+    def attends_as_keep_all(self) -> bool:
+        """``factor=1`` merges nothing: its steps are keep_all's, in C where the fused layer
+        runs them; merged heads are merged here, in torch."""
+        return self.options.factor == 1
+
     def attend(self, step, store, layer, q, k, v, k_raw):
         return super().attend(step, store, layer, q, self._merge(k), self._merge(v), k_raw)
 
