@@ -356,7 +356,12 @@ def test_a_layer_that_decoded_in_inference_mode_decodes_outside_it(tiny_checkpoi
      ("int8", {"group_size": 4, "residual": 0, "key_axis": "token"}, True),
      ("paged", {"kv_bits": 4, "kv_group_size": 8}, False), ("full", {"rotate": "hadamard"}, False),
      ("quest", {}, False), ("gqa_shared", {"factor": 1}, True),
-     ("gqa_shared", {"factor": 2}, False)],
+     ("gqa_shared", {"factor": 2}, False),
+     ("evict", {"scorer": "snapkv", "ratio": 0.5, "window": 2, "kernel": 3}, True),
+     ("evict", {"scorer": "snapkv", "ratio": 0.5, "window": 2, "kernel": 3,
+                "budget": "adaptive"}, True),
+     ("evict", {"scorer": "knorm", "ratio": 0.4, "when": "decode", "interval": 2}, False),
+     ("evict", {"scorer": "knorm", "ratio": 0.5, "kv_bits": 8, "kv_group_size": 8}, False)],
 )  # fmt: skip
 def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     dtype, cache, options, in_c, tiny_checkpoints, monkeypatch
@@ -364,15 +369,33 @@ def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     """``full``, ``paged`` and KIVI's ``int4``/``int8`` (keep_all over the contiguous, the
     paged or the staged store) hand their writes and attention to the layer's C call
     (paged: blocks of 4, so a step crosses into new blocks; KIVI: groups of 4 with a short
-    residual, so decode steps read codes and close groups), as does ``gqa_shared`` with
-    nothing merged (factor 1); paged token codes, rotation, merged heads and quest attend
-    through the cache. Either way the logits are the
+    residual, so decode steps read codes and close groups), as do ``gqa_shared`` with
+    nothing merged (factor 1) and ``evict`` compressed at prefill (the ragged store: each
+    head after its own kept tokens, uniform or adaptive budgets); paged token codes,
+    rotation, merged heads, quest, eviction while decoding and evicted tokens held as codes
+    attend through the cache. Either way the logits are the
     op-by-op layer's, bit for bit, also when a second generation of another batch size
     re-plans the cache."""
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)
     runs = (PROMPTS, PROMPTS[:2])
     taken = fused_equals_op_by_op(model, 4, cache, options, runs, monkeypatch)
     assert bool(taken) == in_c
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_evicted_heads_take_new_tokens_across_their_blocks_in_c(dtype, tiny_checkpoints,
+                                                                monkeypatch):  # fmt: skip
+    """After an adaptive eviction (every head keeps its own number of tokens), decode steps
+    in the fused layer's C call write each head's token after its own, into the next of its
+    blocks once one fills (16 slots a block: prompts of 13-20 tokens and 8 steps cross
+    them), and attend each head over exactly its tokens: the op-by-op logits bit for bit,
+    the step's layers in C."""
+    model = with_decode_linears(tiny_checkpoints["llama"], dtype)
+    prompts = [list(range(3, 23)), list(range(40, 53)), list(range(60, 77))]
+    options = {"scorer": "snapkv", "ratio": 0.25, "window": 2, "kernel": 3, "budget": "adaptive"}
+    taken = fused_equals_op_by_op(model, 8, "evict", options, (prompts,), monkeypatch)
+    assert len(taken) == 7 * model.config.num_layers
 
 
 @needs_kernel

@@ -32,7 +32,14 @@ class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
     _fields_ = [
         *WRITTEN, ("jobs", ctypes.c_void_p), ("n_jobs", ctypes.c_int64),
         ("queries", ctypes.c_void_p), ("raw", ctypes.c_void_p),
-        ("select", ctypes.c_void_p), ("step", ctypes.c_void_p),
+        ("select", ctypes.c_void_p), ("step", ctypes.c_void_p), ("ragged", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+class _RaggedHeads(ctypes.Structure):  # decode_layer.c's RaggedHeads
+    _fields_ = [
+        ("table", ctypes.c_void_p), ("table_stride", ctypes.c_int64), ("width", ctypes.c_int64),
+        ("block_size", ctypes.c_int64), ("held", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -59,15 +66,18 @@ class CachedAttention:
     store's rows, a paged store's pool, a KIVI store's codes and exact ring). Built once per
     allocation; in a step, C points the jobs at the bounds and work buffer of the step
     struct at ``step`` (:class:`LayerAttentions`). The values are :func:`c_attention`'s over
-    the same segments."""
+    the same segments. ``ragged``: (table, held) of a ragged store's layer, whose every
+    (row, KV head) is a row of the job (``batch`` of them) and takes its new token after
+    its own ``held`` ones (decode_layer.c's RaggedHeads; blocks of ``written``'s slots)."""
 
     def __init__(
         self, written, reads: list[tuple[Stored, Stored, int]], batch: int, group: int,
-        step: int, pooling: Pooling | None = None, key: tuple | None = None,
+        step: int, pooling: Pooling | None = None, key: tuple | None = None, ragged=None,
     ):  # fmt: skip
         keys, values = written
         blocks, heads, slots, dim = keys.shape
-        self.tensors = _tensors(written, reads, pooling)  # kept alive: structs point into them
+        # kept alive: structs point into them
+        self.tensors = _tensors(written, reads, pooling, ragged)
         self.layouts = tuple(map(_layout, self.tensors))  # the structs bake these in
         self.key = key  # the caller's name for these tensors where they are (see holds)
         self.queries = torch.empty(batch, heads, group, dim, dtype=torch.float32)
@@ -91,6 +101,12 @@ class CachedAttention:
         self.pooling = None if pooling is None else PoolingStructs(pooling)
         if pooling is not None:
             self.struct.raw, self.struct.select = self.pooling.pointers()
+        self.ragged = None
+        if ragged is not None:
+            table, held = ragged
+            self.ragged = _RaggedHeads(table.data_ptr(), table.stride(0), table.shape[1], slots,
+                                       held.data_ptr())  # fmt: skip
+            self.struct.ragged = ctypes.addressof(self.ragged)
         self.address = ctypes.addressof(self.struct)
 
     @staticmethod
@@ -116,8 +132,9 @@ class CachedAttention:
         )
 
     def holds(
-        self, written, reads, batch: int, pooling: Pooling | None = None, key: tuple | None = None
-    ) -> bool:
+        self, written, reads, batch: int, pooling: Pooling | None = None, key: tuple | None = None,
+        ragged=None,
+    ) -> bool:  # fmt: skip
         """Whether it was built over these tensors, still where and as they were (address,
         shape and strides: a tensor made anew at a freed one's address may be laid out
         otherwise), for ``batch`` rows (and the same top-k). ``key``: the caller's name for
@@ -129,9 +146,10 @@ class CachedAttention:
             self.queries.shape[0] == batch
             and (pooling is None) == (self.pooling is None)
             and top_k == (None if self.pooling is None else self.pooling.top_k)
+            and (ragged is None) == (self.ragged is None)
             and (
                 (key is not None and key == self.key)
-                or tuple(map(_layout, _tensors(written, reads, pooling))) == self.layouts
+                or tuple(map(_layout, _tensors(written, reads, pooling, ragged))) == self.layouts
             )
         )
 
@@ -159,11 +177,11 @@ def _layout(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.shape, t.stride()
 
 
-def _tensors(written, reads, pooling: Pooling | None = None) -> list[torch.Tensor]:
+def _tensors(written, reads, pooling: Pooling | None = None, ragged=None) -> list[torch.Tensor]:
     """Every tensor a cached attention points into, in a fixed order."""
     parts = [t for k, v, _ in reads for s in (k, v) for t in (s.data, s.scale, s.zero)]
     own = [] if pooling is None else pooling.tensors()
-    return [*written, *(t for t in parts if t is not None), *own]
+    return [*written, *(t for t in parts if t is not None), *own, *(ragged or ())]
 
 
 class LayerAttentions:
@@ -186,22 +204,23 @@ class LayerAttentions:
         self.last_step: _LastStep | None = None  # fused_layers' last answer, while it holds
 
     def at(
-        self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None, key=None
+        self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None, key=None,
+        ragged=None,
     ):  # fmt: skip
         """The address of ``layer``'s cached attention this step (see
         :class:`CachedAttention`; ``bounds``: (table, lo, hi) per read; ``pooling``: a
-        :class:`Pooling`; ``key``: see :meth:`CachedAttention.holds`), or None where the
-        tensors do not fit it."""
+        :class:`Pooling`; ``key``: see :meth:`CachedAttention.holds`; ``ragged``: a ragged
+        layer's (table, held)), or None where the tensors do not fit it."""
         if not self._point_at(bounds):
             return None
         if pooling is not None and not self._pooling_fits(pooling, batch):
             return None
         cached = self.layers[layer] if layer < len(self.layers) else None
-        if cached is None or not cached.holds(written, reads, batch, pooling, key):
+        if cached is None or not cached.holds(written, reads, batch, pooling, key, ragged):
             if not CachedAttention.serves(written, reads, pooling):
                 return None
             step = self.step_address
-            cached = CachedAttention(written, reads, batch, group, step, pooling, key)
+            cached = CachedAttention(written, reads, batch, group, step, pooling, key, ragged)
             self.layers += [None] * (layer + 1 - len(self.layers))
             self.layers[layer] = cached
         if len(bounds) != len(cached.rings):

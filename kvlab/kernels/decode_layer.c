@@ -245,6 +245,16 @@ typedef struct {
   float *work;
 } StepBounds;
 
+/* A ragged store's layer (kvlab.cache.stores.ragged: what eviction keeps): each (row, KV
+ * head) bh = m * kv_heads + h holds its own held[bh] tokens in its run of blocks (table,
+ * rows table_stride apart, width blocks of block_size slots); a step's new token goes
+ * after them and held[bh] counts it, before the jobs read rows bh over [0, held[bh]). */
+typedef struct {
+  const int64_t *table;
+  int64_t table_stride, width, block_size;
+  int64_t *held;
+} RaggedHeads;
+
 typedef struct {
   void *keys, *values;
   int64_t s_b, s_h, s_s, blocks, slots;
@@ -254,6 +264,7 @@ typedef struct {
   const RawWrite *raw;
   const Selection *select;
   const StepBounds *step;
+  const RaggedHeads *ragged;
 } CachedAttention;
 
 /* The layer's own pointers and shapes (kvlab.models.fused_layer.FusedDecode). */
@@ -284,6 +295,23 @@ static void write_row(void *keys, void *values, const int64_t *strides, int64_t 
     const int64_t at = (block * strides[0] + j * strides[1] + slot * strides[2]) * size;
     memcpy((char *)keys + at, key + j * dim * size, dim * size);
     memcpy((char *)values + at, value + j * dim * size, dim * size);
+  }
+}
+
+/* Row m's kv heads of `key` and `value`, each after its own held tokens in a ragged layer
+ * (RaggedHeads), which then counts it; a head without room left (the store's error,
+ * refused before the layers) is neither written nor counted. */
+static void write_heads(const CachedAttention *c, int64_t m, const char *key,
+                        const char *value, int64_t kv, int64_t dim, int64_t size) {
+  const RaggedHeads *r = c->ragged;
+  const int64_t strides[3] = {c->s_b, c->s_h, c->s_s};
+  for (int64_t h = 0; h < kv; h++) {
+    const int64_t bh = m * kv + h, held = r->held[bh];
+    if (held / r->block_size >= r->width) continue;
+    const int64_t block = r->table[bh * r->table_stride + held / r->block_size];
+    write_row(c->keys, c->values, strides, c->blocks, c->slots, block, held % r->block_size,
+              key + h * dim * size, value + h * dim * size, 1, dim, size);
+    r->held[bh] = held + 1;
   }
 }
 
@@ -352,7 +380,8 @@ static void point_jobs(const CachedAttention *c) {
 }
 
 /* Row m's new keys (rotated heads heads..heads + kv_heads - 1) and values (the last
- * kv_heads heads of qkv) written at slot slots[m] of block blocks[m], and before RoPE to
+ * kv_heads heads of qkv) written at slot slots[m] of block blocks[m] (a ragged layer: each
+ * head after its own tokens, write_heads), and before RoPE to
  * the raw write if any (then the row's closing window pooled, if the raw write pools);
  * the queries (the first `heads` rotated heads) widened into the job's buffer; the
  * selection if any; then the attention, out (M, heads * dim) in the model dtype. */
@@ -367,7 +396,10 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
     const char *key = (const char *)rotated + (m * width + heads * dim) * size;
     const char *raw_key = (const char *)qkv + (m * qkv_width + heads * dim) * size;
     const char *value = raw_key + kv * dim * size;
-    write_row(c->keys, c->values, strides, c->blocks, c->slots, blocks[m], slots[m], key,
+    if (c->ragged)
+      write_heads(c, m, key, value, kv, dim, size);
+    else
+      write_row(c->keys, c->values, strides, c->blocks, c->slots, blocks[m], slots[m], key,
               value, kv, dim, size);
     if (r) {
       const int64_t raw_strides[3] = {r->s_b, r->s_h, r->s_s};

@@ -93,6 +93,18 @@ class Evict(Policy):
             self.decoding.count(step.info.steps, step.compress)
         self.sealed.note(step)
 
+    def fused_attention(self, step, store, layer):
+        return self.fused_attentions(step, store, [layer])[0]
+
+    def fused_attentions(self, step, store, layers):
+        """A decode step that compresses nothing (``when="prefill"``) writes and attends as
+        :meth:`attend` does, each head over its own tokens: in the fused layer's C call where
+        the ragged store can (:meth:`RaggedStore.fused_attentions`)."""
+        if not step.decode or self.decoding is not None:
+            return [None] * len(layers)
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        return store.fused_attentions(step.where, layers, None, None, group)
+
     def attend(self, step, store, layer, q, k, v, k_raw):
         if step.decode and store.layers[layer] is not None:
             store.write(step.where, layer, k, v)

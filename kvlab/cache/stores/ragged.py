@@ -14,6 +14,7 @@ head's new token after its own and reads exactly its tokens.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,8 +22,10 @@ import torch
 
 from kvlab.cache.base import RowState
 from kvlab.cache.codecs import Codec
+from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.stores.base import Store
 from kvlab.kernels import Segment, Stored
+from kvlab.kernels.cached_attention import LayerAttentions
 
 BLOCK = 16  # tokens per block: rounding costs at most BLOCK - 1 slots per (row, head)
 
@@ -75,6 +78,18 @@ class HeadStore:
         """Keys (index 0) or values (1) as the decode kernel reads them."""
         half = len(self.parts) // 2
         return codec.stored(self.parts[index * half : (index + 1) * half])
+
+
+def _same(now: list, last: tuple[list, list]) -> bool:
+    """Whether ``now`` (tensors and stores) are the objects of ``last``, the tensors still at
+    their addresses (a store replaces a tensor, never moves one)."""
+    objects, pointers = last
+    return (
+        len(now) == len(objects)
+        and all(map(operator.is_, now, objects))
+        and all(not isinstance(t, torch.Tensor) or t.data_ptr() == p
+                for t, p in zip(now, pointers, strict=True))
+    )  # fmt: skip
 
 
 def pack(
@@ -134,6 +149,9 @@ class RaggedStore(Store):
         self.room = room
         self.layers: list[HeadStore | None] = []
         self.slots = self.rows = 0
+        self._attentions: list[LayerAttentions] = []  # the fused decode layer's, per layer
+        self._nowhere = torch.zeros(0, 1, dtype=torch.int64)  # (B, 1) zeros, see fused
+        self._last_step = None  # fused_attentions' last answer, and what it was made from
 
     @staticmethod
     def kept_bytes(spec, codec, batch_size: int, kept: int) -> dict[str, int]:
@@ -147,6 +165,8 @@ class RaggedStore(Store):
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         self.layers, self.slots = [None] * self.spec.num_layers, max_tokens
         self.rows = batch_size
+        self._attentions = [LayerAttentions() for _ in range(self.spec.num_layers)]
+        self._last_step = None
 
     def row_state(self) -> list[RowState]:
         return []  # rows are repacked by release (a head's run is not a row slice)
@@ -197,6 +217,40 @@ class RaggedStore(Store):
         flat = queries.flatten(0, 1)[:, None]
         keys, values = store.stored(0, self.codec), store.stored(1, self.codec)
         return Segment(flat, keys, values, store.table, torch.zeros_like(store.held), store.held)
+
+    def fused_attentions(self, where: RaggedWrite, layers, lo, hi, group: int) -> list:
+        """A decode step's writes and attention for each of ``layers`` in the fused decode
+        layer's C call, where the layer holds its tokens exactly on the CPU: every (row, KV
+        head) a row of the C job over exactly its tokens, its new token written after them
+        and counted (``CachedAttention``'s ``ragged``), as :meth:`write` and
+        :meth:`segment` do. ``lo``/``hi`` are unused: each head's bounds are its own."""
+        one_token = where.offsets.numel() == 1
+        if type(self.codec) is not Exact or not one_token or self.spec.device.type != "cpu":
+            return [None] * len(layers)
+        held = [self.layers[layer] for layer in layers]
+        now = [t for store in held if store is not None for t in (*store.tensors(), store)]
+        last = self._last_step
+        if last is not None and last[0] == (list(layers), group) and _same(now, last[1]):
+            return last[2]  # the same stores and tensors, where they were: the same structs
+        found = [self._fused(layer, group) for layer in layers]
+        pointers = [t.data_ptr() if isinstance(t, torch.Tensor) else id(t) for t in now]
+        self._last_step = ((list(layers), group), (now, pointers), found)
+        return found
+
+    def _fused(self, layer: int, group: int):
+        store = self.layers[layer]
+        if store is None or layer >= len(self._attentions):
+            return None
+        heads = store.held.shape[0]
+        if self._nowhere.shape[0] != heads:  # each head's first logical token, and the
+            self._nowhere = torch.zeros(heads, 1, dtype=torch.int64)  # (B, 1) write slots
+        lo, keys, values = self._nowhere[:, 0], store.parts[0], store.parts[1]
+        rows = self._nowhere[: heads // self.spec.num_kv_heads]  # C writes by table and held
+        address = self._attentions[layer].at(
+            0, (keys, values), [(Stored(keys), Stored(values), 0)], group,
+            [(store.table, lo, store.held)], heads, ragged=(store.table, store.held),
+        )  # fmt: skip
+        return None if address is None else (address, rows, rows, keys.dtype)
 
     def dense(self, layer: int, batch: int):
         """What ``layer`` holds, dense: parts (B, H_kv, S, E_i), valid, positions (-1:
