@@ -229,8 +229,10 @@ def test_a_steps_cached_attentions_are_reused_only_while_they_hold(monkeypatch):
     attentions = cached_attention.LayerAttentions()
     calls = []
     fused = cached_attention.LayerAttentions.fused
-    monkeypatch.setattr(cached_attention.LayerAttentions, "fused",
-                        lambda self, *a: calls.append(a[0]) or fused(self, *a))  # fmt: skip
+    monkeypatch.setattr(
+        cached_attention.LayerAttentions, "fused",
+        lambda self, *a, **k: calls.append(a[0]) or fused(self, *a, **k),
+    )  # fmt: skip
     parts = [(torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)) for _ in range(2)]
     first = attentions.fused_exact([0, 1], parts, 2, *_step_inputs(2))
     assert calls == [0, 1] and all(found is not None for found in first)
@@ -356,7 +358,7 @@ def test_a_layer_that_decoded_in_inference_mode_decodes_outside_it(tiny_checkpoi
      ("int8", {"group_size": 4, "residual": 0, "key_axis": "token"}, True),
      ("paged", {"kv_bits": 4, "kv_group_size": 8}, False), ("full", {"rotate": "hadamard"}, False),
      ("quest", {}, False), ("gqa_shared", {"factor": 1}, True),
-     ("gqa_shared", {"factor": 2}, False),
+     ("gqa_shared", {"factor": 2}, True), ("gqa_shared", {"factor": 2, "merge": "first"}, True),
      ("evict", {"scorer": "snapkv", "ratio": 0.5, "window": 2, "kernel": 3}, True),
      ("evict", {"scorer": "snapkv", "ratio": 0.5, "window": 2, "kernel": 3,
                 "budget": "adaptive"}, True),
@@ -369,17 +371,37 @@ def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     """``full``, ``paged`` and KIVI's ``int4``/``int8`` (keep_all over the contiguous, the
     paged or the staged store) hand their writes and attention to the layer's C call
     (paged: blocks of 4, so a step crosses into new blocks; KIVI: groups of 4 with a short
-    residual, so decode steps read codes and close groups), as do ``gqa_shared`` with
-    nothing merged (factor 1) and ``evict`` compressed at prefill (the ragged store: each
-    head after its own kept tokens, uniform or adaptive budgets); paged token codes,
-    rotation, merged heads, quest, eviction while decoding and evicted tokens held as codes
-    attend through the cache. Either way the logits are the
-    op-by-op layer's, bit for bit, also when a second generation of another batch size
-    re-plans the cache."""
+    residual, so decode steps read codes and close groups), as do ``gqa_shared`` (its
+    heads merged in C before the write: their mean or the first of each group) and
+    ``evict`` compressed at prefill (the ragged store: each head after its own kept tokens,
+    uniform or adaptive budgets); paged token codes, rotation, quest, eviction while
+    decoding and evicted tokens held as codes attend through the cache. Either way the
+    logits are the op-by-op layer's, bit for bit, also when a second generation of another
+    batch size re-plans the cache."""
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)
     runs = (PROMPTS, PROMPTS[:2])
     taken = fused_equals_op_by_op(model, 4, cache, options, runs, monkeypatch)
     assert bool(taken) == in_c
+
+
+@needs_kernel
+def test_merged_heads_attend_in_torch_where_c_would_not_merge_to_torchs_bits(
+    tiny_checkpoints, monkeypatch
+):
+    """``gqa_shared`` merges heads in C only where the probe found C's merge equal to its
+    own in torch, bit for bit (``merge_matches_torch``: true on every CPU build here);
+    refused, its steps attend through the cache, with the same logits."""
+    from kvlab.cache.policies import merged_heads
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for factor in (2, 3):
+            for first in (False, True):
+                assert cached_attention.merge_matches_torch(dtype, factor, first)
+    monkeypatch.setattr(merged_heads, "merge_matches_torch", lambda *a: False)
+    model = with_decode_linears(tiny_checkpoints["llama"], torch.bfloat16)
+    taken = fused_equals_op_by_op(model, 4, "gqa_shared", {"factor": 2}, (PROMPTS,),
+                                  monkeypatch)  # fmt: skip
+    assert not taken
 
 
 @needs_kernel

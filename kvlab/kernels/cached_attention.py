@@ -7,6 +7,7 @@ Built once per allocation; a step writes its tables and bounds once for all laye
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 
 import torch
@@ -22,6 +23,7 @@ from kvlab.kernels.attention_c import (
     kernel_available,
     store_applies,
 )  # fmt: skip
+from kvlab.kernels.build import INT, INT64, POINTER, kernel
 from kvlab.kernels.cached_pooling import WRITTEN, Pooling, PoolingStructs
 from kvlab.kernels.segments import FORMATS, Stored
 
@@ -33,6 +35,7 @@ class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
         *WRITTEN, ("jobs", ctypes.c_void_p), ("n_jobs", ctypes.c_int64),
         ("queries", ctypes.c_void_p), ("raw", ctypes.c_void_p),
         ("select", ctypes.c_void_p), ("step", ctypes.c_void_p), ("ragged", ctypes.c_void_p),
+        ("merge", ctypes.c_int64), ("merge_first", ctypes.c_int32),
     ]  # fmt: skip
 
 
@@ -68,11 +71,14 @@ class CachedAttention:
     struct at ``step`` (:class:`LayerAttentions`). The values are :func:`c_attention`'s over
     the same segments. ``ragged``: (table, held) of a ragged store's layer, whose every
     (row, KV head) is a row of the job (``batch`` of them) and takes its new token after
-    its own ``held`` ones (decode_layer.c's RaggedHeads; blocks of ``written``'s slots)."""
+    its own ``held`` ones (decode_layer.c's RaggedHeads; blocks of ``written``'s slots).
+    ``merge``: (factor, first): the layer's KV heads merged in groups of ``factor`` (their
+    mean, or with ``first`` the first of each) before they are written (merged_heads)."""
 
     def __init__(
         self, written, reads: list[tuple[Stored, Stored, int]], batch: int, group: int,
         step: int, pooling: Pooling | None = None, key: tuple | None = None, ragged=None,
+        merge: tuple[int, bool] | None = None,
     ):  # fmt: skip
         keys, values = written
         blocks, heads, slots, dim = keys.shape
@@ -107,6 +113,9 @@ class CachedAttention:
             self.ragged = _RaggedHeads(table.data_ptr(), table.stride(0), table.shape[1], slots,
                                        held.data_ptr())  # fmt: skip
             self.struct.ragged = ctypes.addressof(self.ragged)
+        self.merge = merge
+        if merge is not None:
+            self.struct.merge, self.struct.merge_first = merge[0], int(merge[1])
         self.address = ctypes.addressof(self.struct)
 
     @staticmethod
@@ -133,7 +142,7 @@ class CachedAttention:
 
     def holds(
         self, written, reads, batch: int, pooling: Pooling | None = None, key: tuple | None = None,
-        ragged=None,
+        ragged=None, merge: tuple[int, bool] | None = None,
     ) -> bool:  # fmt: skip
         """Whether it was built over these tensors, still where and as they were (address,
         shape and strides: a tensor made anew at a freed one's address may be laid out
@@ -147,6 +156,7 @@ class CachedAttention:
             and (pooling is None) == (self.pooling is None)
             and top_k == (None if self.pooling is None else self.pooling.top_k)
             and (ragged is None) == (self.ragged is None)
+            and merge == self.merge
             and (
                 (key is not None and key == self.key)
                 or tuple(map(_layout, _tensors(written, reads, pooling, ragged))) == self.layouts
@@ -170,6 +180,26 @@ class CachedAttention:
                 chunks += -(-span // job.chunk)
             self.floats = (widths, batch * heads * chunks * group * (dim + 2))
         return self.floats[1]
+
+
+@functools.cache
+def merge_matches_torch(dtype: torch.dtype, factor: int, first: bool) -> bool:
+    """Whether C merges KV heads (``kvlab_merged_heads``, as a layer's cached attention
+    does before its write) to the bits of merged_heads' own merge in torch (the mean over
+    each group of ``factor`` heads, or its first head), over 64 rows of 2 groups of random
+    heads of 64 channels in ``dtype``; False without the kernel."""
+    if not kernel_available():
+        return False
+    generator = torch.Generator().manual_seed(0)
+    rows, kv, dim = 64, 2 * factor, 64
+    x = (torch.randn(rows, kv, 1, dim, generator=generator) * 4).to(dtype)
+    grouped = x.view(rows, kv // factor, factor, 1, dim)
+    want = (grouped[:, :, 0] if first else grouped.mean(dim=2)).contiguous()
+    got = torch.empty_like(want)
+    merged = kernel("kvlab_merged_heads", POINTER, INT, INT64, INT64, INT64, INT64, INT, POINTER)
+    merged(x.data_ptr(), int(dtype == torch.bfloat16), rows, kv, dim, factor, int(first),
+           got.data_ptr())  # fmt: skip
+    return torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8))
 
 
 def _layout(t: torch.Tensor) -> tuple:
@@ -205,22 +235,25 @@ class LayerAttentions:
 
     def at(
         self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None, key=None,
-        ragged=None,
+        ragged=None, merge=None,
     ):  # fmt: skip
         """The address of ``layer``'s cached attention this step (see
         :class:`CachedAttention`; ``bounds``: (table, lo, hi) per read; ``pooling``: a
         :class:`Pooling`; ``key``: see :meth:`CachedAttention.holds`; ``ragged``: a ragged
-        layer's (table, held)), or None where the tensors do not fit it."""
+        layer's (table, held); ``merge``: merged heads' (factor, first)), or None where the
+        tensors do not fit it."""
         if not self._point_at(bounds):
             return None
         if pooling is not None and not self._pooling_fits(pooling, batch):
             return None
         cached = self.layers[layer] if layer < len(self.layers) else None
-        if cached is None or not cached.holds(written, reads, batch, pooling, key, ragged):
+        if cached is None or not cached.holds(written, reads, batch, pooling, key, ragged, merge):
             if not CachedAttention.serves(written, reads, pooling):
                 return None
             step = self.step_address
-            cached = CachedAttention(written, reads, batch, group, step, pooling, key, ragged)
+            cached = CachedAttention(
+                written, reads, batch, group, step, pooling, key, ragged, merge
+            )
             self.layers += [None] * (layer + 1 - len(self.layers))
             self.layers[layer] = cached
         if len(bounds) != len(cached.rings):
@@ -273,17 +306,20 @@ class LayerAttentions:
         self.bounds_list = bounds
         return True
 
-    def fused_exact(self, layers, parts, group: int, bounds, blocks, slots) -> list:
+    def fused_exact(self, layers, parts, group: int, bounds, blocks, slots, merge=None) -> list:
         """:meth:`fused_layers` over each layer's keys and values ``parts[i]``, held exactly
-        in the model dtype, written and read in place (one job)."""
+        in the model dtype, written and read in place (one job); ``merge``: see
+        :class:`CachedAttention`."""
 
         def made(i: int) -> tuple:
             keys, values = parts[i]
             return parts[i], [(Stored(keys), Stored(values), 0)]
 
-        return self.fused_layers(layers, parts, made, group, bounds, blocks, slots)
+        return self.fused_layers(layers, parts, made, group, bounds, blocks, slots, merge)
 
-    def fused_layers(self, layers, tensors, made, group: int, bounds, blocks, slots) -> list:
+    def fused_layers(
+        self, layers, tensors, made, group: int, bounds, blocks, slots, merge=None
+    ) -> list:  # fmt: skip
         """:meth:`fused` of each of ``layers``, ``made(i)`` giving the i-th one's (written,
         reads); ``tensors[i]``: every tensor those point into; ``bounds``: the step's, one
         list for all the layers, so :meth:`at` reads them once. The last step's cached
@@ -295,7 +331,7 @@ class LayerAttentions:
             if last.holds(self, layers, flat, blocks.shape[0]):
                 return [(address, blocks, slots, last.dtype) for address in last.addresses]
         found = [
-            self.fused(layer, *made(i), group, bounds, blocks, slots)
+            self.fused(layer, *made(i), group, bounds, blocks, slots, merge=merge)
             for i, layer in enumerate(layers)
         ]
         complete = bool(found) and all(f is not None for f in found)
@@ -313,7 +349,7 @@ class LayerAttentions:
 
     def fused(
         self, layer: int, written, reads, group: int, bounds, blocks, slots, pooling=None,
-        key=None,
+        key=None, merge=None,
     ):  # fmt: skip
         """What a store's ``fused_attention`` returns: (address, blocks, slots, dtype), the
         step's rows going to slot ``slots[b]`` of block ``blocks[b]`` (int64, (B, 1)) of
@@ -321,7 +357,7 @@ class LayerAttentions:
         if not self._indexes_fit(blocks, slots):
             return None
         batch = blocks.shape[0]
-        address = self.at(layer, written, reads, group, bounds, batch, pooling, key)
+        address = self.at(layer, written, reads, group, bounds, batch, pooling, key, merge=merge)
         return None if address is None else (address, blocks, slots, written[0].dtype)
 
 

@@ -255,6 +255,9 @@ typedef struct {
   int64_t *held;
 } RaggedHeads;
 
+/* merge (0: none): the layer's KV heads merged in groups of `merge` before they are
+ * written (kvlab.cache.policies.merged_heads; the written tensors hold kv / merge heads):
+ * each group's mean (kvlab_merged_heads), or with merge_first its first head. */
 typedef struct {
   void *keys, *values;
   int64_t s_b, s_h, s_s, blocks, slots;
@@ -265,6 +268,8 @@ typedef struct {
   const Selection *select;
   const StepBounds *step;
   const RaggedHeads *ragged;
+  int64_t merge;
+  int32_t merge_first;
 } CachedAttention;
 
 /* The layer's own pointers and shapes (kvlab.models.fused_layer.FusedDecode). */
@@ -296,6 +301,23 @@ static void write_row(void *keys, void *values, const int64_t *strides, int64_t 
     memcpy((char *)keys + at, key + j * dim * size, dim * size);
     memcpy((char *)values + at, value + j * dim * size, dim * size);
   }
+}
+
+/* out (rows, kv / factor, dim) = each group of `factor` consecutive heads of x (rows, kv,
+ * dim), fp32 or bf16 (bf16 = 1): its first head (first = 1) or its mean as torch's mean
+ * over the group takes it: the heads summed in fp32 in order, divided by factor, rounded
+ * to the dtype. */
+void kvlab_merged_heads(const void *x, int bf16, int64_t rows, int64_t kv, int64_t dim,
+                        int64_t factor, int first, void *out) {
+  const int64_t merged = kv / factor;
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t j = 0; j < merged; j++)
+      for (int64_t d = 0; d < dim; d++) {
+        const int64_t at = (r * kv + j * factor) * dim + d;
+        float sum = value_at(x, bf16, at);
+        for (int64_t i = 1; i < factor && !first; i++) sum += value_at(x, bf16, at + i * dim);
+        store(out, bf16, (r * merged + j) * dim + d, first ? sum : sum / (float)factor);
+      }
 }
 
 /* Row m's kv heads of `key` and `value`, each after its own held tokens in a ragged layer
@@ -381,7 +403,7 @@ static void point_jobs(const CachedAttention *c) {
 
 /* Row m's new keys (rotated heads heads..heads + kv_heads - 1) and values (the last
  * kv_heads heads of qkv) written at slot slots[m] of block blocks[m] (a ragged layer: each
- * head after its own tokens, write_heads), and before RoPE to
+ * head after its own tokens, write_heads; merged heads: merged first), and before RoPE to
  * the raw write if any (then the row's closing window pooled, if the raw write pools);
  * the queries (the first `heads` rotated heads) widened into the job's buffer; the
  * selection if any; then the attention, out (M, heads * dim) in the model dtype. */
@@ -396,11 +418,18 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
     const char *key = (const char *)rotated + (m * width + heads * dim) * size;
     const char *raw_key = (const char *)qkv + (m * qkv_width + heads * dim) * size;
     const char *value = raw_key + kv * dim * size;
-    if (c->ragged)
+    if (c->ragged) {
       write_heads(c, m, key, value, kv, dim, size);
-    else
+    } else if (c->merge > 1) {
+      char merged_key[kv * dim * size], merged_value[kv * dim * size];
+      kvlab_merged_heads(key, bf16, 1, kv, dim, c->merge, c->merge_first, merged_key);
+      kvlab_merged_heads(value, bf16, 1, kv, dim, c->merge, c->merge_first, merged_value);
+      write_row(c->keys, c->values, strides, c->blocks, c->slots, blocks[m], slots[m],
+                merged_key, merged_value, kv / c->merge, dim, size);
+    } else {
       write_row(c->keys, c->values, strides, c->blocks, c->slots, blocks[m], slots[m], key,
-              value, kv, dim, size);
+                value, kv, dim, size);
+    }
     if (r) {
       const int64_t raw_strides[3] = {r->s_b, r->s_h, r->s_s};
       write_row(r->keys, r->values, raw_strides, r->blocks, r->slots, m, r->at[m], raw_key,

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvlab.cache.policies.keep_all import KeepAll
+from kvlab.kernels.cached_attention import merge_matches_torch
 
 MERGES = ("mean", "first")
 
@@ -52,8 +53,19 @@ class MergedHeads(KeepAll):
 
     def attends_as_keep_all(self) -> bool:
         """``factor=1`` merges nothing: its steps are keep_all's, in C where the fused layer
-        runs them; merged heads are merged here, in torch."""
+        runs them."""
         return self.options.factor == 1
+
+    def fused_attentions(self, step, store, layers):
+        """Merged heads in the fused layer's C call too, the merge before the write, where C
+        merges to torch's bits here (probed once per dtype and factor); else in torch."""
+        factor, first = self.options.factor, self.options.merge == "first"
+        if factor == 1 or not (step.in_place and step.decode):
+            return super().fused_attentions(step, store, layers)
+        if not merge_matches_torch(self.spec.dtype, factor, first):
+            return [None] * len(layers)
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        return store.fused_merged(step.where, layers, step.origin, step.end, group, (factor, first))
 
     def attend(self, step, store, layer, q, k, v, k_raw):
         return super().attend(step, store, layer, q, self._merge(k), self._merge(v), k_raw)

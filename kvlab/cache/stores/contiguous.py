@@ -113,7 +113,14 @@ class ContiguousStore(Store):
             return [None] * len(layers)
         return self.fused_in_place(where, layers, lo, hi, group)
 
-    def fused_in_place(self, where: ContiguousWrite, layers, lo, hi, group: int) -> list:
+    def fused_merged(self, where: ContiguousWrite, layers, lo, hi, group: int, merge) -> list:
+        """:meth:`fused_attentions` of a store whose heads are the model's merged in groups
+        (``merge``: (factor, first), see ``CachedAttention``), the merge in C too."""
+        if type(self) is not ContiguousStore:
+            return [None] * len(layers)
+        return self.fused_in_place(where, layers, lo, hi, group, merge)
+
+    def fused_in_place(self, where: ContiguousWrite, layers, lo, hi, group: int, merge=None):
         """:meth:`fused_attentions` of a store that writes each layer slot by slot through
         ``where`` and reads slots [lo, hi) of each row in place; Nones in other codecs. The
         step's bounds are one list for all the layers (read once, see LayerAttentions)."""
@@ -121,7 +128,8 @@ class ContiguousStore(Store):
             return [None] * len(layers)
         parts = [self.exact_parts(layer) for layer in layers]
         bounds = [(where.rows, lo, hi)]
-        return self._attentions.fused_exact(layers, parts, group, bounds, where.rows, where.slots)
+        rows, slots = where.rows, where.slots
+        return self._attentions.fused_exact(layers, parts, group, bounds, rows, slots, merge)
 
     def exact_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``layer``'s keys and values (B, H_kv, slots, D) where both codecs are exact (one
