@@ -28,9 +28,10 @@ from kvlab.tracking import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNELS = "kvlab/kernels"
-CASES = ("fp32", "bf16", "kivi8", "kivi4", "tokens4", "topk", "paged")  # kivi: channel keys,
-# token values; topk: CSA's decode, each KV head over the top half of ``tokens`` entries, a
-# block a slot; paged: fp32 in blocks of 16 tokens, the row's table a shuffled pool
+CASES = ("fp32", "bf16", "kivi8", "kivi4", "tokens4", "topk", "paged", "mqa", "mqa-bf16")
+# kivi: channel keys, token values; topk: CSA's decode, each KV head over the top half of
+# ``tokens`` entries, a block a slot; paged: fp32 in blocks of 16 tokens, the row's table a
+# shuffled pool; mqa: one KV head for all nine query heads (gqa_shared factor 3), fp32/bf16
 
 
 def sources(spec: str, into: Path) -> Path:
@@ -67,6 +68,15 @@ def layer(case: str, tokens: int) -> Segment:
         return top_half(q, k, v)
     if case == "paged":
         return paged(q, k, v)
+    if case.startswith("mqa"):
+        dtype = torch.bfloat16 if case.endswith("bf16") else torch.float32
+        keys, values = Stored(k[:, :1].to(dtype)), Stored(v[:, :1].to(dtype))
+        table, lo, hi = (
+            torch.zeros(1, 1, dtype=torch.int64),
+            torch.tensor([0]),
+            torch.tensor([tokens]),
+        )
+        return Segment(q.reshape(1, 1, 9, 64), keys, values, table, lo, hi)
     if case in ("fp32", "bf16"):
         dtype = torch.float32 if case == "fp32" else torch.bfloat16
         keys, values = Stored(k.to(dtype)), Stored(v.to(dtype))
