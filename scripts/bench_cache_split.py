@@ -10,10 +10,12 @@ its attention, or what it does around it. Not a test.
 
     python scripts/bench_cache_split.py --caches full,int4,compressed --depth 4096
 
-A cache written ``NAME@CHUNKS/MIN`` runs its turns with the decode attention's chunk rule
-set so (``kvlab.kernels.attention_c.chunk_tokens``: LONG_CHUNKS the dot-separated CHUNKS,
-longest first, none if empty; MIN_CHUNKS = MIN): ``int4@/4`` is int4 with chunks of 256
-at any span, ``int4@2048.1024.512/2`` allows chunks of 2048, in turns with ``int4``.
+A cache written ``NAME:KEY=VALUE:...`` takes those options (``gqa_shared:factor=3``: MQA;
+values read as YAML). A cache written ``NAME@CHUNKS/MIN`` runs its turns with the decode
+attention's chunk rule set so (``kvlab.kernels.attention_c.chunk_tokens``: LONG_CHUNKS the
+dot-separated CHUNKS, longest first, none if empty; MIN_CHUNKS = MIN): ``int4@/4`` is
+int4 with chunks of 256 at any span, ``int4@2048.1024.512/2`` allows chunks of 2048, in
+turns with ``int4``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import yaml
 from bench_attention_builds import KERNELS, ROOT, compiled, sources
 from bench_step_builds import switch, timed_turn
 from bench_vs_llamacpp import WEIGHTS, load_weights, wikitext_prompt
@@ -51,12 +54,21 @@ def chunk_rule(cache: str):
         attention_c.LONG_CHUNKS, attention_c.MIN_CHUNKS = saved
 
 
+def _pair(text: str) -> tuple[str, str, str]:
+    """``KEY=VALUE`` of a cache's options, or a clear error naming it."""
+    key, eq, value = text.partition("=")
+    if not (key and eq):
+        raise SystemExit(f"--caches: option {text!r} is not KEY=VALUE")
+    return key, eq, value
+
+
 def split_steps(model, prompt: list[int], caches: list[str], args) -> dict:
     """{cache: (ms of each kept step, [timed_ms of each kept turn])}, turns in rounds."""
     runs = {}
     for cache in caches:
-        name = cache.split("@", 1)[0]
-        engine = Engine(model, cache_factory(name, model, {})(static=False), compile=False)
+        name, *pairs = cache.split("@", 1)[0].split(":")
+        options = {key: yaml.safe_load(value) for key, _, value in map(_pair, pairs)}
+        engine = Engine(model, cache_factory(name, model, options)(static=False), compile=False)
         run = engine.stream([prompt], GenerationConfig(2 + (args.rounds + 1) * args.block,
                                                        stop_on_eos=False))  # fmt: skip
         tokens = iter(run)
