@@ -265,6 +265,37 @@ def test_int8_linear_equals_the_dequantized_linear(dtype, rows, out_features, bi
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
+@pytest.mark.parametrize("in_features", [576, 200, 7])
+@pytest.mark.parametrize("order", ["rows", "tiles"])
+def test_int8_kernel_sums_one_bf16_row_to_fp32_accuracy(in_features, order):
+    """One bf16 row through the int8 kernel, the sums kept in fp32 (y fp32, no rounding to
+    bf16 to hide them): within fp32 summation error of the float64 product of the same
+    codes and scales, on every walk (rows: on AVX512-BF16 CPUs each code split into two
+    exact bf16 terms for vdpbf16ps; a wrong split is off by ~128x a code), codes of both
+    signs and the extremes +-127 and -128, 64, 32 and scalar channel tails."""
+    from kvlab.kernels.build import kernel
+    from kvlab.kernels.linear import _GEMV_INT8_ARGS, gemv_order, set_gemv_order
+
+    generator = torch.Generator().manual_seed(in_features)
+    codes = torch.randint(-128, 128, (99, in_features), dtype=torch.int8, generator=generator)
+    codes[0, :3] = torch.tensor([127, -127, -128], dtype=torch.int8)[:in_features]
+    scale = (torch.rand(99, generator=generator) / 100).to(torch.bfloat16)
+    x = torch.randn(1, in_features, generator=generator).to(torch.bfloat16)
+    want = x.double() @ (codes.double() * scale.double()[:, None]).T
+    got, chosen = torch.empty(1, 99), gemv_order(torch.int8)
+    set_gemv_order(torch.int8, order)
+    try:
+        kernel("kvlab_gemv_int8", *_GEMV_INT8_ARGS)(
+            x.data_ptr(), 1, in_features, codes.data_ptr(), scale.data_ptr(), 1, None, 0,
+            got.data_ptr(), 0, 1, 99, in_features,
+        )  # fmt: skip
+    finally:
+        set_gemv_order(torch.int8, chosen)
+    bound = 1e-5 * (x.double().abs() @ (codes.double().abs() * scale.double()[:, None]).T)
+    assert ((got.double() - want).abs() <= bound + 1e-7).all()
+
+
+@pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 32])
 @pytest.mark.parametrize("out_features", [96, 99])
