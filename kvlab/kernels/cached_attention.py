@@ -30,6 +30,17 @@ from kvlab.kernels.segments import FORMATS, Stored
 DATA_PTR = torch.Tensor.data_ptr
 
 
+def still_held(tensors: list, held: list, pointers: list[int]) -> bool:
+    """Whether ``tensors`` are the tensor objects ``held``, each still at its address in
+    ``pointers`` (stores replace a tensor, never move one): structs made over ``held``
+    still point at them."""
+    return (
+        len(tensors) == len(held)
+        and all(map(operator.is_, tensors, held))
+        and list(map(DATA_PTR, tensors)) == pointers
+    )
+
+
 class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
     _fields_ = [
         *WRITTEN, ("jobs", ctypes.c_void_p), ("n_jobs", ctypes.c_int64),
@@ -289,11 +300,7 @@ class LayerAttentions:
         if bounds is self.bounds_list:
             return True
         tensors = [t for b in bounds for t in b]
-        if (
-            len(tensors) == len(self.bounds)
-            and all(map(operator.is_, tensors, self.bounds))
-            and list(map(DATA_PTR, tensors)) == self.pointers
-        ):
+        if still_held(tensors, self.bounds, self.pointers):
             self.bounds_list = bounds
             return True
         if len(bounds) > MAX_JOBS or not all(index_applies(t) for t in tensors):
@@ -383,8 +390,6 @@ class _LastStep:
             batch == self.batch
             and attentions.widths == self.widths
             and self.layers == list(layers)
-            and len(tensors) == len(self.tensors)
-            and all(map(operator.is_, tensors, self.tensors))
-            and list(map(DATA_PTR, tensors)) == self.pointers
+            and still_held(tensors, self.tensors, self.pointers)
             and all(map(operator.is_, (attentions.layers[i] for i in layers), self.cached))
         )

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels.attention import c_kernel_allowed
+from kvlab.kernels.attention_c import index_applies
 from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
 from kvlab.kernels.linear import MAX_ROWS, DecodeLinear, is_bf16
 from kvlab.quant.rtn import Int4Linear, Int8Linear
@@ -220,7 +221,7 @@ def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
         return None
     if type(layer) is Int4Linear:
         perm = layer.input_perm
-        fits = layer.layout == "kvlab" and (perm is None or _plain_indices(perm))
+        fits = layer.layout == "kvlab" and (perm is None or (index_applies(perm) and perm.is_cpu))
         return (1, MAX_ROWS) if fits and layer.scale_offset.dtype == compute else None
     if layer.scale.dtype != compute or layer.qweight.device.type != "cpu":
         return None
@@ -228,12 +229,6 @@ def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
         return 1, MAX_ROWS
     one, few = layer.decode_kernel == "kvlab", layer.few_rows_kernel == "kvlab"
     return ((1 if one else 2), (MAX_ROWS if few else 1)) if one or few else None
-
-
-def _plain_indices(perm: torch.Tensor) -> bool:
-    """Whether C can read ``perm`` as it reads an act-order permutation: int64, contiguous,
-    on the CPU."""
-    return perm.dtype == torch.int64 and perm.is_contiguous() and perm.device.type == "cpu"
 
 
 def fused_plan(layer) -> FusedDecode | None:

@@ -65,7 +65,8 @@ class MergedHeads(KeepAll):
         if not merge_matches_torch(self.spec.dtype, factor, first):
             return [None] * len(layers)
         group = self.spec.num_heads // self.spec.num_kv_heads
-        return store.fused_merged(step.where, layers, step.origin, step.end, group, (factor, first))
+        where, merge = step.where, (factor, first)
+        return store.fused_attentions(where, layers, step.origin, step.end, group, merge=merge)
 
     def attend(self, step, store, layer, q, k, v, k_raw):
         return super().attend(step, store, layer, q, self._merge(k), self._merge(v), k_raw)

@@ -105,17 +105,14 @@ class ContiguousStore(Store):
         keys, values = self.key_codec.stored(keys), self.value_codec.stored(values)
         return Segment(queries, keys, values, where.rows, lo, hi, ring)
 
-    def fused_attentions(self, where: ContiguousWrite, layers, lo, hi, group: int) -> list:
+    def fused_attentions(
+        self, where: ContiguousWrite, layers, lo, hi, group: int, merge=None
+    ) -> list:  # fmt: skip
         """The layers' writes and attention in place for the fused decode layer, where the
         store is this class itself in exact codes on the CPU (a subclass places and reads
-        otherwise): each row is a block of the C job's table."""
-        if type(self) is not ContiguousStore:
-            return [None] * len(layers)
-        return self.fused_in_place(where, layers, lo, hi, group)
-
-    def fused_merged(self, where: ContiguousWrite, layers, lo, hi, group: int, merge) -> list:
-        """:meth:`fused_attentions` of a store whose heads are the model's merged in groups
-        (``merge``: (factor, first), see ``CachedAttention``), the merge in C too."""
+        otherwise): each row is a block of the C job's table. ``merge``: (factor, first),
+        where the store's heads are the model's merged in groups, the merge in C too (see
+        ``CachedAttention``)."""
         if type(self) is not ContiguousStore:
             return [None] * len(layers)
         return self.fused_in_place(where, layers, lo, hi, group, merge)

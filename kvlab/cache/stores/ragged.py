@@ -14,7 +14,6 @@ head's new token after its own and reads exactly its tokens.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ from kvlab.cache.codecs import Codec
 from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.stores.base import Store
 from kvlab.kernels import Segment, Stored
-from kvlab.kernels.cached_attention import LayerAttentions
+from kvlab.kernels.cached_attention import LayerAttentions, still_held
 
 BLOCK = 16  # tokens per block: rounding costs at most BLOCK - 1 slots per (row, head)
 
@@ -78,18 +77,6 @@ class HeadStore:
         """Keys (index 0) or values (1) as the decode kernel reads them."""
         half = len(self.parts) // 2
         return codec.stored(self.parts[index * half : (index + 1) * half])
-
-
-def _same(now: list, last: tuple[list, list]) -> bool:
-    """Whether ``now`` (tensors and stores) are the objects of ``last``, the tensors still at
-    their addresses (a store replaces a tensor, never moves one)."""
-    objects, pointers = last
-    return (
-        len(now) == len(objects)
-        and all(map(operator.is_, now, objects))
-        and all(not isinstance(t, torch.Tensor) or t.data_ptr() == p
-                for t, p in zip(now, pointers, strict=True))
-    )  # fmt: skip
 
 
 def pack(
@@ -227,19 +214,18 @@ class RaggedStore(Store):
         one_token = where.offsets.numel() == 1
         if type(self.codec) is not Exact or not one_token or self.spec.device.type != "cpu":
             return [None] * len(layers)
-        held = [self.layers[layer] for layer in layers]
-        now = [t for store in held if store is not None for t in (*store.tensors(), store)]
+        stores = [self.layers[layer] for layer in layers]  # a repack makes all new tensors
+        now = [t for store in stores if store is not None for t in store.tensors()]
         last = self._last_step
-        if last is not None and last[0] == (list(layers), group) and _same(now, last[1]):
-            return last[2]  # the same stores and tensors, where they were: the same structs
+        if last is not None and last[0] == (list(layers), group) and still_held(now, *last[1]):
+            return last[2]  # the same tensors, where they were: the same structs
         found = [self._fused(layer, group) for layer in layers]
-        pointers = [t.data_ptr() if isinstance(t, torch.Tensor) else id(t) for t in now]
-        self._last_step = ((list(layers), group), (now, pointers), found)
+        self._last_step = ((list(layers), group), (now, [t.data_ptr() for t in now]), found)
         return found
 
     def _fused(self, layer: int, group: int):
         store = self.layers[layer]
-        if store is None or layer >= len(self._attentions):
+        if store is None:
             return None
         heads = store.held.shape[0]
         if self._nowhere.shape[0] != heads:  # each head's first logical token, and the
