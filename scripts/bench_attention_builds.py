@@ -6,6 +6,9 @@ ratio B/A is what to read. Also checks that both give the same output. Not a tes
     # the committed kernels (A) against the working tree's (B), every format at 4096 tokens
     python scripts/bench_attention_builds.py --a HEAD --tokens 4096
 
+    # the kernels' compute alone: 30 calls over one layer's cache, which stays in L2/L3
+    python scripts/bench_attention_builds.py --a HEAD --cases fp32,bf16 --tokens 1024 --layers 1
+
 A and B are git revisions or folders of kernel sources (``*.c`` and ``*.h``).
 """
 
@@ -64,6 +67,8 @@ def compiled(folder: Path, out: Path, defines: tuple[str, ...] = ()) -> ctypes.C
 
 def layer(case: str, tokens: int) -> Segment:
     k, v, q = torch.randn(1, 3, tokens, 64), torch.randn(1, 3, tokens, 64), torch.randn(1, 3, 3, 64)
+    if case.endswith("bf16"):  # a bf16 model's query: bf16 values, widened
+        q = q.to(torch.bfloat16).float()
     if case == "topk":
         return top_half(q, k, v)
     if case == "paged":
@@ -139,7 +144,8 @@ def step_seconds(layers: list[Segment]) -> float:
 
 
 def compare(libraries: dict[str, ctypes.CDLL], case: str, args) -> str:
-    layers = [layer(case, args.tokens) for _ in range(30)]
+    distinct = [layer(case, args.tokens) for _ in range(args.layers)]
+    layers = [distinct[i % args.layers] for i in range(30)]
     times: dict[str, list[float]] = {name: [] for name in libraries}
     outputs = {}
     original = build.library
@@ -166,6 +172,9 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), type=lambda s: s.split(","))
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--layers", type=int, default=30,
+                        help="layers with caches of their own (1: every call reads one cache, "
+                        "which stays in cache: the kernels' compute alone)")  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -174,7 +183,8 @@ def main() -> None:
         libraries = {name: compiled(folder, Path(tmp) / f"{name}.so")
                      for name, folder in folders.items()}  # fmt: skip
         env = environment()
-        print(f"decode attention, 30 layers x 3 KV heads x 64, A = {args.a}, B = {args.b}; "
+        print(f"decode attention, 30 calls over {args.layers} layers' caches x 3 KV heads x 64, "
+              f"A = {args.a}, B = {args.b}; "
               f"{env['cpu']}, {torch.get_num_threads()} threads, torch {env['torch']}; "
               f"medians of {args.rounds} rounds, builds in turns\n")  # fmt: skip
         print("| case | tokens | A ms | B ms | B / A | max diff |\n|---|---:|---:|---:|---:|---:|")

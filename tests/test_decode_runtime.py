@@ -235,6 +235,23 @@ def test_kernel_equals_reference_for_every_group_and_head_dim(group, dim, dtype)
 
 
 @needs_kernel
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_bf16_keys_against_a_bf16_query_equal_the_reference(group, dim):
+    """A bf16 model's query holds bf16 values: against bf16 keys of 64 channels the
+    kernel takes their products by vdpbf16ps where the CPU has AVX512-BF16 (groups 1-4),
+    exact products summed in fp32 in another order; 301 tokens leave a tail past the last
+    block of four rows."""
+    keys = Stored(rand(B, H, 301, dim, dtype=torch.bfloat16))
+    values = Stored(rand(B, H, 301, dim, dtype=torch.bfloat16))
+    q = rand(B, H, group, dim, dtype=torch.bfloat16).float()
+    segment = contiguous_segment(keys, values, [0, 3], [301, 10], q=q)
+    out = decode_attention([segment], dim**-0.5, torch.float32)
+    want = reference_attention([segment], dim**-0.5)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=0)
+
+
+@needs_kernel
 @pytest.mark.parametrize("group", [9, 12])
 def test_kernel_equals_reference_for_query_groups_wider_than_a_vector(group):
     """MQA (gqa_shared factor=3 on the default model) puts 9 query heads on one KV head."""
