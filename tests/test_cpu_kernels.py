@@ -483,8 +483,8 @@ def test_w4a8_prefill_product_over_the_dequantized_weight_is_the_references(dtyp
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_w4a8_prefill_quantization_in_c_is_torchs(x_dtype, dtype, monkeypatch):
-    """``kvlab_w4a8_fake_quantize`` (one pass over x, rows across threads) gives torch's
+def test_prefill_activation_quantization_in_c_is_torchs(x_dtype, dtype, monkeypatch):
+    """``kvlab_fake_quantize_groups`` (one pass over x, rows across threads) gives torch's
     quantized activations bit for bit, in fp32 or rounded to bf16, and each group's sum of
     x less theirs up to fp32 summation order; a row of zeros stays zeros."""
     from kvlab.kernels import w8a8

@@ -215,13 +215,15 @@ void kvlab_gemv_w4a8(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
   free(row_codes);
 }
 
-/* Prefill rows of x (M, K, rows x_stride apart) as W4A8 quantizes them, for one product over
- * the dequantized weight (kvlab.kernels.w4a8.w4a8_dequantized): out (M, K) = each group's
+/* Prefill rows of x (M, K, rows x_stride apart) as W8A8 and W4A8 quantize them (a scale
+ * every G channels), for one product over the dequantized weight
+ * (kvlab.kernels.w4a8.w4a8_dequantized, w8a8.w8a8_dequantized): out (M, K) = each group's
  * codes times its d, in fp32, stored as fp32 or rounded to bf16 (out_bf16), and correction
  * (M, K/G) = the group's sum of x less the sum of those fp32 values. One pass over x where
  * torch's ops take a dozen; rows split across threads. */
-void kvlab_w4a8_fake_quantize(const void *x, int x_bf16, int64_t x_stride, int64_t M,
-                              int64_t K, int64_t G, void *out, int out_bf16, float *correction) {
+void kvlab_fake_quantize_groups(const void *x, int x_bf16, int64_t x_stride, int64_t M,
+                                int64_t K, int64_t G, void *out, int out_bf16,
+                                float *correction) {
   const int64_t groups = K / G;
 #pragma omp parallel
   {

@@ -68,14 +68,14 @@ def fake_quantized(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) quantized per group as :func:`quantize_groups` does, each code times its
     group's step (fp32), in ``dtype``; and (M, K / group) each group's sum of x less the sum
-    of those fp32 values (W4A8's offsets' correction). Through ``kvlab_w4a8_fake_quantize``
+    of those fp32 values (W4A8's offsets' correction). Through ``kvlab_fake_quantize_groups``
     (one pass) where it serves: the same values, the sums in another order."""
     rows, channels = x.shape
     if _fake_quantize_serves(x, dtype):
         x = x if x.stride(-1) == 1 else x.contiguous()
         out = torch.empty(rows, channels, dtype=dtype)
         correction = torch.empty(rows, channels // group)
-        kernel("kvlab_w4a8_fake_quantize", *_FAKE_ARGS)(
+        kernel("kvlab_fake_quantize_groups", *_FAKE_ARGS)(
             x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), rows, channels,
             group, out.data_ptr(), int(dtype == torch.bfloat16), correction.data_ptr(),
         )  # fmt: skip
