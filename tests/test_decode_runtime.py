@@ -235,13 +235,13 @@ def test_kernel_equals_reference_for_every_group_and_head_dim(group, dim, dtype)
 
 
 @needs_kernel
-@pytest.mark.parametrize("group", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 9])
 @pytest.mark.parametrize("dim", [64, 128])
 def test_bf16_keys_against_a_bf16_query_equal_the_reference(group, dim):
     """A bf16 model's query holds bf16 values: against bf16 keys of 64 channels the
-    kernel takes their products by vdpbf16ps where the CPU has AVX512-BF16 (groups 1-4),
-    exact products summed in fp32 in another order; 301 tokens leave a tail past the last
-    block of four rows."""
+    kernel takes their products by vdpbf16ps where the CPU has AVX512-BF16 (groups 1-4 at
+    once, wider ones four query heads at a time), exact products summed in fp32 in another
+    order; 301 tokens leave a tail past the last block of four rows."""
     keys = Stored(rand(B, H, 301, dim, dtype=torch.bfloat16))
     values = Stored(rand(B, H, 301, dim, dtype=torch.bfloat16))
     q = rand(B, H, group, dim, dtype=torch.bfloat16).float()

@@ -445,6 +445,17 @@ static inline __attribute__((always_inline)) int key_scores_dot(const float *q,
 }
 #endif
 
+/* Whether key_scores takes bf16 keys of D channels against a bf16 query by vdpbf16ps
+ * (any query group: four heads at a time), reading the rows in place. */
+static inline int bf16_dot_keys(int D) {
+#if defined(HAS_BF16_DOT)
+  return D == 64;
+#else
+  (void)D;
+  return 0;
+#endif
+}
+
 /* Whether n fp32 values are all bf16 values (their low 16 bits zero). */
 static int bf16_exact(const float *x, int n) {
   for (int i = 0; i < n; i++) {
@@ -463,6 +474,14 @@ static int bf16_exact(const float *x, int n) {
     default: i = key_scores_4(q, rows, n, 4, D, scale, scores, stride, BF16); break; \
   }
 
+#define KEY_SCORES_DOT(Q, SCORES, GROUP)                                               \
+  switch (GROUP) {                                                                       \
+    case 1: i = key_scores_dot(Q, rows, n, 1, scale, SCORES, stride); break;             \
+    case 2: i = key_scores_dot(Q, rows, n, 2, scale, SCORES, stride); break;             \
+    case 3: i = key_scores_dot(Q, rows, n, 3, scale, SCORES, stride); break;             \
+    default: i = key_scores_dot(Q, rows, n, 4, scale, SCORES, stride); break;            \
+  }
+
 /* scores[g][i] = scale * q_g . rows[i] for a run of n rows (bf16: rows in place as bf16,
  * where bf16_in_place admits them). */
 static void key_scores(const float *q, const float **rows, int n, int G, int D, float scale,
@@ -470,12 +489,10 @@ static void key_scores(const float *q, const float **rows, int n, int G, int D, 
   int i = 0;
 #if defined(HAS_BF16_DOT)
   if (bf16 && q_bf16 && D == 64 && G <= 4) {
-    switch (G) {
-      case 1: i = key_scores_dot(q, rows, n, 1, scale, scores, stride); break;
-      case 2: i = key_scores_dot(q, rows, n, 2, scale, scores, stride); break;
-      case 3: i = key_scores_dot(q, rows, n, 3, scale, scores, stride); break;
-      default: i = key_scores_dot(q, rows, n, 4, scale, scores, stride); break;
-    }
+    KEY_SCORES_DOT(q, scores, G)
+  } else if (bf16 && q_bf16 && D == 64) { /* wider groups (MQA): four query heads at a time,
+                                              the rows in L1 */
+    for (int g0 = 0; g0 < G; g0 += 4) KEY_SCORES_DOT(q + g0 * 64, scores + g0 * stride, G - g0)
   } else
 #else
   (void)q_bf16;
@@ -706,12 +723,13 @@ static void attend_chunk(const Job *job, int b, int h, int c) {
   float scores[G * n];
   float tile[TILE * D];
   const float *rows[TILE];
-  const int raw_keys = bf16_in_place(&job->k, G, D, 0);
+  /* bf16 keys against a bf16 model's query: by vdpbf16ps where key_scores has it */
+  const int q_bf16 = job->k.format == FMT_BF16 && bf16_dot_keys(D) && bf16_exact(q, G * D);
+  const int raw_keys = bf16_in_place(&job->k, G, D, 0) || q_bf16;
   const int raw_values = bf16_in_place(&job->v, G, D, 1);
   if (kvlab_codes_keys_apply(job)) {
     kvlab_codes_key_scores(job, b, h, t0, t1, q, scores, n);
   } else {
-    const int q_bf16 = raw_keys && bf16_exact(q, G * D);
     for (int64_t t = t0; t < t1;) {
       const int run = fill_rows(job, &job->k, b, h, t, t1, tile, rows, raw_keys);
       /* prefetches spread between eight rows' scores at a time: one burst per run stalled
