@@ -8,7 +8,9 @@
  * their scales into the query, the codes in registers and the softmax weights instead.
  * bf16 rows are read in place and widened in registers on AVX-512 (bf16_in_place): 0.75x /
  * 0.82x the attention time at 4096 / 1024 tokens against widening them into the buffer,
- * 0.92x / 0.97x a bf16 decode step (Zen4). Everything is computed in fp32.
+ * 0.92x / 0.97x a bf16 decode step (Zen4); against a bf16 model's query (bf16 values) they
+ * meet it by vdpbf16ps where the CPU has AVX512-BF16 (key_scores_dot). Everything is
+ * computed in fp32.
  *
  * Addressing. Logical token t of row b (lo[b] <= t < hi[b]) sits at slot u = t % ring
  * (ring > 0) or u = t; its block is table[b * table_stride + u / block_size] and its slot
@@ -483,7 +485,8 @@ static int bf16_exact(const float *x, int n) {
   }
 
 /* scores[g][i] = scale * q_g . rows[i] for a run of n rows (bf16: rows in place as bf16,
- * where bf16_in_place admits them). */
+ * where bf16_in_place admits them or, with q_bf16, a query of bf16 values meets them by
+ * vdpbf16ps). */
 static void key_scores(const float *q, const float **rows, int n, int G, int D, float scale,
                        float *scores, int stride, int bf16, int q_bf16) {
   int i = 0;
