@@ -413,8 +413,7 @@ static inline __attribute__((always_inline)) int key_scores_4(
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAS_BF16_DOT 1
+#if defined(KVLAB_BF16_DOT)
 /* key_scores_4 for bf16 rows of 64 channels and a query whose values are bf16 (a bf16
  * model's, widened), by vdpbf16ps: 32 products an instruction, 2 a (row, query head)
  * against 4 FMAs after 4 widenings. The product of two bf16 values is exact in fp32, so
@@ -450,7 +449,7 @@ static inline __attribute__((always_inline)) int key_scores_dot(const float *q,
 /* Whether key_scores takes bf16 keys of D channels against a bf16 query by vdpbf16ps
  * (any query group: four heads at a time), reading the rows in place. */
 static inline int bf16_dot_keys(int D) {
-#if defined(HAS_BF16_DOT)
+#if defined(KVLAB_BF16_DOT)
   return D == 64;
 #else
   (void)D;
@@ -490,7 +489,7 @@ static int bf16_exact(const float *x, int n) {
 static void key_scores(const float *q, const float **rows, int n, int G, int D, float scale,
                        float *scores, int stride, int bf16, int q_bf16) {
   int i = 0;
-#if defined(HAS_BF16_DOT)
+#if defined(KVLAB_BF16_DOT)
   if (bf16 && q_bf16 && D == 64 && G <= 4) {
     KEY_SCORES_DOT(q, scores, G)
   } else if (bf16 && q_bf16 && D == 64) { /* wider groups (MQA): four query heads at a time,

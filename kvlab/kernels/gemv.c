@@ -93,7 +93,7 @@ static inline __attribute__((always_inline)) int64_t tile_dots(
   return k0;
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(KVLAB_BF16_DOT)
 /* tile_dots for bf16 weights and rows where the CPU has AVX512-BF16: vdpbf16ps multiplies
  * 32 channel pairs exactly and sums them in fp32, so neither operand is widened. */
 static inline __attribute__((always_inline)) int64_t tile_dots_bf16(
@@ -146,7 +146,7 @@ static inline __attribute__((always_inline)) float row_dot(const void *w, const 
                                                            int64_t K) {
   int64_t k = 0;
   float sum = 0.f;
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(KVLAB_BF16_DOT)
   if (WB && XB) {
     const uint16_t *wb = w, *xb = x;
     __m512 a[4] = {vzero(), vzero(), vzero(), vzero()};
@@ -182,7 +182,7 @@ static inline __attribute__((always_inline)) void tile(
     int64_t m0, const int R, const int M) {
   float acc[4 * MAX_TILE_M];
   const void *wn = row_at(w, WB, n * K), *xm = row_at(x, XB, m0 * x_stride);
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(KVLAB_BF16_DOT)
   const int64_t k0 = WB && XB ? tile_dots_bf16(wn, K, xm, x_stride, R, M, acc)
                               : tile_dots(wn, WB, K, xm, XB, x_stride, R, M, acc);
 #else

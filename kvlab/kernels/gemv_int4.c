@@ -120,8 +120,7 @@ static inline __attribute__((always_inline)) void tile(const Int4 *w, int64_t b,
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAS_TILE_BF16 1
+#if defined(KVLAB_BF16_DOT)
 /* tile() for bf16 rows where the CPU has AVX512-BF16: a chunk's 16 words, shifted by 4 i,
  * hold channels 2i and 2i + 1 in the low nibbles of their two halves, which a 16-entry
  * vpermw table (it reads an index's low bits only) turns into the bf16 values of code - 8
@@ -203,7 +202,7 @@ static inline void tile(const Int4 *w, int64_t b, int64_t m0, const int M, float
 }
 #endif
 
-#ifdef HAS_TILE_BF16
+#ifdef KVLAB_BF16_DOT
 #define TILE(MM) w.x_bf16 ? tile_bf16(&w, b, m0, MM, acc) : tile(&w, b, m0, MM, acc)
 #else
 #define TILE(MM) tile(&w, b, m0, MM, acc)

@@ -116,8 +116,7 @@ static inline __attribute__((always_inline)) void dot_codes_rows(const int8_t *w
       dot_codes_rows(q + n * K, K, xf + m0 * K, 1, MM, acc);    \
     break;
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define HAS_BF16_DOT 1
+#if defined(KVLAB_BF16_DOT)
 /* Row w of K codes . x, x's bf16 values as they are, by vdpbf16ps, 32 products an
  * instruction where widening codes to fp32 took a convert and an FMA every 16 (a Zen4
  * core's vector pipes are the bound: 1.10x the codes a second in L2). A code c (two's
@@ -160,10 +159,12 @@ static void rows_in_order(const int8_t *q, const float *xf, const uint16_t *xb,
   for (int64_t block = 0; block < (N + ROW_BLOCK - 1) / ROW_BLOCK; block++) {
     const int64_t n0 = ROW_BLOCK * block, count = N - n0 < ROW_BLOCK ? N - n0 : ROW_BLOCK;
     float sums[ROW_BLOCK];
-#ifdef HAS_BF16_DOT
+#ifdef KVLAB_BF16_DOT
     if (xb)
       for (int64_t j = 0; j < count; j++) sums[j] = dot_codes_bf16(q + (n0 + j) * K, K, xb);
     else
+#else
+    (void)xb; /* the bf16 walk needs vdpbf16ps */
 #endif
       for (int64_t j = 0; j < count; j++) dot_codes(q + (n0 + j) * K, K, xf, 1, sums + j);
     for (int64_t j = 0; j < count; j++) {

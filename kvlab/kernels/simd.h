@@ -11,6 +11,12 @@
 #include <immintrin.h>
 #endif
 
+/* The CPU multiplies bf16 pairs into fp32 sums (vdpbf16ps; every AVX512-BF16 CPU has
+ * AVX512-BW too, which the kernels around those products use): the one test of it. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define KVLAB_BF16_DOT 1
+#endif
+
 #if defined(__AVX512F__)
 #define LANES 16
 typedef __m512 vec;
