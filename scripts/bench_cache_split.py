@@ -54,12 +54,12 @@ def chunk_rule(cache: str):
         attention_c.LONG_CHUNKS, attention_c.MIN_CHUNKS = saved
 
 
-def _pair(text: str) -> tuple[str, str, str]:
-    """``KEY=VALUE`` of a cache's options, or a clear error naming it."""
+def _pair(text: str) -> tuple[str, str]:
+    """(KEY, VALUE) of a cache's ``KEY=VALUE`` option, or a clear error naming it."""
     key, eq, value = text.partition("=")
     if not (key and eq):
         raise SystemExit(f"--caches: option {text!r} is not KEY=VALUE")
-    return key, eq, value
+    return key, value
 
 
 def split_steps(model, prompt: list[int], caches: list[str], args) -> dict:
@@ -67,7 +67,7 @@ def split_steps(model, prompt: list[int], caches: list[str], args) -> dict:
     runs = {}
     for cache in caches:
         name, *pairs = cache.split("@", 1)[0].split(":")
-        options = {key: yaml.safe_load(value) for key, _, value in map(_pair, pairs)}
+        options = {key: yaml.safe_load(value) for key, value in map(_pair, pairs)}
         engine = Engine(model, cache_factory(name, model, options)(static=False), compile=False)
         run = engine.stream([prompt], GenerationConfig(2 + (args.rounds + 1) * args.block,
                                                        stop_on_eos=False))  # fmt: skip
