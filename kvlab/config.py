@@ -10,6 +10,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from kvlab.kernels.plan import KernelSettings
 from kvlab.speculative.config import SpecConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -210,21 +211,31 @@ ATTENTION_BACKENDS = ("auto", "c", "gpu", "flex", "triton", "reference")
 
 @dataclass
 class EngineConfig:
-    """How decode steps run: ``compile`` puts each under ``torch.compile`` (inductor on the
-    CPU, CUDA graphs on a GPU; the cache keeps static shapes): ``true``, ``false``, or
-    ``auto`` — compiled where a timing on this machine says it wins for this model, weights
-    and cache strategy (see kvlab.engine.compile_choice). ``attention``: the decode
-    attention backend, ``auto`` = the C kernel on the CPU, FlexAttention and Triton on CUDA
-    (see kvlab.kernels.attention); pinning one compares backends on one machine."""
+    """How steps run. ``compile`` puts each decode step under ``torch.compile`` (inductor on
+    the CPU, CUDA graphs on a GPU; the cache keeps static shapes): ``true``, ``false`` or
+    ``auto`` — eager on the CPU, where kvlab's fused C decode layer runs, compiled on CUDA
+    (with ``autotune``: whichever a timing in this process says wins; see
+    kvlab.engine.compile_choice). ``attention``: the decode attention backend, ``auto`` =
+    the C kernel on the CPU, FlexAttention and Triton on CUDA (see kvlab.kernels.attention);
+    pinning one compares backends on one machine. ``linear``, ``wide_linear``,
+    ``gemv_order`` and ``autotune``: the kernel plan's settings (:class:`KernelSettings`)."""
 
     compile: Any = "auto"  # true, false or auto
     attention: str = "auto"
+    linear: str = "auto"
+    wide_linear: str = "auto"
+    gemv_order: str = "auto"
+    autotune: bool = False
 
     def __post_init__(self) -> None:
         allowed = "true, false or auto"
         _require(self.compile in (True, False, "auto"), "engine.compile", self.compile, allowed)
         allowed = ", ".join(ATTENTION_BACKENDS)
         _require(self.attention in ATTENTION_BACKENDS, "engine.attention", self.attention, allowed)
+        self.kernel_settings()  # checks its fields
+
+    def kernel_settings(self) -> KernelSettings:
+        return KernelSettings(self.linear, self.wide_linear, self.gemv_order, self.autotune)
 
 
 LOGGERS = ("none", "wandb")

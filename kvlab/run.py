@@ -27,8 +27,8 @@ from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
 from kvlab.eval import run_evals
 from kvlab.kernels.attention import use_backend
 from kvlab.kernels.huge_pages import put_on_huge_pages
+from kvlab.kernels.plan import KernelPlan, make_plan, prepack_linears
 from kvlab.models import load_model
-from kvlab.models.cpu_kernels import prepack_linears
 from kvlab.models.llama import Decoder
 from kvlab.paths import CONF_DIR
 from kvlab.quant import quantize_
@@ -53,13 +53,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def load_run_model(
-    model_cfg: ModelConfig, quant: QuantConfig, device: torch.device
+    model_cfg: ModelConfig, quant: QuantConfig, device: torch.device, plan: KernelPlan | None = None
 ) -> tuple[Decoder, Any]:
-    """The run's model, its weights quantized; bf16 linear layers left in full precision
-    are prepacked for the CPU afterwards (quantized layers bring their own kernels), then
-    the CPU weights move onto huge pages (``model.huge_pages``)."""
+    """The run's model holding kernel ``plan`` (default: this machine's defaults), its
+    weights quantized; linear layers left
+    in full precision take the plan's kernels afterwards (quantized layers take theirs as
+    they are built), then the CPU weights move onto huge pages (``model.huge_pages``)."""
     dtype = resolve_dtype(model_cfg.dtype, device)
-    model, tokenizer = load_model(model_cfg.source, dtype, device, cpu_prepack=False)
+    model, tokenizer = load_model(model_cfg.source, dtype, device, cpu_prepack=False, plan=plan)
     quantize_(model, quant.name, quant.options)
     prepack_linears(model)
     if model_cfg.huge_pages:
@@ -83,7 +84,8 @@ def build_run_model(
     and dotted ``overrides`` compose to (for callers outside Hydra: the lm-eval adapter)."""
     wanted = [f"cache={cache}", f"quant={quant}", *(f"{k}={v}" for k, v in overrides.items())]
     cfg = compose_run_config(wanted)
-    model, tokenizer = load_run_model(cfg.model, cfg.quant, resolve_device(cfg.model.device))
+    plan = make_plan(cfg.engine.kernel_settings())
+    model, tokenizer = load_run_model(cfg.model, cfg.quant, resolve_device(cfg.model.device), plan)
 
     return model, tokenizer, cache_factory(cfg.cache.name, model, cfg.cache.options)
 
@@ -107,14 +109,16 @@ def _measure(cfg: RunConfig, out_dir: Path | None) -> dict[str, Any]:
     check_context(cfg)
     apply_threads(cfg.threads)  # the CPUs this process was given, not the machine's
     device = resolve_device(cfg.model.device)
-    model, tokenizer = load_run_model(cfg.model, cfg.quant, device)
+    plan = make_plan(cfg.engine.kernel_settings())  # before the model: the same every run
+    model, tokenizer = load_run_model(cfg.model, cfg.quant, device, plan)
 
     new_cache = cache_factory(cfg.cache.name, model, cfg.cache.options)  # workload and evals
 
     serving = cfg.workload.serving is not None
-    choice = compile_choice(cfg.engine.compile, model, new_cache, _cache_key(cfg),
-                            cfg.workload.new_tokens, serving)  # fmt: skip
-    decided = {"engine/compiled": choice["compile"], "engine/compile_choice": choice}
+    choice = compile_choice(cfg.engine.compile, model, new_cache, cfg.workload.new_tokens,
+                            serving, cfg.engine.autotune)  # fmt: skip
+    decided = {"engine/compiled": choice["compile"], "engine/compile_choice": choice,
+               "engine/kernel_plan": plan.record()}  # fmt: skip
     if serving:
         return _measure_serving(cfg, model, tokenizer, new_cache, out_dir) | decided
     compiled, draft = choice["compile"], build_draft(cfg, model)
@@ -139,11 +143,6 @@ def _measure(cfg: RunConfig, out_dir: Path | None) -> dict[str, Any]:
     return metrics | run_evals(model, tokenizer, new_cache, cfg.eval, out_dir)
 
 
-def _cache_key(cfg: RunConfig) -> str:
-    """The run's cache strategy and options, as a compile choice is keyed by them."""
-    return f"{cfg.cache.name} {sorted(dict(cfg.cache.options).items())}"
-
-
 def build_draft(cfg: RunConfig, model: Decoder) -> ModelDraft | None:
     """The run's draft model over its own cache (``spec.method`` self, layerskip or model),
     its steps compiled as ``engine.compile`` decides for the draft's own weights and cache;
@@ -157,7 +156,8 @@ def build_draft(cfg: RunConfig, model: Decoder) -> ModelDraft | None:
         source = spec.model or cfg.model.source
         quant = QuantConfig(spec.quant, spec.quant_options)
         device = model.embed_tokens.weight.device
-        draft, _ = load_run_model(dataclasses.replace(cfg.model, source=source), quant, device)
+        model_cfg = dataclasses.replace(cfg.model, source=source)
+        draft, _ = load_run_model(model_cfg, quant, device, model.kernel_plan)
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(
             f"spec.model={spec.model!r} has a vocabulary of {draft.config.vocab_size} tokens "
@@ -165,10 +165,8 @@ def build_draft(cfg: RunConfig, model: Decoder) -> ModelDraft | None:
             "draft with the model's tokenizer"
         )
     new_cache = cache_factory(spec.cache, draft, spec.cache_options)
-    options = sorted(dict(spec.cache_options).items())
-    key = f"draft {spec.method} layers={spec.layers} {spec.cache} {options}"
-    choice = compile_choice(cfg.engine.compile, draft, new_cache, key, cfg.workload.new_tokens,
-                            serving=False)  # fmt: skip
+    choice = compile_choice(cfg.engine.compile, draft, new_cache, cfg.workload.new_tokens,
+                            serving=False, autotune=cfg.engine.autotune)  # fmt: skip
     return ModelDraft(draft, new_cache(static=choice["compile"]), choice)
 
 

@@ -132,24 +132,18 @@ def environment() -> dict[str, Any]:
 
 
 def _cpu_kernels() -> dict[str, Any]:
-    """Which kernels this process runs linear layers with (per weight dtype: the kernel, the
-    applicable ones and their timing, for decode widths, :mod:`kvlab.models.cpu_kernels`,
-    and for many rows, :mod:`kvlab.models.wide_kernels`; the order kvlab's one-row kernel
-    walks weights in, :mod:`kvlab.models.gemv_order`) and decode attention with; whether
+    """What this machine's kernels can do, probed (no timing; the run's kernel plan, which
+    kernels it chose from this, is in its metrics: ``engine/kernel_plan``): the plan's
+    capability (:func:`kvlab.kernels.plan.capability`), the decode attention, and whether
     torch's int8 matmul is exact here (W8A8's prefill takes it only then,
     :func:`kvlab.kernels.w8a8.int8_matmul_exact`)."""
     from kvlab.kernels import kernel_available
+    from kvlab.kernels.plan import capability
     from kvlab.kernels.w8a8 import int8_matmul_exact
-    from kvlab.models.cpu_kernels import chosen_kernels, onednn_bf16_reorder_works
-    from kvlab.models.gemv_order import chosen_orders
-    from kvlab.models.wide_kernels import chosen_wide_kernels
 
     return {
-        "linear": chosen_kernels(),
-        "wide_linear": chosen_wide_kernels(),
-        "gemv_order": chosen_orders(),
+        "capability": capability(),
         "attention": "kvlab C decode attention" if kernel_available() else "torch",
-        "onednn_bf16_reorder": onednn_bf16_reorder_works(),
         "torch_int8_matmul_exact": int8_matmul_exact("cpu"),
     }
 

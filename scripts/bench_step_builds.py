@@ -32,15 +32,13 @@ from kvlab.cache import cache_factory
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import build, timers
 from kvlab.models import fused_layer
-from kvlab.models.gemv_order import apply_chosen_orders
 from kvlab.tracking import environment
 
 
 def switch(library) -> None:
-    """Every kernel call and every fused layer's plan from the next step on use ``library``,
-    which walks weights in the orders this process chose (where it has that choice)."""
+    """Every kernel call and every fused layer's plan from the next step on use ``library``
+    (the walk orders are the layers' own, passed to each call)."""
     use_library(library)
-    apply_chosen_orders()
     fused_layer.weights_changed()
 
 

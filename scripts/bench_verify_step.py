@@ -1,7 +1,6 @@
 """What a speculative verification step costs against a decode step on the default model:
 one token vs 1 + k tokens fed after a prompt, and the model's linear layers alone at 1 and
-1 + k rows (median ms after a warm-up; the CPU's chosen linear kernel, or
-KVLAB_CPU_LINEAR=<kernel>).
+1 + k rows (median ms after a warm-up; the kernel plan's linear kernel, or --linear).
 
     python scripts/bench_verify_step.py --prompt-len 425 --drafts 4
 """
@@ -17,6 +16,7 @@ import torch
 from kvlab.cache import build_cache
 from kvlab.config import ModelConfig, QuantConfig
 from kvlab.engine import Engine
+from kvlab.kernels.plan import KernelSettings, make_plan
 from kvlab.run import load_run_model
 
 
@@ -34,8 +34,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-len", type=int, default=425)
     parser.add_argument("--drafts", type=int, default=4)
+    parser.add_argument("--linear", default="auto", help="engine.linear: auto, plain, kvlab")
     args = parser.parse_args()
-    model, _ = load_run_model(ModelConfig(), QuantConfig(), torch.device("cpu"))
+    plan = make_plan(KernelSettings(linear=args.linear))
+    model, _ = load_run_model(ModelConfig(), QuantConfig(), torch.device("cpu"), plan)
     linears = [m for m in model.modules() if hasattr(m, "in_features")]
     prompt = list(range(100, 100 + args.prompt_len))
     engine = Engine(model, build_cache("full", model.cache_spec()))

@@ -40,6 +40,7 @@ from kvlab.data import wikitext2_test_text
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.engine.timing import percentile
 from kvlab.kernels.huge_pages import put_on_huge_pages, summary
+from kvlab.kernels.plan import default_plan
 from kvlab.models import resolve_checkpoint
 from kvlab.quant import quantize_
 from kvlab.run import compose_run_config, load_run_model
@@ -180,13 +181,12 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def chosen(env: dict, section: str, field: str) -> str:
-    """What each weight dtype ran under ``env["cpu_kernels"][section]``, e.g. ``float32
-    onednn, bfloat16 plain`` for the prefill linears (``wide_linear``, ``kernel``: TTFT
-    depends on it) or ``float32 rows`` for the one-row order (``gemv_order``, ``order``: ITL
-    does)."""
-    choices = env["cpu_kernels"][section]
-    return ", ".join(f"{dtype} {choice[field]}" for dtype, choice in choices.items()) or "-"
+def chosen(field: str) -> str:
+    """What each weight format runs under the kernel plan's ``field``, e.g. ``float32
+    onednn, bfloat16 plain`` for the prefill linears (``wide``: TTFT depends on it) or
+    ``float32 rows`` for the one-row order (``order``: ITL does)."""
+    choices = default_plan().linear
+    return ", ".join(f"{name} {getattr(k, field)}" for name, k in choices.items()) or "-"
 
 
 def print_table(rows: list[dict], args) -> None:
@@ -198,8 +198,7 @@ def print_table(rows: list[dict], args) -> None:
           f"{'int8' if args.head == 'gguf' else 'bf16'}; roof = bytes / "
           f"{rows[0]['bandwidth'] / 1e9:.1f} GB/s, the fastest of this run's streaming reads "
           f"({', '.join(f'{b / 1e9:.1f}' for b in rows[0]['reads'])} GB/s); prefill "
-          f"linears: {chosen(env, 'wide_linear', 'kernel')}; one-row order: "
-          f"{chosen(env, 'gemv_order', 'order')}\n")  # fmt: skip
+          f"linears: {chosen('wide')}; one-row order: {chosen('order')}\n")  # fmt: skip
     print("| weights | KV (kvlab / llama.cpp) | depth | kvlab ITL ms | llama.cpp ITL ms | "
           "ITL ratio | bytes/step MB | roof ms | kvlab % of roof | kvlab TTFT ms | "
           "llama.cpp TTFT ms | TTFT ratio |")  # fmt: skip

@@ -1,14 +1,23 @@
 """Shared fixtures: tiny random checkpoints of every supported family (built and saved by
-Hugging Face transformers) and the embedded default model."""
+Hugging Face transformers) and the embedded default model.
+
+The suite never writes the user's kvlab cache (``$KVLAB_CACHE``, ``~/.cache/kvlab``): what it
+builds (the converted default model, the kernels, calibrations) goes to a cache of its own,
+``$KVLAB_TEST_CACHE`` or ``kvlab-tests-<uid>`` in the temporary directory, kept between runs,
+set here before kvlab is imported, so subprocesses (the ``kvlab`` command) inherit it."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 if shutil.which("nvidia-smi") is None:  # no GPU: Triton kernels run interpreted, on CPU tensors
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read as Triton is first imported
+os.environ["KVLAB_CACHE"] = os.environ.get("KVLAB_TEST_CACHE") or str(
+    Path(tempfile.gettempdir()) / f"kvlab-tests-{os.getuid()}"
+)
 
 import pytest
 import torch

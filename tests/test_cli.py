@@ -42,13 +42,37 @@ def test_single_run_writes_a_complete_record(tmp_path):
     assert set(METRICS) <= set(record["metrics"])
     assert record["metrics"]["prompt_tokens"] == 16 and record["metrics"]["new_tokens"] == 4
     assert (record["metrics"]["device"], record["metrics"]["dtype"]) == ("cpu", "float32")
-    assert record["config"]["engine"] == {"compile": "auto", "attention": "auto"}
+    assert record["config"]["engine"] == {
+        "compile": "auto", "attention": "auto", "linear": "auto", "wide_linear": "auto",
+        "gemv_order": "auto", "autotune": False,
+    }  # fmt: skip
     assert record["metrics"]["engine/compiled"] is False  # 4 decode steps: not worth a compile
     assert "4 decode steps < 64" in record["metrics"]["engine/compile_choice"]["reason"]
+    plan = record["metrics"]["engine/kernel_plan"]
+    assert set(plan) == {"linear", "capability", "settings", "timings"} and not plan["timings"]
     env = record["environment"]
     assert {"torch", "transformers", "threads", "cpu", "python"} <= set(env)
     assert env["threads_source"] != "torch default"  # recorded after the run applied it
     assert "[kvlab] model=smollm2-135m cache=full" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_point_records_the_same_kernel_plan_with_and_without_a_concurrent_load(tmp_path):
+    """The plan is made from the CPU's capability, not from timings: a run beside a process
+    that keeps both cores busy records the plan of a run on a quiet machine."""
+    plans = []
+    for busy in (0, 2):  # processes that keep a core busy for the whole run
+        spin = [sys.executable, "-c", "while True: sum(range(10**6))"]
+        burners = [subprocess.Popen(spin) for _ in range(busy)]
+        try:
+            out = tmp_path / f"run{busy}"
+            done = kvlab("cache=full", *TINY, f"hydra.run.dir={out}", cwd=tmp_path)
+        finally:
+            for burner in burners:
+                burner.kill()
+        assert done.returncode == 0, done.stderr
+        plans.append(json.loads((out / "result.json").read_text())["metrics"]["engine/kernel_plan"])
+    assert plans[0] == plans[1]
 
 
 @pytest.mark.slow

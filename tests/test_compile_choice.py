@@ -1,5 +1,6 @@
-"""engine.compile=auto: compiled only where a timing on this machine says it wins, the
-choice cached and reused; runs that cannot gain stay eager without a timing."""
+"""engine.compile=auto: decided the same way every run (eager on the CPU, where the fused
+C decode layers run; compiled on CUDA); timed in this process only with engine.autotune,
+never persisted; runs that cannot gain stay eager without a timing."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from kvlab.cache import cache_factory
+from kvlab.engine import compile_choice as choice_module
 from kvlab.engine.compile_choice import MIN_STEPS, compile_choice
 
 
@@ -17,40 +19,41 @@ def new_cache(tiny_llama):
 
 def test_a_set_value_is_kept_and_short_or_serving_runs_stay_eager(tiny_llama, new_cache):
     for setting in (True, False):
-        choice = compile_choice(setting, tiny_llama, new_cache, "full", 1000, serving=False)
+        choice = compile_choice(setting, tiny_llama, new_cache, 1000, serving=False)
         assert choice == {"compile": setting, "reason": f"engine.compile={setting}"}
-    short = compile_choice("auto", tiny_llama, new_cache, "full", MIN_STEPS - 1, serving=False)
+    short = compile_choice("auto", tiny_llama, new_cache, MIN_STEPS - 1, serving=False)
     assert not short["compile"] and f"< {MIN_STEPS}" in short["reason"]
-    serving = compile_choice("auto", tiny_llama, new_cache, "full", 1000, serving=True)
+    serving = compile_choice("auto", tiny_llama, new_cache, 1000, serving=True)
     assert not serving["compile"] and "serving" in serving["reason"]
 
 
-def test_a_cache_that_cannot_compile_keeps_eager_with_the_reason(
-    tiny_llama, new_cache, tmp_path, monkeypatch
-):
-    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
+def test_auto_is_eager_on_the_cpu_without_a_timing(tiny_llama, new_cache, monkeypatch):
+    monkeypatch.setattr(choice_module, "_timed", lambda *a: pytest.fail("timed without autotune"))
+    for _ in range(2):
+        choice = compile_choice("auto", tiny_llama, new_cache, MIN_STEPS, serving=False)
+        reason = "auto on the CPU: the fused C decode layers run eager"
+        assert choice == {"compile": False, "reason": reason}
 
+
+def test_a_cache_that_cannot_compile_keeps_eager_with_the_reason(tiny_llama, new_cache):
     def eager_only(static=False):
         if static:
             raise RuntimeError("no static layout")
         return new_cache(static=False)
 
-    choice = compile_choice("auto", tiny_llama, eager_only, "x", MIN_STEPS, serving=False)
+    choice = compile_choice("auto", tiny_llama, eager_only, MIN_STEPS, False, autotune=True)
     reason = "compiling failed: RuntimeError: no static layout"
     assert choice == {"compile": False, "reason": reason}
 
 
 @pytest.mark.slow
-def test_auto_times_both_once_and_reuses_the_choice(tiny_llama, new_cache, tmp_path, monkeypatch):
+def test_autotune_times_both_and_keeps_nothing(tiny_llama, new_cache, tmp_path, monkeypatch):
     monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
-    first = compile_choice("auto", tiny_llama, new_cache, "full", MIN_STEPS, serving=False)
+    first = compile_choice("auto", tiny_llama, new_cache, MIN_STEPS, False, autotune=True)
     assert set(first["itl_ms"]) == {"eager", "compiled"}
     faster = first["itl_ms"]["compiled"] < 0.97 * first["itl_ms"]["eager"]
-    assert first["compile"] == faster and "timed:" in first["reason"]
-    again = compile_choice("auto", tiny_llama, new_cache, "full", MIN_STEPS, serving=False)
-    assert again == first | {"cached": True}
-    other = compile_choice("auto", tiny_llama, new_cache, "int4 {}", MIN_STEPS, serving=False)
-    assert "cached" not in other  # another strategy is timed for itself
+    assert first["compile"] == faster and "autotune:" in first["reason"]
+    assert not any(tmp_path.iterdir())  # nothing persisted
 
 
 @pytest.mark.slow

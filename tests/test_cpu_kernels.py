@@ -1,7 +1,7 @@
 """CPU linear kernels change speed only: every candidate's outputs equal plain ``F.linear``.
 oneDNN prepacking exists only where oneDNN can reorder bf16 (AVX-512 BW/VL/DQ or
-AVX-NE-CONVERT); where several kernels apply, a timing decides, and a loaded model runs
-exactly the kernel that choice names, on every CPU kind."""
+AVX-NE-CONVERT); a loaded model runs exactly the kernels its kernel plan names, on every CPU
+kind (the plan itself: test_kernel_plan.py)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,17 @@ from kvlab import load_model
 from kvlab.cache import build_cache
 from kvlab.engine.metrics import weight_bytes
 from kvlab.kernels import kernel_available
-from kvlab.models.cpu_kernels import (
-    PrepackedLinear,
-    applicable_kernels,
-    linear_kernel,
+from kvlab.kernels.linear import PrepackedLinear
+from kvlab.kernels.plan import (
+    KernelSettings,
+    LinearKernels,
+    capability,
+    decode_candidates,
+    default_plan,
+    make_plan,
     onednn_bf16_reorder_works,
+    prepack_linears,
 )
-from kvlab.models.wide_kernels import wide_kernel
 
 needs_onednn_bf16 = pytest.mark.skipif(
     not onednn_bf16_reorder_works(),
@@ -42,14 +46,10 @@ def test_prepacked_linear_equals_linear(bias):
 
 
 @needs_onednn_bf16
-def test_prepacked_model_gives_identical_logits(tiny_checkpoints, monkeypatch):
-    monkeypatch.setenv("KVLAB_CPU_LINEAR", "onednn")
-    linear_kernel.cache_clear()
-    try:
-        plain, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16, cpu_prepack=False)
-        packed, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16)
-    finally:
-        linear_kernel.cache_clear()
+def test_prepacked_model_gives_identical_logits(tiny_checkpoints):
+    onednn = make_plan(KernelSettings(linear="onednn"))
+    plain, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16, cpu_prepack=False)
+    packed, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16, plan=onednn)
     assert (
         sum(isinstance(m, PrepackedLinear) for m in packed.modules()) == 4 * 2 + 1
     )  # qkv, o, gate_up, down per layer + head
@@ -65,17 +65,13 @@ def test_prepacked_model_gives_identical_logits(tiny_checkpoints, monkeypatch):
 
 @needs_onednn_bf16
 @pytest.mark.slow
-def test_a_compiled_step_runs_the_prepacked_layers(tiny_checkpoints, monkeypatch):
+def test_a_compiled_step_runs_the_prepacked_layers(tiny_checkpoints):
     """inductor's own lowering of oneDNN's linear wants the packed weight as a graph
     constant and failed on a module buffer; the layer is an opaque op to it now."""
     from kvlab.engine import Engine, GenerationConfig
 
-    monkeypatch.setenv("KVLAB_CPU_LINEAR", "onednn")
-    linear_kernel.cache_clear()
-    try:
-        model, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16)
-    finally:
-        linear_kernel.cache_clear()
+    onednn = make_plan(KernelSettings(linear="onednn"))
+    model, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16, plan=onednn)
     assert any(isinstance(m, PrepackedLinear) for m in model.modules())
     cfg = GenerationConfig(6, stop_on_eos=False)
     spec = model.cache_spec()
@@ -89,109 +85,43 @@ KERNEL_TYPES = {"plain": nn.Linear, "onednn": PrepackedLinear}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_loaded_model_runs_the_kernel_the_probe_chose(tiny_checkpoints, dtype):
-    """Whatever this CPU is, the model's linears are the kind the choice names; the choice
-    is one of the kernels that apply here, timed where more than one does, and recorded."""
+def test_a_loaded_model_runs_the_kernels_its_plan_names(tiny_checkpoints, dtype):
+    """Whatever this CPU is, the model's linears are the kind its plan names (the defaults
+    by capability: kvlab's kernel at decode widths wherever it builds), and result.json
+    records the plan whole."""
     from kvlab.kernels.linear import DecodeLinear
-    from kvlab.tracking import environment
 
-    choice = linear_kernel(dtype)
-    assert choice["kernel"] in choice["applicable"] == applicable_kernels(dtype)
-    if len(choice["applicable"]) > 1 and not choice.get("forced"):
-        assert set(choice["decode_ms"]) == set(choice["applicable"])
-        fastest = min(choice["decode_ms"], key=choice["decode_ms"].get)
-        default = "kvlab" if "kvlab" in choice["applicable"] else "plain"
-        assert choice["kernel"] in {fastest, default}
     model, _ = load_model(str(tiny_checkpoints["smollm"]), dtype)
+    assert model.kernel_plan == default_plan()
+    kernels = model.kernel_plan.weights(dtype)
+    assert kernels.one_row in decode_candidates(str(dtype).removeprefix("torch."), capability())
+    assert kernels.one_row == ("kvlab" if kernel_available() else "plain")
     linear_types = nn.Linear | PrepackedLinear | DecodeLinear  # what each candidate installs
-    kernels = {type(m) for m in model.modules() if isinstance(m, linear_types)}
-    one_row, few_rows = choice["kernel"], choice["few_rows_kernel"]
-    assert few_rows in choice["applicable"]
-    if one_row == "onednn" or len(choice["few_rows_ms"]) < 2:
-        assert few_rows == one_row
-    kvlab_rows = {("kvlab", "kvlab"): (1, 32), ("kvlab", "plain"): (1, 1),
-                  ("plain", "kvlab"): (2, 32)}.get((one_row, few_rows))  # fmt: skip
-    wide = wide_kernel(dtype)["kernel"]
-    if one_row == "onednn" or one_row == few_rows == wide == "plain":
-        assert kernels == {KERNEL_TYPES[one_row]}
-    else:  # kvlab's kernel for the widths it won, the wide choice for the others
-        assert kernels == {DecodeLinear}
+    found = {type(m) for m in model.modules() if isinstance(m, linear_types)}
+    if kernels.one_row == "onednn" or (kernels.kvlab_rows, kernels.wide) == (None, "plain"):
+        assert found == {KERNEL_TYPES[kernels.one_row]}
+    else:  # kvlab's kernel for the widths it takes, the wide kernel for the others
+        assert found == {DecodeLinear}
         decode_linears = [m for m in model.modules() if type(m) is DecodeLinear]
-        assert {(m.kernel_rows, m.wide) for m in decode_linears} == {(kvlab_rows, wide)}
-    if choice["kernel"] != "onednn":
+        assert {(m.kernel_rows, m.wide) for m in decode_linears} == {
+            (kernels.kvlab_rows, kernels.wide)
+        }
+    if kernels.one_row != "onednn":
         assert model.lm_head.weight is model.embed_tokens.weight  # the tie survives
-    recorded = environment()["cpu_kernels"]
-    assert recorded["linear"][str(dtype).removeprefix("torch.")]["kernel"] == choice["kernel"]
-    assert recorded["wide_linear"][str(dtype).removeprefix("torch.")]["kernel"] == wide
-
-
-def test_a_choice_is_timed_again_and_each_kernel_keeps_its_best(tmp_path, monkeypatch):
-    """A first timing under load can decide against kvlab's kernel by a wide margin; the
-    next loads time again (up to RETIMINGS), keep each kernel's fastest time and decide
-    again (kvlab's kernel unless another is FUSED_MARGIN faster); after that the choice is
-    read from the cache without timing."""
-    from kvlab.models import cpu_kernels
-
-    timings = iter(
-        [{"plain": 5.0, "kvlab": 14.0}, {"plain": 9.0, "kvlab": 7.0}, {"plain": 9.5, "kvlab": 8}]
-    )
-    calls = []
-
-    def fake_timing(kernels, dtype, rows=1):
-        if rows != 1:
-            return {kernel: 1.0 for kernel in kernels}
-        calls.append(dtype)
-        return next(timings)
-
-    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "applicable_kernels", lambda dtype: ["plain", "kvlab"])
-    monkeypatch.setattr(cpu_kernels, "_time_kernels", fake_timing)
-    monkeypatch.setattr(cpu_kernels, "RETIMINGS", 3)
-    linear_kernel.cache_clear()
-
-    def load() -> dict:
-        choice = linear_kernel(torch.float32)
-        linear_kernel.cache_clear()
-        return choice
-
-    try:
-        first = load()
-        assert first["kernel"] == "plain" and first["timings"] == 1  # 64% apart, under load
-        second = load()
-        assert second["decode_ms"] == {"plain": 5.0, "kvlab": 7.0} and second["timings"] == 2
-        assert second["kernel"] == "kvlab"  # plain's 5 ms: not FUSED_MARGIN ahead of 7 ms
-        third = load()
-        assert third["decode_ms"] == {"plain": 5.0, "kvlab": 7.0} and third["timings"] == 3
-        assert load() == third and len(calls) == 3  # settled: read, not timed
-    finally:
-        linear_kernel.cache_clear()
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
 @pytest.mark.parametrize("one_row, few_rows", [("plain", "kvlab"), ("kvlab", "plain")])
-def test_each_width_runs_the_kernel_timed_fastest_at_it(tmp_path, monkeypatch, one_row, few_rows):
-    """One row and a few rows are timed apart; where they disagree, kvlab's kernel takes only
-    the width it won (counted calls) and F.linear the other, with the same outputs."""
+def test_each_width_runs_the_kernel_its_plan_names(monkeypatch, one_row, few_rows):
+    """Where a plan names kvlab's kernel for one width only, it takes that width (counted
+    calls) and F.linear the other, with the same outputs."""
     from kvlab.kernels import linear as kernels_linear
-    from kvlab.models import cpu_kernels
 
-    def fake_timing(kernels, dtype, rows=1):
-        winner = one_row if rows == 1 else few_rows
-        return {kernel: 5.0 if kernel == winner else 10.0 for kernel in kernels}
-
-    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "applicable_kernels", lambda dtype: ["plain", "kvlab"])
-    monkeypatch.setattr(cpu_kernels, "_time_kernels", fake_timing)
-    linear_kernel.cache_clear()
-    try:
-        choice = linear_kernel(torch.float32)
-        assert (choice["kernel"], choice["few_rows_kernel"]) == (one_row, few_rows)
-        assert choice["few_rows_ms"] == {"plain": 10.0 if few_rows == "kvlab" else 5.0,
-                                         "kvlab": 5.0 if few_rows == "kvlab" else 10.0}  # fmt: skip
-        model = nn.Sequential(nn.Linear(64, 48))
-        assert cpu_kernels.prepack_linears(model) == 1
-    finally:
-        linear_kernel.cache_clear()
+    plan = default_plan()
+    kernels = LinearKernels(one_row, few_rows, "plain", "rows")
+    plan = type(plan)({**plan.linear, "float32": kernels}, plan.capability)
+    model = nn.Sequential(nn.Linear(64, 48))
+    assert prepack_linears(model, plan) == 1
     calls = []
     kernel = kernels_linear._small_linear_impl
     monkeypatch.setattr(
@@ -205,17 +135,11 @@ def test_each_width_runs_the_kernel_timed_fastest_at_it(tmp_path, monkeypatch, o
     assert calls == ([1] if one_row == "kvlab" else [5])
 
 
-def test_a_forced_kernel_that_does_not_apply_falls_back_and_a_bad_name_fails(monkeypatch):
-    monkeypatch.setenv("KVLAB_CPU_LINEAR", "onednn")
-    linear_kernel.cache_clear()
-    try:
-        assert linear_kernel(torch.float32)["kernel"] == "plain"  # oneDNN packs bf16 only
-        monkeypatch.setenv("KVLAB_CPU_LINEAR", "mkl")
-        linear_kernel.cache_clear()
-        with pytest.raises(ValueError, match="KVLAB_CPU_LINEAR='mkl'.*plain, onednn, kvlab"):
-            linear_kernel(torch.float32)
-    finally:
-        linear_kernel.cache_clear()
+def test_a_named_kernel_that_does_not_apply_falls_back_and_a_bad_name_fails():
+    plan = make_plan(KernelSettings(linear="onednn"))
+    assert plan.weights(torch.float32).one_row == "plain"  # oneDNN packs bf16 only
+    with pytest.raises(ValueError, match="engine.linear='mkl'.*auto, plain, onednn, kvlab"):
+        KernelSettings(linear="mkl")
 
 
 @pytest.mark.skipif(not kernel_available(), reason="no C compiler for kvlab's kernels")
@@ -274,7 +198,7 @@ def test_int8_kernel_sums_one_bf16_row_to_fp32_accuracy(in_features, order):
     exact bf16 terms for vdpbf16ps; a wrong split is off by ~128x a code), codes of both
     signs and the extremes +-127 and -128, 64, 32 and scalar channel tails."""
     from kvlab.kernels.build import kernel
-    from kvlab.kernels.linear import _GEMV_INT8_ARGS, gemv_order, set_gemv_order
+    from kvlab.kernels.linear import _GEMV_INT8_ARGS, in_order
 
     generator = torch.Generator().manual_seed(in_features)
     codes = torch.randint(-128, 128, (99, in_features), dtype=torch.int8, generator=generator)
@@ -282,15 +206,11 @@ def test_int8_kernel_sums_one_bf16_row_to_fp32_accuracy(in_features, order):
     scale = (torch.rand(99, generator=generator) / 100).to(torch.bfloat16)
     x = torch.randn(1, in_features, generator=generator).to(torch.bfloat16)
     want = x.double() @ (codes.double() * scale.double()[:, None]).T
-    got, chosen = torch.empty(1, 99), gemv_order(torch.int8)
-    set_gemv_order(torch.int8, order)
-    try:
-        kernel("kvlab_gemv_int8", *_GEMV_INT8_ARGS)(
-            x.data_ptr(), 1, in_features, codes.data_ptr(), scale.data_ptr(), 1, None, 0,
-            got.data_ptr(), 0, 1, 99, in_features,
-        )  # fmt: skip
-    finally:
-        set_gemv_order(torch.int8, chosen)
+    got = torch.empty(1, 99)
+    kernel("kvlab_gemv_int8", *_GEMV_INT8_ARGS)(
+        x.data_ptr(), 1, in_features, codes.data_ptr(), scale.data_ptr(), 1, None, 0,
+        got.data_ptr(), 0, 1, 99, in_features, in_order(order),
+    )  # fmt: skip
     bound = 1e-5 * (x.double().abs() @ (codes.double().abs() * scale.double()[:, None]).T)
     assert ((got.double() - want).abs() <= bound + 1e-7).all()
 
@@ -308,17 +228,10 @@ def test_w8a8_kernel_gives_its_reference_bit_for_bit(dtype, rows, out_features, 
     another in blocks of 16, 99 leaving three; a row of zeros) equals its torch reference
     exactly, and the reference is the float product up to the activations' rounding (half a
     step of each row's scale per channel)."""
-    from kvlab.kernels.linear import gemv_order, set_gemv_order
-
-    before = gemv_order(torch.int8)
-    set_gemv_order(torch.int8, order)
-    try:
-        _check_w8a8_kernel(dtype, rows, out_features, in_features)
-    finally:
-        set_gemv_order(torch.int8, before)
+    _check_w8a8_kernel(dtype, rows, out_features, in_features, order)
 
 
-def _check_w8a8_kernel(dtype, rows, out_features, in_features):
+def _check_w8a8_kernel(dtype, rows, out_features, in_features, order="rows"):
     from kvlab.kernels.w8a8 import quantize_rows, w8a8_linear, w8a8_reference
 
     generator = torch.Generator().manual_seed(rows * out_features + in_features)
@@ -327,7 +240,7 @@ def _check_w8a8_kernel(dtype, rows, out_features, in_features):
     scale = (torch.rand(out_features, generator=generator) / 100).to(dtype)
     x = (3 * torch.randn(rows, in_features, generator=generator)).to(dtype)
     x[-1] = 0 if rows > 1 else x[-1]
-    got = w8a8_linear(x, codes, scale)
+    got = w8a8_linear(x, codes, scale, order=order)
     assert got.dtype == dtype and torch.equal(got, w8a8_reference(x, codes, scale))
     weight = codes.float() * scale.float()[:, None]
     _, steps = quantize_rows(x)
@@ -356,7 +269,6 @@ def test_w8a8_kernel_with_a_scale_a_group_gives_the_exact_product(
     weight rows; so does the reference; a row of zeros gives zeros. The prefill product over
     the dequantized weight (bf16 codes times bf16 activations where the layer computes in
     bf16) stays within the activations' own rounding of it."""
-    from kvlab.kernels.linear import gemv_order, set_gemv_order
     from kvlab.kernels.w8a8 import quantize_groups, w8a8_dequantized, w8a8_linear, w8a8_reference
 
     generator = torch.Generator().manual_seed(rows * out_features + in_features + group)
@@ -366,12 +278,7 @@ def test_w8a8_kernel_with_a_scale_a_group_gives_the_exact_product(
     spread = 1 + 8 * torch.rand(in_features, generator=generator)  # groups of other ranges
     x = (torch.randn(rows, in_features, generator=generator) * spread).to(dtype)
     x[-1] = 0 if rows > 1 else x[-1]
-    before = gemv_order(torch.int8)
-    set_gemv_order(torch.int8, order)
-    try:
-        got = w8a8_linear(x, codes, scale, group)
-    finally:
-        set_gemv_order(torch.int8, before)
+    got = w8a8_linear(x, codes, scale, group, order)
     xq, steps = quantize_groups(x, group)
     terms = _stepped_group_dots(xq, steps, codes, group)
     exact = terms.sum(-1) * scale.double()
@@ -569,25 +476,19 @@ def test_int4_linear_kernel_equals_the_dequantized_linear(
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
 
-def test_int4_layers_take_the_layout_the_timing_chose(monkeypatch):
-    """kvlab's blocks where its kernel was chosen (kept unless PyTorch's is FUSED_MARGIN faster),
-    else PyTorch's layout; both compute the same decode rows and prefill rows."""
-    from kvlab.models import cpu_kernels
+def test_int4_layers_take_the_layout_their_plan_names():
+    """kvlab's blocks where the plan names its kernel (the default wherever it builds), else
+    PyTorch's layout; both compute the same decode rows and prefill rows."""
     from kvlab.quant import rtn
 
-    choice = cpu_kernels.int4_kernel()
-    assert choice["kernel"] in choice["applicable"]
-    if len(choice["applicable"]) == 2 and "forced" not in choice:
-        times = choice["decode_ms"]
-        plain_wins = times["plain"] < (1 - cpu_kernels.FUSED_MARGIN) * times["kvlab"]
-        assert choice["kernel"] == ("plain" if plain_wins else "kvlab")
+    kernels = default_plan().weights("int4")
     codes, scale, offset = rtn.quantize_int4(torch.randn(64, 128), 32, False)
-    want = {"kvlab": "kvlab", "plain": "aten"}[choice["kernel"]]
+    want = {"kvlab": "kvlab", "plain": "aten"}[kernels.one_row]
     assert rtn.Int4Linear(codes, scale, offset, None).layout == want
-    layers = {}
-    for kernel in ("kvlab", "plain"):
-        monkeypatch.setattr(rtn, "int4_kernel", lambda kernel=kernel: {"kernel": kernel})
-        layers[kernel] = rtn.Int4Linear(codes, scale, offset, None)
+    layers = {
+        kernel: rtn.Int4Linear(codes, scale, offset, None, kernels=LinearKernels(kernel, kernel))
+        for kernel in ("kvlab", "plain")
+    }
     if not kernel_available():
         return
     assert (layers["kvlab"].layout, layers["plain"].layout) == ("kvlab", "aten")
@@ -599,19 +500,17 @@ def test_int4_layers_take_the_layout_the_timing_chose(monkeypatch):
             assert (layer(x) - want).abs().max() <= 2e-2 * want.abs().max()
 
 
-def test_int8_layers_run_the_kernel_the_timing_chose():
-    from kvlab.models.cpu_kernels import int8_kernel
+def test_int8_layers_run_the_kernel_their_plan_names():
     from kvlab.quant.rtn import Int8Linear
 
-    choice = int8_kernel()
-    assert choice["applicable"] == (["plain", "kvlab"] if kernel_available() else ["plain"])
-    assert choice["kernel"] in choice["applicable"]
+    kernels = default_plan().weights(torch.int8)
+    assert kernels.one_row == ("kvlab" if kernel_available() else "plain")
     layer = Int8Linear(nn.Linear(64, 32))
-    assert layer.decode_kernel == choice["kernel"]
+    assert (layer.decode_kernel, layer.order) == (kernels.one_row, kernels.order)
     x = torch.randn(2, 1, 64)
-    plain = Int8Linear(nn.Linear(64, 32))
+    plain = Int8Linear(nn.Linear(64, 32), kernels=LinearKernels())
     plain.load_state_dict(layer.state_dict())
-    plain.decode_kernel = "plain"
+    assert plain.decode_kernel == "plain"
     torch.testing.assert_close(layer(x), plain(x), atol=2e-2, rtol=2e-2)  # bf16 compute
 
 
@@ -632,7 +531,7 @@ def test_the_probe_agrees_with_the_cpu_flags():
 
 def test_bf16_model_runs_on_any_cpu(tiny_checkpoints):
     model, _ = load_model(str(tiny_checkpoints["smollm"]), torch.bfloat16)
-    expected = 4 * 2 + 1 if linear_kernel(torch.bfloat16)["kernel"] == "onednn" else 0
+    expected = 4 * 2 + 1 if default_plan().weights(torch.bfloat16).one_row == "onednn" else 0
     assert sum(isinstance(m, PrepackedLinear) for m in model.modules()) == expected
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():

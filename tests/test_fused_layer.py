@@ -20,7 +20,7 @@ from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import attention_c, cached_attention, kernel_available
 from kvlab.kernels.linear import DecodeLinear
 from kvlab.models import fused_layer, llama
-from kvlab.quant import quantize_, rtn
+from kvlab.quant import quantize_
 from kvlab.quant.rtn import Int4Linear, Int8Linear
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler for the kernel")
@@ -50,9 +50,7 @@ def with_decode_linears(
             options |= {"bits": 4, "activations": "int8"}
         if options["bits"] == 4:
             options |= {"group_size": 32, "symmetric": False}
-        with pytest.MonkeyPatch.context() as patch:  # kvlab's int4 blocks, whatever was timed
-            patch.setattr(rtn, "int4_kernel", lambda: {"kernel": "kvlab"})
-            quantize_(model, "rtn", options)
+        quantize_(model, "rtn", options)  # kvlab's int4 blocks: the plan's default
         generator = torch.Generator().manual_seed(0)
         for layer in model.modules():
             if type(layer) is Int8Linear:

@@ -1,6 +1,6 @@
 """Linear kernels for steps of many rows (prefill): every candidate gives ``F.linear``'s
-outputs up to rounding, the choice is timed once per CPU and cached, a forced name is
-honoured where it applies, and a loaded model's wide steps run the kernel chosen."""
+outputs up to rounding, a named kernel is honoured where it applies, and a loaded model's
+wide steps run the kernel its plan names."""
 
 from __future__ import annotations
 
@@ -12,8 +12,19 @@ from torch import nn
 from kvlab import load_model
 from kvlab.cache import build_cache
 from kvlab.kernels import linear as kernels_linear
-from kvlab.models import wide_kernels
-from kvlab.models.wide_kernels import applicable_wide_kernels, onednn_linear_works, wide_kernel
+from kvlab.kernels.plan import (
+    KernelSettings,
+    capability,
+    default_plan,
+    make_plan,
+    onednn_linear_works,
+    wide_candidates,
+)
+
+
+def applicable_wide_kernels(dtype: torch.dtype) -> list[str]:
+    return wide_candidates(str(dtype).removeprefix("torch."), capability())
+
 
 TOLERANCE = {
     torch.float32: dict(rtol=1e-5, atol=1e-5),
@@ -43,46 +54,14 @@ def test_onednn_applies_to_fp32_on_every_cpu_kind():
     assert applicable_wide_kernels(torch.float32) == ["plain", "onednn"]
 
 
-def test_the_wide_choice_is_timed_once_cached_and_needs_its_margin(tmp_path, monkeypatch):
-    timings = iter([{"plain": 10.0, "onednn": 9.7}, {"plain": 10.0, "onednn": 5.0}])
-    calls = []
-
-    def fake_timing(kernels, dtype):
-        calls.append(dtype)
-        return next(timings)
-
-    monkeypatch.setenv("KVLAB_CACHE", str(tmp_path))
-    monkeypatch.delenv("KVLAB_CPU_WIDE_LINEAR", raising=False)
-    monkeypatch.setattr(wide_kernels, "applicable_wide_kernels", lambda d: ["plain", "onednn"])
-    monkeypatch.setattr(wide_kernels, "_time_wide_kernels", fake_timing)
-    wide_kernel.cache_clear()
-    try:
-        first = wide_kernel(torch.float32)
-        assert first["kernel"] == "plain"  # 3% faster: under MARGIN
-        assert first["wide_ms"] == {"plain": 10.0, "onednn": 9.7}
-        wide_kernel.cache_clear()
-        assert wide_kernel(torch.float32) == first and calls == [torch.float32]  # cached
-        assert wide_kernel(torch.bfloat16)["kernel"] == "onednn"  # its own timing: 2x
-        assert calls == [torch.float32, torch.bfloat16]
-    finally:
-        wide_kernel.cache_clear()
-
-
-def test_a_forced_wide_kernel_falls_back_where_it_does_not_apply_and_a_bad_name_fails(
-    monkeypatch,
-):
-    monkeypatch.setenv("KVLAB_CPU_WIDE_LINEAR", "onednn")
-    monkeypatch.setattr(wide_kernels, "applicable_wide_kernels", lambda dtype: ["plain"])
-    wide_kernel.cache_clear()
-    try:
-        choice = wide_kernel(torch.float32)
-        assert choice["kernel"] == "plain" and choice["forced"]
-        monkeypatch.setenv("KVLAB_CPU_WIDE_LINEAR", "mkl")
-        wide_kernel.cache_clear()
-        with pytest.raises(ValueError, match=r"KVLAB_CPU_WIDE_LINEAR='mkl'.*plain, onednn"):
-            wide_kernel(torch.float32)
-    finally:
-        wide_kernel.cache_clear()
+def test_the_default_wide_kernel_is_onednn_for_fp32_where_it_runs_and_plain_else():
+    plan = default_plan()
+    fp32 = "onednn" if onednn_linear_works(torch.float32) else "plain"
+    assert plan.weights(torch.float32).wide == fp32
+    assert plan.weights(torch.bfloat16).wide == plan.weights(torch.int8).wide == "plain"
+    assert make_plan(KernelSettings(wide_linear="plain")).weights(torch.float32).wide == "plain"
+    with pytest.raises(ValueError, match=r"engine.wide_linear='mkl'.*auto, plain, onednn"):
+        KernelSettings(wide_linear="mkl")
 
 
 @needs_onednn_fp32
@@ -90,12 +69,8 @@ def test_a_wide_step_runs_the_chosen_kernel_with_the_plain_logits(tiny_checkpoin
     """A forced oneDNN choice reaches every linear of a 40-token step (counted calls, each
     more rows than a decode width) and the logits stay the plain model's."""
     checkpoint = str(tiny_checkpoints["smollm"])
-    monkeypatch.setenv("KVLAB_CPU_WIDE_LINEAR", "onednn")
-    wide_kernel.cache_clear()
-    try:
-        model, _ = load_model(checkpoint, torch.float32)
-    finally:
-        wide_kernel.cache_clear()
+    onednn = make_plan(KernelSettings(wide_linear="onednn"))
+    model, _ = load_model(checkpoint, torch.float32, plan=onednn)
     plain, _ = load_model(checkpoint, torch.float32, cpu_prepack=False)
     calls = []
     inner = kernels_linear.wide_linear
@@ -138,7 +113,7 @@ def test_int8_layers_run_the_wide_kernel_chosen_for_many_rows_only(monkeypatch):
     from kvlab.quant import rtn
 
     layer = rtn.Int8Linear(nn.Linear(64, 48))
-    assert layer.wide_kernel == wide_kernel(torch.int8)["kernel"]
+    assert layer.wide_kernel == default_plan().weights(torch.int8).wide
     calls = []
     inner = rtn.int8_wide_linear
     monkeypatch.setattr(rtn, "int8_wide_linear", lambda *a: calls.append(len(a[0])) or inner(*a))

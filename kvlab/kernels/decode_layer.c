@@ -40,17 +40,19 @@ typedef struct {
   int64_t group;
   const int64_t *input_perm;
   int32_t compute_bf16;
+  int32_t in_order; /* FP, INT8, W8A8: one row walks the weight rows in order (the plan's) */
 } Linear;
 
 void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
                 const void *bias, int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N,
-                int64_t K);
+                int64_t K, int in_order);
 void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, const void *bias, int bias_bf16,
-                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
+                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int in_order);
 void kvlab_gemv_w8a8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, int64_t AG, const void *bias,
-                     int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
+                     int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
+                     int in_order);
 void kvlab_gemv_int4(const void *x, int x_bf16, int64_t x_stride, const uint8_t *codes,
                      const void *so, int so_bf16, int64_t G, const void *bias, int bias_bf16,
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
@@ -74,14 +76,16 @@ static void product(const Linear *l, const void *x, int bf16, void *y, int64_t M
     return;
   }
   if (l->kind == FP) {
-    kvlab_gemv(x, bf16, K, l->weight, l->weight_bf16, l->bias, l->bias_bf16, y, bf16, M, N, K);
+    kvlab_gemv(x, bf16, K, l->weight, l->weight_bf16, l->bias, l->bias_bf16, y, bf16, M, N, K,
+               l->in_order);
     return;
   }
   if (l->kind == INT8)
-    kvlab_gemv_int8(x, bf16, K, l->weight, l->scale, l->scale_bf16, NULL, 0, y, bf16, M, N, K);
+    kvlab_gemv_int8(x, bf16, K, l->weight, l->scale, l->scale_bf16, NULL, 0, y, bf16, M, N, K,
+                    l->in_order);
   else if (l->kind == W8A8)
     kvlab_gemv_w8a8(x, bf16, K, l->weight, l->scale, l->scale_bf16, l->group, NULL, 0, y, bf16,
-                    M, N, K);
+                    M, N, K, l->in_order);
   else if (l->kind == W4A8)
     kvlab_gemv_w4a8(x, bf16, K, l->weight, l->scale, l->scale_bf16, l->group, NULL, 0, y, bf16,
                     M, N, K);

@@ -8,7 +8,7 @@
  * size is a compile-time constant, so the accumulators stay in registers (a runtime row count kept
  * them in memory: 2x slower at M = 8). Where the CPU has AVX512-BF16, bf16 weights and rows are
  * multiplied by vdpbf16ps without widening. One row of x walks the weight rows one after another
- * instead (row_dot) where that was timed faster (gemv_order.h). Measured on a Xeon (AVX-512, 2
+ * instead (row_dot) where the kernel plan says so (in_order). Measured on a Xeon (AVX-512, 2
  * threads, SmolLM2-135M's 121 fp32 linears, scripts/bench_verify_step.py): 1 row 19-20 ms as MKL's
  * sgemv, 5 rows 21.6 ms against MKL's 38.5 (one weight row at a time, before tiles: 23.8 and 32.2
  * ms).
@@ -17,7 +17,6 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "gemv_order.h"
 #include "simd.h"
 
 static inline const void *row_at(const void *p, int bf16, int64_t index) {
@@ -140,7 +139,7 @@ static inline __attribute__((always_inline)) int64_t tile_dots_bf16(
  * per thread, which the hardware prefetchers follow without help: over the default model's
  * 121 fp32 matrices (Zen4, 2 threads, a C harness) it read 36-42 GB/s, as fast as a
  * streaming sum, where tiles of 4 rows read side by side with software prefetches into L1
- * read 31-33 (into L2 the tiles come close: gemv_order.h times the two). */
+ * read 31-33 (into L2 the tiles come close). */
 static inline __attribute__((always_inline)) float row_dot(const void *w, const int WB,
                                                            const void *x, const int XB,
                                                            int64_t K) {
@@ -209,23 +208,13 @@ static inline __attribute__((always_inline)) void tile(
       tile(w, WB, x, XB, xs, bias, bb, y, yb, N, K, n, m0, 1, MM);                  \
     break;
 
-int kvlab_rows_in_order[ORDER_FORMATS] = {1, 1, 1}; /* gemv_order.h: rows until chosen */
-
-void kvlab_gemv_set_order(int format, int in_order) {
-  if (format >= 0 && format < ORDER_FORMATS) kvlab_rows_in_order[format] = in_order != 0;
-}
-
-int kvlab_gemv_order(int format) {
-  return format >= 0 && format < ORDER_FORMATS ? kvlab_rows_in_order[format] : 0;
-}
-
 /* Tiles of TILE_R(M) weight rows (1 for the last N % TILE_R) split across threads, each
  * against all M rows of x in chunks of at most TILE_M(R), so the weights stream from memory
  * once; WB, XB: weights / x in bf16. */
 static inline __attribute__((always_inline)) void tiles(
     const void *x, const int XB, int64_t xs, const void *w, const int WB, const void *bias,
-    int bb, void *y, int yb, int64_t M, int64_t N, int64_t K) {
-  if (M == 1 && kvlab_rows_in_order[WB ? ORDER_BF16 : ORDER_FP32]) { /* one stream: row_dot */
+    int bb, void *y, int yb, int64_t M, int64_t N, int64_t K, int in_order) {
+  if (M == 1 && in_order) { /* one stream: row_dot */
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
       store(y, yb, n, row_dot(row_at(w, WB, n * K), WB, x, XB, K) +
@@ -257,20 +246,22 @@ static inline __attribute__((always_inline)) void tiles(
 /* One specialisation per (x, weights) precision pair, so each inlines its own loads. */
 #define TILES_FOR(NAME, XB, WB)                                                        \
   static void NAME(const void *x, int64_t xs, const void *w, const void *bias, int bb, \
-                   void *y, int yb, int64_t M, int64_t N, int64_t K) {                 \
-    tiles(x, XB, xs, w, WB, bias, bb, y, yb, M, N, K);                                 \
+                   void *y, int yb, int64_t M, int64_t N, int64_t K, int in_order) {   \
+    tiles(x, XB, xs, w, WB, bias, bb, y, yb, M, N, K, in_order);                       \
   }
 TILES_FOR(tiles_ff, 0, 0)
 TILES_FOR(tiles_bb, 1, 1)
 TILES_FOR(tiles_fb, 0, 1)
 TILES_FOR(tiles_bf, 1, 0)
 
-/* x: (M, K) with row stride x_stride; w: (N, K) contiguous; y: (M, N) contiguous. */
+/* x: (M, K) with row stride x_stride; w: (N, K) contiguous; y: (M, N) contiguous.
+ * in_order: one row of x walks the weight rows one after another (row_dot), else in
+ * tiles; the caller's kernel plan says which (kvlab.kernels.plan). */
 void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
                 const void *bias, int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N,
-                int64_t K) {
+                int64_t K, int in_order) {
   void (*run)(const void *, int64_t, const void *, const void *, int, void *, int, int64_t,
-              int64_t, int64_t) =
+              int64_t, int64_t, int) =
       w_bf16 ? (x_bf16 ? tiles_bb : tiles_fb) : (x_bf16 ? tiles_bf : tiles_ff);
-  run(x, x_stride, w, bias, bias_bf16, y, y_bf16, M, N, K);
+  run(x, x_stride, w, bias, bias_bf16, y, y_bf16, M, N, K, in_order);
 }

@@ -6,8 +6,8 @@
  * four prefetched), each code widened once for up to CODE_ROWS rows of x, output rows split
  * across threads; x (fp32 or bf16) is widened to fp32 once by each thread. One
  * row of x walks the rows one after another instead where that was timed faster
- * (gemv_order.h: on a Zen4, int8 decode steps 0.92-0.98x as long in three runs of four),
- * in blocks (rows_in_order).
+ * (in_order, as the kernel plan says; on a Zen4, int8 decode steps 0.92-0.98x as long in
+ * three runs of four), in blocks (rows_in_order).
  * Xeon (AVX-512), 2 threads, the default model's MLP shapes: one row 14.5 -> 20-21 GB/s
  * with the prefetch, five rows 7 -> 15.5-17 GB/s with the chunks (PyTorch's
  * _weight_int8pack_mm: 13 and 6.5).
@@ -17,7 +17,6 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "gemv_order.h"
 #include "simd.h"
 
 #ifdef LANES
@@ -217,7 +216,8 @@ static void tiles(const int8_t *q, const float *xf, const void *scale, int scale
 #define STACK_FLOATS 8192 /* a widened x of up to 32 KB on each thread's stack */
 void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, const void *bias, int bias_bf16,
-                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K) {
+                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
+                     int in_order) {
 #pragma omp parallel
   {
     float on_stack[STACK_FLOATS];
@@ -225,7 +225,7 @@ void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *
     for (int64_t m = 0; m < M; m++)
       for (int64_t k = 0; k < K; k++) xf[m * K + k] = value_at(x, x_bf16, m * x_stride + k);
     const uint16_t *xb = x_bf16 ? (const uint16_t *)x : NULL; /* one row: rows_in_order's */
-    if (M == 1 && kvlab_rows_in_order[ORDER_INT8])
+    if (M == 1 && in_order)
       rows_in_order(q, xf, xb, scale, scale_bf16, bias, bias_bf16, y, y_bf16, N, K);
     else
       tiles(q, xf, scale, scale_bf16, bias, bias_bf16, y, y_bf16, M, N, K);

@@ -14,7 +14,7 @@
  * row's sum, one number a token), else on AVX2's vpmaddubsw (|q| times xq signed as q,
  * llama.cpp's trick: no int16 saturation as |q|, |xq| <= 127), else in scalar code. Output
  * rows split across threads; one row of x walks the weight rows one after another where the
- * int8 weights' order says so (gemv_order.h), else weight rows go four at a time, the next
+ * int8 weights' order says so (rows_in_order), else weight rows go four at a time, the next
  * four prefetched into L2. A scale a group costs a conversion and an FMA a 64 codes more:
  * whole decode steps took 1.02-1.09x a scale a row's (Zen4, in turns); its activation
  * buffers start on cache lines (unaligned, the two loads a 64 codes split lines: 1.07x). */
@@ -22,7 +22,6 @@
 #include <stdlib.h>
 
 #include "bf16.h"
-#include "gemv_order.h"
 #include "int8_codes.h"
 #include "simd.h"
 
@@ -193,8 +192,8 @@ static void quantize_row(const void *x, int x_bf16, int64_t at, int64_t K, int64
 
 /* y (N,) = one row of x against this thread's share of the weight rows, one row after
  * another (one memory stream a thread), in blocks of ROW_BLOCK rows: the block's dot
- * products first, then its scales, biases and stores (gemv_int8.c's rows_in_order, whose
- * order the int8 weights were timed in, gemv_order.h). */
+ * products first, then its scales, biases and stores (gemv_int8.c's rows_in_order, the order
+ * the int8 weights walk in). */
 #define ROW_BLOCK 16
 static void rows_in_order(const int8_t *q, const Row *x, const void *scale, int scale_bf16,
                           const void *bias, int bias_bf16, void *y, int y_bf16, int64_t N,
@@ -240,13 +239,14 @@ static void tiles(const int8_t *q, const Row *x, const void *scale, int scale_bf
  * K: a scale a row; else AG % 4 == 0 and K % AG == 0, the caller checks); q: (N, K) int8
  * contiguous, |q| <= 127; scale: (N,) and bias (N,) or NULL, fp32 or bf16; y: (M, N)
  * contiguous, fp32 or bf16. One row walks the weight rows in order where int8 weights were
- * timed faster so (kvlab_rows_in_order[ORDER_INT8]). Over a step's 120 matrices (harness
+ * timed faster so (in_order: the layer's kernel plan). Over a step's 120 matrices (harness
  * gemv_stack.c, Zen4, 2 threads) that reads 42-43 GB/s a scale a row, as fast as the int8
  * kernel; the tiles read 28 (22 with their prefetches into L1, as they were, which took
  * 5.4 ms a step where the weight-only int8 kernel took 2.4). */
 void kvlab_gemv_w8a8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, int64_t AG, const void *bias,
-                     int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N, int64_t K) {
+                     int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
+                     int in_order) {
   const int grouped = AG < K;
   /* a row's buffers, each row's from a cache line on (a 64-byte load then reads one line) */
   const int64_t span = (2 * K + (grouped ? sizeof(float) * (K / 4) : 0) + 63) / 64 * 64;
@@ -259,7 +259,7 @@ void kvlab_gemv_w8a8(const void *x, int x_bf16, int64_t x_stride, const int8_t *
     r->xu = (uint8_t *)r->xq + K;
     quantize_row(x, x_bf16, m * x_stride, K, grouped ? AG : K, r);
   }
-  if (M == 1 && kvlab_rows_in_order[ORDER_INT8])
+  if (M == 1 && in_order)
     rows_in_order(q, rows, scale, scale_bf16, bias, bias_bf16, y, y_bf16, N, K);
   else
     tiles(q, rows, scale, scale_bf16, bias, bias_bf16, y, y_bf16, M, N, K);

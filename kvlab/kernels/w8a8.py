@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from kvlab.kernels.build import INT, INT64, POINTER, kernel, library
-from kvlab.kernels.linear import MAX_ROWS
+from kvlab.kernels.linear import MAX_ROWS, in_order
 
 _ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER, INT, INT64,
-         INT64, INT64)  # fmt: skip
+         INT64, INT64, INT)  # fmt: skip
 _FAKE_ARGS = (POINTER, INT, INT64, INT64, INT64, INT64, POINTER, INT, POINTER)
 
 
@@ -179,10 +179,12 @@ def kernel_serves(x: torch.Tensor, codes: torch.Tensor) -> bool:
 
 
 def w8a8_linear(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int | None = None
-) -> torch.Tensor:
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, group: int | None = None,
+    order: str = "rows",
+) -> torch.Tensor:  # fmt: skip
     """:func:`w8a8_reference`'s product (``group``: channels an activation scale, None a
-    row) through the C kernel where it serves (eager, CPU, decode rows), else a row's scale
+    row) through the C kernel where it serves (eager, CPU, decode rows; one row walking the
+    codes in ``order``), else a row's scale
     through the reference itself (the same numbers), a group's through
     :func:`w8a8_dequantized`."""
     if torch.compiler.is_compiling() or not kernel_serves(x, codes):
@@ -196,5 +198,6 @@ def w8a8_linear(
     kernel("kvlab_gemv_w8a8", *_ARGS)(
         x.data_ptr(), bf16[0], x.stride(0), codes.data_ptr(), scale.data_ptr(), bf16[1],
         group or in_features, None, 0, out.data_ptr(), bf16[2], rows, out_features, in_features,
+        in_order(order),
     )  # fmt: skip
     return out

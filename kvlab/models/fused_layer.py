@@ -41,7 +41,7 @@ from torch import nn
 from kvlab.kernels.attention import c_kernel_allowed
 from kvlab.kernels.attention_c import index_applies
 from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
-from kvlab.kernels.linear import MAX_ROWS, DecodeLinear, is_bf16
+from kvlab.kernels.linear import MAX_ROWS, DecodeLinear, in_order, is_bf16
 from kvlab.quant.rtn import Int4Linear, Int8Linear
 
 _GENERATION = [0]  # bumped whenever a layer's weights may have moved (see weights_changed)
@@ -66,7 +66,7 @@ class _Linear(ctypes.Structure):
         ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64),
         ("kind", ctypes.c_int32), ("scale_bf16", ctypes.c_int32), ("scale", ctypes.c_void_p),
         ("group", ctypes.c_int64), ("input_perm", ctypes.c_void_p),
-        ("compute_bf16", ctypes.c_int32),
+        ("compute_bf16", ctypes.c_int32), ("in_order", ctypes.c_int32),
     ]  # fmt: skip
     FP, INT8, INT4, W8A8, W4A8 = 0, 1, 2, 3, 4
 
@@ -190,7 +190,8 @@ def _linear(layer: nn.Module, dtype: torch.dtype) -> _Linear:
         compute_bf16=int(compute != dtype),
     )  # fmt: skip
     if type(layer) is DecodeLinear:
-        return _Linear(weight=layer.weight.data_ptr(), weight_bf16=is_bf16(layer.weight), **fields)
+        return _Linear(weight=layer.weight.data_ptr(), weight_bf16=is_bf16(layer.weight),
+                       in_order=layer.in_order, **fields)  # fmt: skip
     if type(layer) is Int4Linear:
         scale_offset = layer.scale_offset
         kind = _Linear.W4A8 if layer.int8_activations else _Linear.INT4
@@ -202,7 +203,8 @@ def _linear(layer: nn.Module, dtype: torch.dtype) -> _Linear:
     scale, kind = layer.scale, _Linear.W8A8 if layer.int8_activations else _Linear.INT8
     group = layer.activation_group or layer.in_features  # W8A8 with a scale a row: the row
     return _Linear(weight=layer.qweight.data_ptr(), kind=kind, scale_bf16=is_bf16(scale),
-                   scale=scale.data_ptr(), group=group, **fields)  # fmt: skip
+                   scale=scale.data_ptr(), group=group, in_order=in_order(layer.order),
+                   **fields)  # fmt: skip
 
 
 def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
@@ -225,7 +227,7 @@ def kernel_rows(layer: nn.Module, dtype: torch.dtype) -> tuple[int, int] | None:
         return (1, MAX_ROWS) if fits and layer.scale_offset.dtype == compute else None
     if layer.scale.dtype != compute or layer.qweight.device.type != "cpu":
         return None
-    if layer.int8_activations:  # gemv_w8a8.c, whatever int8_kernel chose
+    if layer.int8_activations:  # gemv_w8a8.c, whatever the plan names for int8 weights
         return 1, MAX_ROWS
     one, few = layer.decode_kernel == "kvlab", layer.few_rows_kernel == "kvlab"
     return ((1 if one else 2), (MAX_ROWS if few else 1)) if one or few else None

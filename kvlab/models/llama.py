@@ -128,6 +128,7 @@ class Decoder(nn.Module):
         self.huge_page_bytes = 0
         self.fused_step: FusedStep | None = None  # a decode step's layers in one C call
         self.step_in_one_call = True  # False: layer by layer (for benchmarks side by side)
+        self.kernel_plan = None  # the kernels its layers run (kvlab.kernels.plan), set on load
 
     def cache_spec(self) -> CacheSpec:
         """Shapes, dtype and device a cache strategy needs to serve this model."""

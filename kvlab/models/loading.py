@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from kvlab.kernels.plan import KernelPlan, default_plan, prepack_linears
 from kvlab.models.config import DecoderConfig
-from kvlab.models.cpu_kernels import prepack_linears
 from kvlab.models.llama import Decoder
 from kvlab.models.rope import inverse_frequencies
 from kvlab.paths import cache_dir
@@ -122,11 +122,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     cpu_prepack: bool = True,
+    plan: KernelPlan | None = None,
 ) -> tuple[Decoder, Any]:
     """Model and tokenizer (None when the checkpoint ships none) for ``source``.
 
-    ``cpu_prepack``: bf16 linear layers on the CPU get oneDNN-prepacked weights (same
-    outputs, faster decode; see :mod:`kvlab.models.cpu_kernels`).
+    ``plan``: the kernel plan the model holds (``model.kernel_plan``; default: this
+    machine's defaults, :mod:`kvlab.kernels.plan`); ``cpu_prepack``: its linear layers on
+    the CPU take the kernels it names now (same outputs), else they stay ``nn.Linear``
+    (a quantizer swaps them first, then :func:`prepack_linears`).
     """
     checkpoint = resolve_checkpoint(source)
     if isinstance(checkpoint, str):
@@ -138,6 +141,7 @@ def load_model(
     int4 = (hf_config.get("quantization_config") or {}).get("quant_method") in ("gptq", "awq")
     with torch.device("meta"):
         model = Decoder(cfg)
+    model.kernel_plan = plan or default_plan()
     state = _read_weights(checkpoint, cfg, dtype, quantized=int4)
     model.load_state_dict(state, assign=True, strict=not int4)
     if cfg.tie_word_embeddings:

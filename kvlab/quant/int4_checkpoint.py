@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kvlab.kernels.plan import LinearKernels, plan_of
 from kvlab.quant.base import QuantOptions, linear_layers
 from kvlab.quant.rtn import Int4Linear, resolve_compute_dtype
 
@@ -114,6 +115,7 @@ def int4_layer(
     dtype: torch.dtype | None,
     device: torch.device,
     int8_activations: bool = False,
+    kernels: LinearKernels | None = None,
 ) -> Int4Linear:
     """kvlab layer ``name`` (fused ones from their parts) as an Int4Linear on ``device``
     (built there, so it takes the kernel layout of that device); ``int8_activations``: W4A8
@@ -135,7 +137,7 @@ def int4_layer(
     biases = [tensors.get(f"{p}.bias") for p in parts]
     bias = torch.cat(biases).to(device) if all(b is not None for b in biases) else None
     perm = None if perm is None else perm.to(device)
-    return Int4Linear(codes, scale, offset, bias, dtype, perm, True, int8_activations)
+    return Int4Linear(codes, scale, offset, bias, dtype, perm, True, int8_activations, kernels)
 
 
 def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -157,12 +159,12 @@ def swap_in_int4_layers(
     tensors, qcfg = read_int4_checkpoint(directory)
     dtype = resolve_compute_dtype(getattr(options, "compute_dtype", "bfloat16"))
     int8_activations = getattr(options, "activations", "none") == "int8"
-    swapped = 0
+    kernels, swapped = plan_of(model).weights("int4"), 0
     for name, linear in linear_layers(model, options):
         if f"{checkpoint_parts(name)[0]}.qweight" not in tensors:
             continue  # left in full precision by the checkpoint (the output head)
         where = device or linear.weight.device
-        layer = int4_layer(tensors, name, qcfg, dtype, where, int8_activations)
+        layer = int4_layer(tensors, name, qcfg, dtype, where, int8_activations, kernels)
         if (layer.out_features, layer.in_features) != (linear.out_features, linear.in_features):
             raise ValueError(
                 f"quant.options.checkpoint={str(directory)!r}: {name} is "

@@ -5,7 +5,7 @@ Int4 follows torchao's int4 weight-only layout: ``w = (q - 8) * scale + offset``
 float offset per group (symmetric: offset 0), which also represents GPTQ's integer zero
 points (see :mod:`kvlab.quant.gptq`). On the CPU the layers run kvlab's matrix-vector
 kernels for decode rows or PyTorch's packed-weight kernels (``_weight_int4pack_mm_for_cpu``,
-``_weight_int8pack_mm``), whichever measured faster here; they are fast in bf16 (kvlab's
+``_weight_int8pack_mm``), whichever the model's kernel plan names; they are fast in bf16 (kvlab's
 int4 kernel multiplies bf16 rows by vdpbf16ps where the CPU has it), hence
 ``compute_dtype`` (bf16 by default, as torchao's int4 weight-only requires).
 """
@@ -19,11 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels.linear import MAX_ROWS, int4_linear, int8_linear, int8_wide_linear
+from kvlab.kernels.plan import LinearKernels, default_plan, plan_of
 from kvlab.kernels.w4a8 import kernel_serves as w4a8_kernel_serves
 from kvlab.kernels.w4a8 import w4a8_dequantized, w4a8_linear
 from kvlab.kernels.w8a8 import int8_matmul_exact, w8a8_linear
-from kvlab.models.cpu_kernels import int4_kernel, int8_kernel
-from kvlab.models.wide_kernels import wide_kernel
 from kvlab.quant.base import QuantOptions, register_quantizer, replace_linears
 from kvlab.quant.packing import block_int4, pack, unblock_int4, unpack
 
@@ -137,8 +136,9 @@ class Int4Linear(nn.Module):
     """Linear layer over packed int4 weights (two codes per byte), in one of three layouts
     (``layout``): on the CPU, the blocks of kvlab's int4 kernel (``kvlab``: decode rows
     through ``gemv_int4.c``, more rows dequantized into one product) or the layout of
-    PyTorch's int4 kernel (``aten``), whichever :func:`int4_kernel` measured faster here;
-    elsewhere (or ``cpu_kernel=False``) row-packed (``rows``), dequantized per call.
+    PyTorch's int4 kernel (``aten``), whichever ``kernels`` (the kernel plan's for int4
+    weights) names; elsewhere (or ``cpu_kernel=False``) row-packed (``rows``), dequantized
+    per call.
     ``input_perm`` reorders input channels first (GPTQ act-order checkpoints). With
     ``int8_activations`` each row of the input is quantized too, one scale a weight group,
     and the codes multiplied in int8 (W4A8: :func:`~kvlab.kernels.w4a8.w4a8_linear`, in
@@ -154,6 +154,7 @@ class Int4Linear(nn.Module):
         input_perm: torch.Tensor | None = None,
         cpu_kernel: bool = True,
         int8_activations: bool = False,
+        kernels: LinearKernels | None = None,
     ):
         super().__init__()
         self.out_features, self.in_features = codes.shape
@@ -161,7 +162,8 @@ class Int4Linear(nn.Module):
         self.compute_dtype = compute_dtype  # None: the input's dtype
         self.int8_activations = int8_activations
         dtype = compute_dtype or scale.dtype
-        self.layout = _int4_layout(codes, self.group_size, cpu_kernel, int8_activations)
+        one_row = (kernels or default_plan().weights("int4")).one_row
+        self.layout = _int4_layout(codes, self.group_size, cpu_kernel, int8_activations, one_row)
         if self.layout == "kvlab":
             packed, scale_offset = block_int4(codes, scale.to(dtype), offset.to(dtype))
         else:
@@ -217,9 +219,10 @@ class Int4Linear(nn.Module):
 
 
 def _int4_layout(
-    codes: torch.Tensor, group_size: int, cpu_kernel: bool, int8_activations: bool = False
-) -> str:
-    """``kvlab`` or ``aten`` on the CPU (as :func:`int4_kernel` chose; ``aten`` where kvlab's
+    codes: torch.Tensor, group_size: int, cpu_kernel: bool, int8_activations: bool = False,
+    kernel: str = "kvlab",
+) -> str:  # fmt: skip
+    """``kvlab`` or ``aten`` on the CPU (as the plan's ``kernel`` names; ``aten`` where kvlab's
     blocks do not fit the shape: 16 outputs a block, groups of whole chunks of 8 input
     channels), else ``rows``. With int8 activations ``kvlab`` wherever its blocks fit on the
     CPU (``gemv_w4a8.c`` reads them), else ``rows``."""
@@ -228,14 +231,14 @@ def _int4_layout(
     fits = codes.shape[0] % 16 == 0 and group_size % 8 == 0
     if int8_activations:
         return "kvlab" if fits else "rows"
-    return "kvlab" if fits and int4_kernel()["kernel"] == "kvlab" else "aten"
+    return "kvlab" if fits and kernel == "kvlab" else "aten"
 
 
 class Int8Linear(nn.Module):
     """Linear layer over int8 weights with one symmetric scale per output channel. On the
-    CPU, one row and 2 to ``MAX_ROWS`` rows each run the kernel :func:`int8_kernel` chose
-    for that width on this CPU (kvlab's or PyTorch's), more rows the kernel
-    :func:`~kvlab.models.wide_kernels.wide_kernel` chose for int8 weights. With
+    CPU, one row and 2 to ``MAX_ROWS`` rows each run the kernel ``kernels`` (the kernel
+    plan's for int8 weights) names for that width (kvlab's or PyTorch's), more rows its
+    wide kernel. With
     ``int8_activations`` every row of the input is quantized too and the product taken in
     int8 (:func:`~kvlab.kernels.w8a8.w8a8_linear`), one scale a row, or one every
     ``activation_group`` channels of a row."""
@@ -246,6 +249,7 @@ class Int8Linear(nn.Module):
         compute_dtype: torch.dtype | None = torch.bfloat16,
         int8_activations: bool = False,
         activation_group: int | None = None,
+        kernels: LinearKernels | None = None,
     ):
         super().__init__()
         _check_divides("activation_group", activation_group, linear, "this layer")
@@ -261,9 +265,9 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         cpu = weight.device.type == "cpu"
-        choice = int8_kernel() if cpu else {"kernel": "plain", "few_rows_kernel": "plain"}
-        self.decode_kernel, self.few_rows_kernel = choice["kernel"], choice["few_rows_kernel"]
-        self.wide_kernel = wide_kernel(torch.int8)["kernel"] if cpu else "plain"
+        kernels = (kernels or default_plan().weights(torch.int8)) if cpu else LinearKernels()
+        self.decode_kernel, self.few_rows_kernel = kernels.one_row, kernels.few_rows
+        self.wide_kernel, self.order = kernels.wide, kernels.order
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype or x.dtype
@@ -271,9 +275,9 @@ class Int8Linear(nn.Module):
         scale = self.scale.to(dtype)
         kernel = self.decode_kernel if len(flat) == 1 else self.few_rows_kernel
         if self.int8_activations:
-            out = w8a8_linear(flat, self.qweight, scale, self.activation_group)
+            out = w8a8_linear(flat, self.qweight, scale, self.activation_group, self.order)
         elif flat.device.type == "cpu" and kernel == "kvlab" and len(flat) <= MAX_ROWS:
-            out = int8_linear(flat, self.qweight, scale, None)
+            out = int8_linear(flat, self.qweight, scale, None, self.order)
         elif flat.device.type == "cpu":
             wide = self.wide_kernel if len(flat) > MAX_ROWS else "plain"
             out = int8_wide_linear(flat, self.qweight, scale, wide)
@@ -290,17 +294,19 @@ def resolve_compute_dtype(name: str) -> torch.dtype | None:
 @register_quantizer("rtn", RtnOptions)
 def apply_rtn(model: nn.Module, options: RtnOptions) -> int:
     """Replace every eligible linear layer by its round-to-nearest int8 or int4 version."""
-    dtype = resolve_compute_dtype(options.compute_dtype)
+    dtype, plan = resolve_compute_dtype(options.compute_dtype), plan_of(model)
 
     def make(name: str, linear: nn.Linear) -> nn.Module:
         if options.bits == 8:
             group = options.w8a8_group() if options.activations == "int8" else None
             _check_divides("activation_group", group, linear, name)
-            return Int8Linear(linear, dtype, options.activations == "int8", group)
+            kernels = plan.weights(torch.int8)
+            return Int8Linear(linear, dtype, options.activations == "int8", group, kernels)
         _check_divides("group_size", options.group_size, linear, name)
         codes, scale, offset = quantize_int4(linear.weight, options.group_size, options.symmetric)
         int8_activations = options.activations == "int8"
-        return Int4Linear(codes, scale, offset, linear.bias, dtype, None, True, int8_activations)
+        return Int4Linear(codes, scale, offset, linear.bias, dtype, None, True, int8_activations,
+                          plan.weights("int4"))  # fmt: skip
 
     return replace_linears(model, options, make)
 

@@ -47,20 +47,20 @@ static void *weights_alloc(size_t n) {
 
 void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, const void *bias, int bias_bf16,
-                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
+                     void *y, int y_bf16, int64_t M, int64_t N, int64_t K, int in_order);
 void kvlab_gemv(const void *x, int x_bf16, int64_t x_stride, const void *w, int w_bf16,
                 const void *bias, int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N,
-                int64_t K);
+                int64_t K, int in_order);
 void kvlab_gemv_int4(const void *x, int x_bf16, int64_t x_stride, const uint8_t *codes,
                      const void *so, int so_bf16, int64_t G, const void *bias, int bias_bf16,
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
 void kvlab_gemv_w8a8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, int64_t AG, const void *bias,
-                     int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
+                     int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,
+                     int in_order);
 void kvlab_gemv_w4a8(const void *x, int x_bf16, int64_t x_stride, const uint8_t *codes,
                      const void *so, int so_bf16, int64_t G, const void *bias, int bias_bf16,
                      void *y, int y_bf16, int64_t M, int64_t N, int64_t K);
-void kvlab_gemv_set_order(int format, int in_order);
 
 int main(int argc, char **argv) {
   if (argc < 3) {
@@ -72,7 +72,7 @@ int main(int argc, char **argv) {
   const int64_t w8a8_group = getenv("GROUP") ? atoll(getenv("GROUP")) : 0;
   const int format = !strcmp(argv[1], "int8") || w8a8 ? 2 : !strcmp(argv[1], "bf16") ? 1 : 0;
   const int size = format == 2 ? 1 : format == 1 ? 2 : 4, between = argc > 3;
-  if (!int4) kvlab_gemv_set_order(format, !strcmp(argv[2], "rows"));
+  const int in_order = !strcmp(argv[2], "rows");
   const int64_t shapes[4][2] = {{960, 576}, {576, 576}, {3072, 576}, {576, 1536}};
   void *w[120], *so[120];
   uint16_t *scale = malloc(2 * 4096), *x = malloc(4 * 4096), *y = malloc(4 * 4096);
@@ -112,11 +112,12 @@ int main(int argc, char **argv) {
           kvlab_gemv_int4(x, 1, K, w[i], so[i], 1, 32, NULL, 0, y, 1, 1, N, K);
         else if (w8a8)
           kvlab_gemv_w8a8(x, 1, K, w[i], scale, 1, w8a8_group ? w8a8_group : K, NULL, 0, y, 1, 1, N,
-                          K);
+                          K, in_order);
         else if (format == 2)
-          kvlab_gemv_int8(x, 1, K, w[i], scale, 1, NULL, 0, y, 1, 1, N, K);
+          kvlab_gemv_int8(x, 1, K, w[i], scale, 1, NULL, 0, y, 1, 1, N, K, in_order);
         else
-          kvlab_gemv(x, format == 1, K, w[i], format == 1, NULL, 0, y, format == 1, 1, N, K);
+          kvlab_gemv(x, format == 1, K, w[i], format == 1, NULL, 0, y, format == 1, 1, N, K,
+                     in_order);
         kernels += now() - t0;
       }
     times[r] = kernels / 5;
