@@ -350,10 +350,29 @@ def to_run_config(cfg: Any) -> RunConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
 
 
+def registered_names(registry: str) -> str:
+    """Every name ``registry`` holds, comma-separated: ``${registered:scorers}`` in a sweep's
+    params sweeps them all, so a study's list is the registry's (a scorer added as one file
+    joins it). Registries: ``scorers`` (eviction), ``caches`` (strategies), ``quantizers``."""
+    from kvlab.cache import registered
+    from kvlab.cache.evict.scorers import scorers
+    from kvlab.quant import registered_quantizers
+
+    names = {"scorers": scorers, "caches": registered, "quantizers": registered_quantizers}
+    if registry not in names:
+        raise ValueError(f"${{registered:{registry}}}: allowed: {', '.join(names)}")
+    return ",".join(sorted(names[registry]()))
+
+
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore; conf/config.yaml extends ``run_schema``."""
+    """Put the schemas in Hydra's ConfigStore; conf/config.yaml extends ``run_schema``; and
+    the ``registered`` resolver, which a config reads registries with."""
+    from omegaconf import OmegaConf
+
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
+    if not OmegaConf.has_resolver("registered"):
+        OmegaConf.register_new_resolver("registered", registered_names)
 
 
 register_configs()  # importing the schemas makes them composable (conf/config.yaml needs them)

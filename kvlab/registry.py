@@ -1,9 +1,12 @@
 """A name → (options dataclass, function) registry, shared by the evals and the weight
 quantizers: register with a decorator, check options by name with an error that names the
-field, the bad value and what is allowed."""
+field, the bad value and what is allowed; and :func:`import_folder`, which imports every
+module of an axis folder so that a method registers itself by being one file there."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,3 +63,14 @@ def checked_options(options_type: type, values: dict[str, Any] | None, field: st
                 f"{field}.{key}={value!r} is not an option; allowed: {', '.join(known)}"
             )
     return options_type(**values)
+
+
+def import_folder(package: str) -> list[str]:
+    """Import every module of ``package`` (its folder's ``*.py``, in name order), so each
+    registers what it defines: a new method is one file in its axis folder, found here, and
+    every test, sweep and benchmark reads the registry it filled. The modules' names."""
+    folder = importlib.import_module(package)
+    names = sorted(m.name for m in pkgutil.iter_modules(folder.__path__) if not m.ispkg)
+    for name in names:
+        importlib.import_module(f"{package}.{name}")
+    return names

@@ -17,11 +17,12 @@ import torch
 
 import kvlab
 from kvlab.cache import build_cache
+from kvlab.cache.evict.scorers import scorers
 from kvlab.data import wikitext2_test_text
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.quiet import quiet_third_party
 
-SCORERS = ["knorm", "snapkv", "h2o", "tova", "expected_attention", "random", "streaming"]
+SCORERS = sorted(scorers())  # every registered scorer
 RATIOS = [0.5, 0.75, 0.875]
 
 

@@ -5,6 +5,10 @@
 # CPU wheel instead of a multi-GB CUDA build.
 #   bash scripts/peer_kvpress.sh            # create (or update) .venv-kvpress
 #   .venv-kvpress/bin/python experiments/eviction_ruler/kvpress_peer.py ...
+# The test suite's kept-set fixture (kvpress's presses of FIXTURE_PRESSES on its own prompt):
+#   .venv-kvpress/bin/python experiments/eviction_ruler/kvpress_peer.py fixture \
+#     "$(python -c "from kvlab.paths import cache_dir; print(cache_dir() / 'models/smollm2-135m')")" \
+#     tests/fixtures/kvpress_kept_ratio05.json tests/fixtures/kvpress_kept_ratio05.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${KVPRESS_VENV:-.venv-kvpress}

@@ -1,7 +1,7 @@
 """``cache=evict``: kept sets against kvpress (a fixture made once with kvpress 0.5.5, see
-experiments/eviction_ruler/kvpress_peer.py) and against hand computations on the tiny
-model, bytes held from the store's tensors, decode-time compression, the context/question
-split, bad options."""
+experiments/eviction_ruler/kvpress_peer.py: every registered scorer that names the press it
+equals is compared) and against hand computations on the tiny model, bytes held from the
+store's tensors, decode-time compression, the context/question split, bad options."""
 
 from __future__ import annotations
 
@@ -53,8 +53,17 @@ def as_bits(positions: list[int], length: int) -> str:
     return "".join(bits)
 
 
+PEERS = sorted(name for name, entry in scorers().items() if entry.kvpress)
+
+
+def test_every_press_a_scorer_names_is_in_the_fixture():
+    kept = json.loads(FIXTURE.read_text())["kept"]
+    missing = {n: scorers()[n].kvpress for n in PEERS if scorers()[n].kvpress not in kept}
+    assert not missing, f"regenerate {FIXTURE.name} with these presses (kvpress_peer.py fixture)"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scorer", ["knorm", "snapkv", "tova", "streaming"])
+@pytest.mark.parametrize("scorer", PEERS)
 def test_kept_sets_equal_kvpress(scorer, smollm2):
     """Every (layer, KV head, token) kvpress keeps at ratio 0.5, kvlab keeps (266 tokens),
     except where the top-k boundary falls inside a tie: a repeated token has the same key
@@ -81,7 +90,8 @@ def _check_kept_sets(model, fixture, scorer):
     seen, _, _ = kept_positions(model, dict(scorer=scorer, ratio=0.5), ids, scores=scores)
     for layer, (heads, layer_scores) in enumerate(zip(seen, scores, strict=True)):
         for head, kept in enumerate(heads[0]):
-            want = {i for i, bit in enumerate(fixture["kept"][scorer][layer][head]) if bit == "1"}
+            bits = fixture["kept"][scorers()[scorer].kvpress][layer][head]
+            want = {i for i, bit in enumerate(bits) if bit == "1"}
             by_position = layer_scores[0][head]
             boundary = min(by_position[p] for p in kept)
             swapped = set(kept) ^ want
@@ -133,7 +143,7 @@ def test_knorm_streaming_and_tova_keep_what_a_hand_computation_keeps(tiny_llama)
 
 
 @pytest.mark.parametrize("budget", ["uniform", "pyramid", "adaptive"])
-@pytest.mark.parametrize("scorer", ["snapkv", "h2o", "expected_attention", "random"])
+@pytest.mark.parametrize("scorer", sorted(scorers()))
 def test_bytes_held_are_the_kept_tokens(scorer, budget, tiny_llama):
     """Held bytes come from the store's tensors: kept tokens per head plus room for what
     follows, in blocks; a layer keeps its budget in all (adaptive: heads differ)."""

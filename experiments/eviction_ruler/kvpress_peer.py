@@ -3,14 +3,18 @@ then ``.venv-kvpress/bin/python experiments/eviction_ruler/kvpress_peer.py ...``
 not import kvlab: it reads kvlab's converted checkpoint (a plain HF Llama directory) and
 kvlab's generated items, and writes what kvpress does with them.
 
-  fixture CHECKPOINT IDS_JSON OUT_JSON   kept (layer, head, token) sets of knorm, snapkv,
-                                         tova and streaming at ratio 0.5 on one prompt
+  fixture CHECKPOINT IDS_JSON OUT_JSON   kept (layer, head, token) sets of each press of
+                                         FIXTURE_PRESSES at ratio 0.5 on one prompt, by
+                                         press name (kvlab's scorers name the press they
+                                         equal; tests/test_evict.py compares them)
   bytes CHECKPOINT ITEMS_JSONL OUT_JSON  bytes kvpress's cache holds after compressing the
                                          first item's context: no press, SnapKV and
                                          AdaKV(SnapKV) at ratio 0.5
-  ruler CHECKPOINT ITEMS_JSONL OUT_JSON [press:ratio ...]
+  ruler CHECKPOINT ITEMS_JSONL OUT_JSON [name[=Press]:ratio ...]
                                          RULER answers and scores through kvpress's
-                                         pipeline (context compressed, question after)
+                                         pipeline (context compressed, question after),
+                                         each under kvlab's scorer name (its press: a
+                                         kvpress class, or PRESSES[name])
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import sys
 import time
 from contextlib import nullcontext
 
+import kvpress
 import torch
 from kvpress import (
     ExpectedAttentionPress,
+    KeyDiffPress,
     KnormPress,
     ObservedAttentionPress,
     RandomPress,
@@ -37,7 +43,10 @@ PRESSES = {
     "streaming": StreamingLLMPress, "expected_attention": ExpectedAttentionPress,
     "h2o": ObservedAttentionPress, "random": RandomPress,
 }  # fmt: skip
-FIXTURE_PRESSES = ("knorm", "snapkv", "tova", "streaming")
+# kvpress's scorer presses that score what kvlab's Observation holds (the keys as cached,
+# the attention of the last queries) deterministically: the fixture's catalogue, kvpress's
+# side, whatever kvlab implements; a kvlab scorer that equals one names it (kvpress=...)
+FIXTURE_PRESSES = (KnormPress, SnapKVPress, TOVAPress, StreamingLLMPress, KeyDiffPress)
 
 
 def load(checkpoint: str, attn: str = "sdpa"):
@@ -79,8 +88,8 @@ def fixture(checkpoint: str, ids_path: str, out_path: str) -> None:
     model, _ = load(checkpoint)
     ids = json.load(open(ids_path))["ids"]
     sets = {
-        name: kept_sets(model, PRESSES[name](compression_ratio=0.5), ids)
-        for name in FIXTURE_PRESSES
+        press.__name__: kept_sets(model, press(compression_ratio=0.5), ids)
+        for press in FIXTURE_PRESSES
     }
     json.dump({"ids": ids, "ratio": 0.5, "kvpress": "0.5.5", "kept": sets}, open(out_path, "w"))
 
@@ -121,8 +130,10 @@ def ruler(checkpoint: str, items_path: str, out_path: str, specs: list[str]) -> 
     pipe = pipeline("kv-press-text-generation", model=model, tokenizer=tokenizer, device="cpu")
     results = []
     for spec in specs:
-        name, ratio = spec.split(":")
-        press = None if name == "none" else PRESSES[name](compression_ratio=float(ratio))
+        named, ratio = spec.split(":")
+        name, _, cls = named.partition("=")
+        kind = getattr(kvpress, cls) if cls else PRESSES.get(name)
+        press = None if name == "none" else kind(compression_ratio=float(ratio))
         for item in items:
             start = time.perf_counter()
             answer = pipe(

@@ -18,10 +18,12 @@ with open(f"{sys.argv[1]}/items.jsonl", "w") as f:
         f.write(json.dumps({**item.to_json(), "max_new_tokens": options.max_new_tokens}) + "\n")
 PY
 checkpoint=$(python -c "from kvlab.models.loading import cache_dir; print(cache_dir() / 'models' / 'smollm2-135m')")
+# every registered scorer that equals a kvpress press, under its press
+peers=$(python -c "from kvlab.cache.evict.scorers import scorers
+print(' '.join(f'{n}={e.kvpress}:0.5' for n, e in sorted(scorers().items()) if e.kvpress))")
 if [ -x .venv-kvpress/bin/python ]; then
   HF_HUB_DISABLE_PROGRESS_BARS=1 .venv-kvpress/bin/python experiments/eviction_ruler/kvpress_peer.py \
-    ruler "$checkpoint" "$out/items.jsonl" "$out/kvpress_ruler.json" \
-    none:0 snapkv:0.5 knorm:0.5 tova:0.5 streaming:0.5
+    ruler "$checkpoint" "$out/items.jsonl" "$out/kvpress_ruler.json" none:0 $peers
 fi
 python experiments/eviction_ruler/study.py "$out/study" --replayed-only
 python experiments/eviction_ruler/study.py "$out/study" --eval-path-only  # sliding, compressed

@@ -33,7 +33,7 @@ from kvlab.eval.ruler import RulerOptions, answer, full_bytes, ruler_items
 from kvlab.eval.ruler_tasks import prompt_ids
 from kvlab.models.rope import RotaryTables
 
-SCORERS = ["knorm", "snapkv", "h2o", "tova", "expected_attention", "random", "streaming"]
+SCORERS = sorted(scorers())  # every registered scorer
 RATIOS = [0.25, 0.5, 0.75, 0.875]
 BUDGETS = [("snapkv", 0.5, "pyramid"), ("snapkv", 0.5, "adaptive"),
            ("expected_attention", 0.5, "adaptive"), ("knorm", 0.5, "adaptive")]  # fmt: skip

@@ -20,8 +20,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).parent
-SCORERS = ["knorm", "snapkv", "h2o", "tova", "expected_attention", "random", "streaming"]
 RATIOS = [0.25, 0.5, 0.75, 0.875]
+
+
+def scorers_in(summary: dict) -> list[str]:
+    """The scorers the study ran (its settings ``<scorer>@<ratio>``: study.py runs every
+    registered scorer)."""
+    return sorted({s.split("@")[0] for s in summary if "@" in s and "/" not in s})
 
 
 def by_setting(rows: list[dict]) -> dict[str, dict]:
@@ -46,7 +51,7 @@ def by_setting(rows: list[dict]) -> dict[str, dict]:
 def ratio_table(summary: dict, ratios=RATIOS) -> str:
     lines = ["| scorer | " + " | ".join(f"ratio {r}" for r in [0, *ratios]) + " |"]
     lines.append("|---" * (len(ratios) + 2) + "|")
-    for scorer in SCORERS:
+    for scorer in scorers_in(summary):
         cells = [summary["full"]["score"]] + [
             summary.get(f"{scorer}@{r}", {}).get("score", float("nan")) for r in ratios
         ]
@@ -80,7 +85,7 @@ def peer_table(summary: dict, peer_rows: list[dict]) -> str:
 def plots(summary: dict, ratios=(0.5, 0.875)) -> None:
     """Ratios measured on every task only (a point must average the same items)."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for scorer in SCORERS:
+    for scorer in scorers_in(summary):
         xs = [0, *ratios]
         ys = [summary["full"]["score"]]
         ys += [summary.get(f"{scorer}@{r}", {}).get("score", float("nan")) for r in ratios]

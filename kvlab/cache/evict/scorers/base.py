@@ -84,25 +84,28 @@ Scorer = Callable[[Observation], torch.Tensor]
 @dataclass(frozen=True)
 class ScorerEntry:
     """``fn(obs) -> (B, H_kv, L)`` scores; ``queries``: how many recent queries it needs
-    (0: none, -1: every query of the step); ``sinks``: first tokens it keeps by default."""
+    (0: none, -1: every query of the step); ``sinks``: first tokens it keeps by default;
+    ``kvpress``: the kvpress press whose kept sets it equals (the class name; the test
+    suite compares them on a fixture kvpress made, tests/fixtures)."""
 
     fn: Scorer
     queries: int | str = 0
     sinks: int = 0
+    kvpress: str | None = None
 
 
 _SCORERS: dict[str, ScorerEntry] = {}
 
 
-def register_scorer(name: str, queries: int | str = 0, sinks: int = 0):
+def register_scorer(name: str, queries: int | str = 0, sinks: int = 0, kvpress: str | None = None):
     """Function decorator: register a scorer under ``name`` (``cache.options.scorer``).
     ``queries``: 0 (none), "window" (the last ``window`` queries), "last" (the last one),
-    "all" (every observed query)."""
+    "all" (every observed query); ``kvpress``: see :class:`ScorerEntry`."""
 
     def wrap(fn: Scorer) -> Scorer:
         if name in _SCORERS:
             raise ValueError(f"scorer {name!r} is registered twice")
-        _SCORERS[name] = ScorerEntry(fn, queries, sinks)
+        _SCORERS[name] = ScorerEntry(fn, queries, sinks, kvpress)
         return fn
 
     return wrap

@@ -4,6 +4,6 @@ Norm-Based Strategy for KV Cache Compression", arXiv 2406.11430; kvpress's Knorm
 from kvlab.cache.evict.scorers.base import Observation, register_scorer
 
 
-@register_scorer("knorm")
+@register_scorer("knorm", kvpress="KnormPress")
 def knorm(obs: Observation):
     return -obs.keys.norm(dim=-1)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kvlab.cache.evict.scorers.base import Observation, register_scorer
 
 
-@register_scorer("snapkv", queries="window")
+@register_scorer("snapkv", queries="window", kvpress="SnapKVPress")
 def snapkv(obs: Observation):
     window, kernel = obs.options.window, obs.options.kernel
     _, probs = next(obs.attention(last=window))  # (B, H, w, L)

@@ -5,6 +5,6 @@ policy keeps the newest ones; the ``sinks`` first tokens are protected by the po
 from kvlab.cache.evict.scorers.base import Observation, register_scorer
 
 
-@register_scorer("streaming", sinks=4)
+@register_scorer("streaming", sinks=4, kvpress="StreamingLLMPress")
 def streaming(obs: Observation):
     return obs.positions.float()

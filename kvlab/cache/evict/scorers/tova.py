@@ -7,7 +7,7 @@ import torch
 from kvlab.cache.evict.scorers.base import Observation, register_scorer
 
 
-@register_scorer("tova", queries="last")
+@register_scorer("tova", queries="last", kvpress="TOVAPress")
 def tova(obs: Observation):
     _, probs = next(obs.attention(last=1))  # (B, H, 1, L)
     scores = probs[:, :, 0].mean(dim=1, keepdim=True)  # (B, 1, L)
