@@ -9,6 +9,7 @@ import torch
 from kvlab.cache import build_cache, registered
 from kvlab.cache.codecs import CodecOptions, KiviOptions
 from kvlab.cache.composed import compositions, preset
+from kvlab.cache.evict.scorers import scorers
 from kvlab.cache.policies.keep_all import KeepAll
 from kvlab.cache.stores.paged import PagedOptions, PagedStore
 from kvlab.cache.stores.ring import RingStore
@@ -61,8 +62,14 @@ GRID = [
     if codec_options is CodecOptions
     for codec_name, codec in CODECS.items()
 ]
+# every registered scorer through the eviction policy (lossy: what it keeps matters)
+SCORED = [
+    pytest.param("evict", {**LOSSY["evict"], "scorer": scorer}, id=f"evict-{scorer}")
+    for scorer in sorted(scorers())
+]
 COMPOSED = [
     *GRID,
+    *SCORED,
     pytest.param(
         "evict",
         dict(scorer="knorm", ratio=0.5, budget="adaptive", kv_bits=4, kv_group_size=8),
@@ -115,6 +122,16 @@ def from_scratch(model, tokens: list[int]) -> torch.Tensor:
 def test_exact_setting_equals_recomputation(name, tiny_llama):
     prompt = prompts(tiny_llama.config.vocab_size)[0]
     logits, generated = step_logits(tiny_llama, name, prompt, steps=12, options=EXACT[name])
+    for i in range(len(generated)):
+        reference = from_scratch(tiny_llama, prompt + generated[:i])
+        assert (logits[i] - reference[0]).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("scorer", sorted(scorers()))
+def test_every_scorer_evicting_nothing_equals_recomputation(scorer, tiny_llama):
+    prompt = prompts(tiny_llama.config.vocab_size)[0]
+    options = {**EXACT["evict"], "scorer": scorer}
+    logits, generated = step_logits(tiny_llama, "evict", prompt, steps=6, options=options)
     for i in range(len(generated)):
         reference = from_scratch(tiny_llama, prompt + generated[:i])
         assert (logits[i] - reference[0]).abs().max() <= TOLERANCE

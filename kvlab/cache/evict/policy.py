@@ -59,14 +59,11 @@ def keep_mask(scores, valid, forced, options, layer: int, layers: int, limit=Non
 
 
 def _top(scores: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
-    """(..., L) bool: the ``budget[...]`` highest scores of each row. One budget for all
-    rows: ``torch.topk``, so ties (two equal key norms: the same token twice) break as
-    kvpress's ``ScorerPress`` breaks them; budgets that differ by row: a stable sort
-    (earlier first)."""
-    most = int(budget.max()) if budget.numel() else 0
-    if bool((budget == most).all()):
-        kept = torch.zeros_like(scores, dtype=torch.bool)
-        return kept.scatter_(-1, scores.topk(most, dim=-1).indices, True)
+    """(..., L) bool: the ``budget[...]`` highest scores of each row, equal scores taken
+    earlier first (a stable sort): a row keeps the same tokens alone or in a batch whose
+    other rows have other budgets, and protected tokens (+inf) that outnumber the budget
+    are the first ones (with ``torch.topk``'s order among equal scores a lone row of 5
+    tokens kept sinks 1 and 3 of 4, a batched one sinks 0 and 1)."""
     order = scores.sort(dim=-1, descending=True, stable=True).indices
     ranks = torch.arange(order.shape[-1], device=order.device).expand_as(order)
     rank = torch.empty_like(order).scatter_(-1, order, ranks)
