@@ -11,6 +11,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from kvlab.kernels.plan import KernelSettings
+from kvlab.paths import CONF_DIR
 from kvlab.speculative.config import SpecConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -365,12 +366,19 @@ def registered_names(registry: str) -> str:
 
 
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore; conf/config.yaml extends ``run_schema``; and
-    the ``registered`` resolver, which a config reads registries with."""
+    """Put the schemas in Hydra's ConfigStore (conf/config.yaml extends ``run_schema``), a
+    ``cache`` group entry for every registered strategy that has no yaml of its own in
+    ``conf/cache/`` (so ``cache=<name>`` composes with its defaults: a strategy is one file),
+    and the ``registered`` resolver, which a config reads registries with."""
     from omegaconf import OmegaConf
+
+    from kvlab.cache import registered
 
     store = ConfigStore.instance()
     store.store(name="run_schema", node=RunConfig)
+    with_yaml = {path.stem for path in (Path(CONF_DIR) / "cache").glob("*.yaml")}
+    for name in sorted(set(registered()) - with_yaml):
+        store.store(group="cache", name=name, node={"name": name, "options": {}})
     if not OmegaConf.has_resolver("registered"):
         OmegaConf.register_new_resolver("registered", registered_names)
 

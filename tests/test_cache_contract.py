@@ -17,33 +17,9 @@ from kvlab.engine import Engine, GenerationConfig
 
 # Every registered strategy on the tiny model (head_dim 16): its lossy setting, and a
 # setting in which it keeps everything exactly (a quantizer whose full-precision residual
-# covers the whole sequence). A new strategy must add itself to both.
-LOSSY = {
-    "full": {},
-    "nocache": {},
-    "int8": dict(group_size=4, residual=4),
-    "int4": dict(group_size=4, residual=4),
-    "int2": dict(group_size=4, residual=4),
-    "sliding": dict(sinks=2, window=6),
-    "gqa_shared": dict(factor=2),
-    "paged": dict(block_size=4),
-    "compressed": dict(csa_ratio=2, hca_ratio=4, window=3, sinks=1, top_k=2),
-    "evict": dict(scorer="snapkv", ratio=0.5, window=2, kernel=3),
-    "quest": dict(block_size=2, token_budget=6),
-}
-EXACT = {
-    "full": {},
-    "nocache": {},
-    "int8": dict(group_size=4, residual=256),
-    "int4": dict(group_size=4, residual=256),
-    "int2": dict(group_size=4, residual=256),
-    "sliding": dict(sinks=2, window=256),
-    "gqa_shared": dict(factor=1),
-    "paged": dict(block_size=3),
-    "compressed": dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0, sinks=0),
-    "evict": dict(scorer="snapkv", ratio=0.0, window=2, kernel=3),
-    "quest": dict(block_size=4, token_budget=256),
-}
+# covers the whole sequence), as the strategy declares them (KVCache.tests).
+LOSSY = {name: cls.tests.lossy for name, cls in registered().items()}
+EXACT = {name: cls.tests.exact for name, cls in registered().items()}
 STRATEGIES = sorted(registered())
 TOLERANCE = 1e-4
 # The composition grid the registry declares: every (policy, store) preset in every token
@@ -91,10 +67,6 @@ def test_a_choice_that_does_not_compose_is_refused_with_what_is_allowed():
     with pytest.raises(ValueError, match=r"store 'paged' cannot stage; allowed: \['contiguous'\]"):
         preset("kivi_paged", KeepAll, PagedStore, (PagedOptions,), codec=KiviOptions)
     assert "keep_all_ring" not in registered() and "kivi_paged" not in registered()
-
-
-def test_every_strategy_has_contract_cases():
-    assert set(LOSSY) == set(STRATEGIES) == set(EXACT)
 
 
 def prompts(vocab: int, lengths=(11, 5, 17)) -> list[list[int]]:
@@ -252,25 +224,12 @@ def test_full_and_nocache_agree_over_64_greedy_steps(smollm2):
 
 
 # The default model (head_dim 64): each strategy in a setting where it keeps everything.
-DEFAULT_MODEL_EXACT = {
-    "full": {},
-    "nocache": {},
-    "paged": {},
-    "gqa_shared": dict(factor=1),
-    "sliding": dict(window=1024),
-    "int8": dict(residual=1024),
-    "int4": dict(residual=1024),
-    "int2": dict(residual=1024),
-    "compressed": dict(schedule=["csa"], csa_ratio=1, overlap=False, top_k=0, window=0, sinks=0),
-    "evict": dict(ratio=0.0),
-    "quest": dict(token_budget=8192),
-}
+DEFAULT_MODEL_EXACT = {name: cls.tests.default_exact for name, cls in registered().items()}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_exact_settings_match_full_on_the_default_model(name, smollm2):
-    assert set(DEFAULT_MODEL_EXACT) == set(STRATEGIES)
     model, tokenizer = smollm2
     prompt = tokenizer(
         "The tower is 324 metres tall, about the same height as an 81-storey "

@@ -228,14 +228,44 @@ def test_report_labels_name_how_a_strategy_stores_kv():
 
 
 def test_every_composed_preset_names_its_axes_in_its_yaml():
-    """conf/cache/<name>.yaml states the preset's policy, store and codec, as registered."""
+    """conf/cache/<name>.yaml, where a preset has one, states the preset's policy, store and
+    codec, as registered (the built-ins all have one)."""
     from omegaconf import OmegaConf
 
     from kvlab.cache.composed import axes_of, compositions
 
     for name in compositions():
-        yaml = OmegaConf.load(Path(CONF_DIR) / "cache" / f"{name}.yaml")
-        assert (yaml.policy, yaml.store, yaml.codec) == axes_of(name), name
+        path = Path(CONF_DIR) / "cache" / f"{name}.yaml"
+        if path.exists() or name in BUILT_IN_PRESETS:
+            yaml = OmegaConf.load(path)
+            assert (yaml.policy, yaml.store, yaml.codec) == axes_of(name), name
+
+
+BUILT_IN_PRESETS = ("full", "paged", "quest", "sliding", "evict", "gqa_shared", "compressed",
+                    "int8", "int4", "int2")  # fmt: skip
+
+
+def test_a_preset_declared_outside_conf_composes_with_its_defaults():
+    """A strategy registered in Python alone (a policy file's own preset) is a ``cache=``
+    choice too: kvlab registers a config entry for it, and its options are checked."""
+    from kvlab.cache import base, composed
+    from kvlab.cache.policies.keep_all import KeepAll
+    from kvlab.cache.stores.contiguous import ContiguousStore
+    from kvlab.config import register_configs
+
+    name = "keep_all_declared_in_python"
+    composed.preset(name, KeepAll, ContiguousStore)
+    try:
+        register_configs()
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            cfg = to_run_config(compose(config_name="config", overrides=[f"cache={name}"]))
+            assert cfg.cache.name == name and cfg.cache.options == {}
+            bogus = [f"cache={name}", "+cache.options.bogus=1"]
+            with pytest.raises(ValueError, match=r"cache.options.bogus=1 is not an option"):
+                to_run_config(compose(config_name="config", overrides=bogus))
+    finally:
+        base._REGISTRY.pop(name)
+        composed._COMPOSITIONS.pop(name)
 
 
 @pytest.mark.parametrize(

@@ -89,15 +89,9 @@ def test_max_batch_is_what_fits_beside_the_weights():
 # written from the layouts the strategies document, not from their code: the memory model
 # (planned_bytes) and what a generation really holds must both equal them.
 L, H, D, F32 = 2, 2, 16, 4
-HAND_OPTIONS = {
-    "full": {}, "nocache": {}, "gqa_shared": dict(factor=2),
-    "int8": dict(group_size=4, residual=6), "int4": dict(group_size=4, residual=6),
-    "int2": dict(group_size=4, residual=6, key_axis="token"),
-    "sliding": dict(sinks=2, window=6), "paged": dict(block_size=4),
-    "compressed": dict(csa_ratio=2, hca_ratio=4, window=3, sinks=1, top_k=2),
-    "evict": dict(ratio=0.0),  # lossy ratios: tests/test_evict.py
-    "quest": dict(block_size=4),
-}  # fmt: skip
+HAND_OPTIONS = {name: cls.tests.memory_options for name, cls in registered().items()}
+HAND_FORMULAS = {"full", "nocache", "gqa_shared", "int8", "int4", "int2", "sliding", "paged",
+                 "quest", "evict", "compressed"}  # fmt: skip
 
 
 def hand_bytes(name: str, batch: int, tokens: int) -> int:
@@ -131,20 +125,23 @@ def hand_bytes(name: str, batch: int, tokens: int) -> int:
     return window + csa + hca
 
 
-def test_every_strategy_has_a_hand_formula():
-    assert set(HAND_OPTIONS) == set(registered())
+def test_the_hand_formulas_are_of_registered_strategies():
+    assert set(HAND_FORMULAS) <= set(registered())
 
 
 @pytest.mark.parametrize("name", sorted(HAND_OPTIONS))
 def test_planned_and_held_bytes_equal_the_hand_formula(name, tiny_llama):
+    """Every strategy's memory model equals what it holds; the built-ins' also equal a hand
+    formula (a strategy added later is checked against its tensors alone)."""
     spec, options = tiny_llama.cache_spec(), HAND_OPTIONS[name]
     batch = [[5] * 11, [7] * 17, [9] * 3]
     tokens = max(map(len, batch)) + 6  # what the engine allocates: longest prompt + new
     cache = build_cache(name, spec, options)
     held = Engine(tiny_llama, cache).generate(batch, GenerationConfig(6, stop_on_eos=False))
     planned = sum(type(cache).planned_bytes(spec, cache.options, 3, tokens).values())
-    assert planned == hand_bytes(name, 3, tokens)
-    assert held.stats.kv_peak.held_bytes == (0 if name == "nocache" else planned)
+    if name in HAND_FORMULAS:
+        assert planned == hand_bytes(name, 3, tokens)
+    assert held.stats.kv_peak.held_bytes == (0 if not cache.stores_past else planned)
 
 
 def test_memory_command_prints_both_tables():

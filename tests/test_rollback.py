@@ -8,34 +8,35 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvlab.cache import build_cache
+from kvlab.cache import build_cache, registered
 from kvlab.cache.composed import compositions
 from kvlab.engine import Engine
 
 TOLERANCE = 1e-4
 GEN = torch.Generator().manual_seed(11)
 
-# Settings under which a strategy keeps everything exactly, and lossy ones; KIVI's lossy
-# rollback is one token (its ring of residual + group_size slots holds the rest).
-EXACT = {
-    "full": {}, "gqa_shared": dict(factor=1), "paged": dict(block_size=3),
-    "quest": dict(block_size=4, token_budget=256), "sliding": dict(sinks=2, window=256),
-    "int8": dict(group_size=4, residual=256), "int4": dict(group_size=4, residual=256),
-    "int2": dict(group_size=4, residual=256),
-}  # fmt: skip
-LOSSY = {
-    "full": dict(kv_bits=4, kv_group_size=8), "paged": dict(block_size=4, kv_bits=8,
-    kv_group_size=16), "quest": dict(block_size=2, token_budget=6),
-    "int4": dict(group_size=4, residual=4), "int2": dict(group_size=4, residual=4),
-    "sliding": dict(sinks=2, window=6, rollback=3),  # wrapped: rows of 11-22 tokens, 11 slots
-    "evict": dict(scorer="snapkv", ratio=0.5, window=2, kernel=3),  # back past no compression
-}  # fmt: skip
-BACK = {"int4": 1, "int2": 1}
-REFUSED = {"evict", "compressed"}  # evict: into what it chose among; compressed: pooled
+# Settings under which a strategy keeps everything exactly, and lossy ones, as each declares
+# them (KVCache.tests); KIVI's lossy rollback is one token (its ring of residual +
+# group_size slots holds the rest).
+TESTS = {name: cls.tests for name, cls in registered().items()}
+EXACT = {n: t.exact for n, t in TESTS.items() if t.rollback_exact}
+LOSSY = {n: t.rollback_lossy for n, t in TESTS.items() if t.rollback_lossy is not None}
+BACK = {n: t.rollback_back for n, t in TESTS.items()}
+REFUSED = {n for n, t in TESTS.items() if t.rollback_exact is False}
 
 
-def test_every_composed_strategy_has_a_rollback_case():
+def test_the_built_in_strategies_roll_back_or_refuse_as_declared():
+    assert {"full", "gqa_shared", "paged", "quest", "sliding", "int8", "int4", "int2"} <= set(EXACT)
+    assert {"evict", "compressed"} <= REFUSED
     assert set(compositions()) <= set(EXACT) | REFUSED
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_strategy_that_cannot_roll_back_exactly_refuses(name, tiny_llama):
+    seqs = [random_tokens(11)]
+    engine = started(tiny_llama, name, TESTS[name].lossy, seqs)
+    with pytest.raises(ValueError, match="roll back"):
+        engine.cache.truncate([9])
 
 
 def random_tokens(count: int) -> list[int]:
@@ -86,7 +87,7 @@ def test_rollback_equals_recomputing_the_kept_tokens(name, tiny_llama):
 @pytest.mark.parametrize("name", sorted(LOSSY))
 def test_lossy_rollback_equals_never_feeding_the_dropped_tokens(name, tiny_llama):
     """Decode 5, roll back r, decode 4 = decode 5 - r, decode 4: same logits and bytes."""
-    back, options = BACK.get(name, 3), LOSSY[name]
+    back, options = BACK[name], LOSSY[name]
     drafts, after = [random_tokens(5) for _ in range(3)], [random_tokens(4) for _ in range(3)]
     rolled_seqs = prompts()
     plain_seqs = [list(s) for s in rolled_seqs]

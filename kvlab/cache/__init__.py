@@ -1,4 +1,6 @@
-"""KV-cache strategies: one file each, registered by name (see ``base.py`` for the contract)."""
+"""KV-cache strategies: one file each, registered by name (see ``base.py`` for the contract).
+The built-in presets are :mod:`.presets`; a policy file may declare its own, and every
+module of the policies folder is imported here, so a new policy is one file."""
 
 from kvlab.cache import (  # noqa: F401  (registers the strategies)
     nocache,
@@ -17,6 +19,9 @@ from kvlab.cache.base import (
     registered,
     sdpa,
 )
+from kvlab.registry import import_folder
+
+import_folder("kvlab.cache.policies")  # presets a policy's own file declares
 
 __all__ = [
     "NoRoom",

@@ -102,18 +102,54 @@ class CacheOptions:
     """Options of a strategy; subclasses add fields and check them in ``__post_init__``."""
 
 
+@dataclass(frozen=True)
+class TestSettings:
+    """The options the contract tests (``tests/``) run a strategy with, declared beside it,
+    so a new strategy takes its place in every test table by declaring these: on the tiny
+    random models (head_dim 16, prompts of 5 to 17 tokens) ``exact`` keeps everything
+    exactly (it must equal recomputation from scratch) and ``lossy`` drops or approximates
+    (batches, forks, memory reports); ``default_exact`` keeps everything on the default
+    model (head_dim 64). ``runtime``: the decode-runtime test's setting (default ``lossy``);
+    ``memory``: the memory model's (default ``exact``); ``rollback_exact``: the exact setting
+    rolls rows back exactly (False: a rollback is refused; None: nothing is kept to roll
+    back); ``rollback_lossy``: a lossy
+    setting whose rollback by ``rollback_back`` tokens equals never feeding them (None:
+    not tested)."""
+
+    __test__ = False  # not a pytest class
+
+    exact: dict = field(default_factory=dict)
+    lossy: dict = field(default_factory=dict)
+    default_exact: dict = field(default_factory=dict)
+    runtime: dict | None = None
+    memory: dict | None = None
+    rollback_exact: bool | None = True
+    rollback_lossy: dict | None = None
+    rollback_back: int = 3
+
+    @property
+    def runtime_options(self) -> dict:
+        return self.lossy if self.runtime is None else self.runtime
+
+    @property
+    def memory_options(self) -> dict:
+        return self.exact if self.memory is None else self.memory
+
+
 class KVCache(ABC):
     """Base of every strategy. Subclasses set ``name`` via :func:`register` and may set:
 
     - ``stores_past = False``: keeps nothing, so the engine re-feeds the whole sequence;
     - ``serves = False``: rows cannot join a running batch (``workload=serving`` refuses);
-    - ``Options``: a :class:`CacheOptions` dataclass of the strategy's knobs.
+    - ``Options``: a :class:`CacheOptions` dataclass of the strategy's knobs;
+    - ``tests``: the :class:`TestSettings` the contract tests run it with.
     """
 
     name: ClassVar[str]
     stores_past: ClassVar[bool] = True
     serves: ClassVar[bool] = True  # implements the serving contract (spawn/join/free)
     Options: ClassVar[type[CacheOptions]] = CacheOptions
+    tests: ClassVar[TestSettings] = TestSettings()
 
     @classmethod
     def describe(cls, options: CacheOptions) -> str:

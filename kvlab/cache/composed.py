@@ -16,7 +16,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar
 
-from kvlab.cache.base import CacheOptions, KVCache, MemoryReport, RowState, register
+from kvlab.cache.base import (
+    CacheOptions,
+    KVCache,
+    MemoryReport,
+    RowState,
+    TestSettings,
+    register,
+)
 from kvlab.cache.codecs import CodecOptions
 from kvlab.cache.codecs.rotation import hadamard
 from kvlab.cache.policies.base import Policy
@@ -194,10 +201,17 @@ class ComposedCache(KVCache):
 
 
 def preset(
-    name: str, policy: type[Policy], store: type[Store], options=(), codec: type = CodecOptions
+    name: str,
+    policy: type[Policy],
+    store: type[Store],
+    options=(),
+    codec: type = CodecOptions,
+    tests: TestSettings | None = None,
 ) -> type:
     """Register strategy ``name`` as ``policy`` over ``store`` in ``codec``'s codes, its
-    options the union of ``options`` (the policy's and store's dataclasses) and ``codec``."""
+    options the union of ``options`` (the policy's and store's dataclasses) and ``codec``;
+    ``tests``: the settings the contract tests run it with (:class:`TestSettings`; default:
+    its default options, exact and lossy alike)."""
     if store.kind not in policy.stores:
         raise ValueError(
             f"policy {policy.__name__} does not compose with store {store.kind!r}; "
@@ -225,7 +239,8 @@ def preset(
         "Options", [], bases=bases, namespace={"__post_init__": post_init}
     )
     title = "".join(part.title() for part in name.split("_"))
-    namespace = {"Policy": policy, "Store": store, "serves": policy.serves}
+    namespace = {"Policy": policy, "Store": store, "serves": policy.serves,
+                 "tests": tests or TestSettings()}  # fmt: skip
     cls = type(f"{title}Cache", (ComposedCache,), namespace)
     cls.Options, cls.__module__ = merged, "kvlab.cache.presets"
     merged.__module__, merged.__qualname__ = cls.__module__, f"{cls.__name__}.Options"
@@ -294,4 +309,4 @@ def _why_not(known: dict[str, dict[str, type]], policy: str, store: str, codec: 
     if not holds(known["store"][store], codec_cls):
         stages = sorted(s.kind for s in STAGED)
         return f"codec {codec} keeps an exact residual, which only {stages} stages"
-    return "no preset names it yet (add one line to kvlab/cache/presets.py)"
+    return "no preset names it yet (declare one: kvlab.cache.composed.preset)"

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kvlab.cache.base import KVCache, register, sdpa
+from kvlab.cache.base import KVCache, TestSettings, register, sdpa
 
 
 @register("nocache")
@@ -18,6 +18,7 @@ class NoCache(KVCache):
     """Causal attention over the current step's tokens only; holds no tensors."""
 
     stores_past = False
+    tests = TestSettings(rollback_exact=None)  # nothing to roll back: it feeds again
 
     @classmethod
     def planned_bytes(cls, spec, options, batch_size, max_tokens):

@@ -28,7 +28,8 @@ class Store(ABC):
     admitted by the blocks they need); otherwise a row reserves its whole capacity.
     ``copies_rows``: a row is a slice of the store's row state, so selecting rows (with
     repeats) copies them (:meth:`KVCache.fork`); not so where rows share pool blocks or are
-    packed runs.
+    packed runs. ``repacks_on_host``: a multi-token step may allocate what its rows keep,
+    sized on the host (a ragged store's repack after eviction); its decode steps never do.
     ``static``: every step has the same shapes and does the same work (a compiled decode
     step), so a store never skips work on a host-side condition within the layers
     (:meth:`commit` runs after them, outside the compiled step, and may)."""
@@ -36,6 +37,7 @@ class Store(ABC):
     kind: ClassVar[str]
     pooled: ClassVar[bool] = False
     copies_rows: ClassVar[bool] = True
+    repacks_on_host: ClassVar[bool] = False
 
     def __init__(self, spec: CacheSpec, codec: Codec, options: Any, static: bool = False):
         self.spec, self.codec, self.options, self.static = spec, codec, options, static

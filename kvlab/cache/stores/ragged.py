@@ -130,6 +130,7 @@ class RaggedStore(Store):
 
     kind = "ragged"
     copies_rows = False  # a head's run is not a row slice
+    repacks_on_host = True  # a repack sizes each head's run from the kept counts
 
     def __init__(self, spec, codec, options=None, room: int | None = None, static=False):
         super().__init__(spec, codec, options, static)
