@@ -20,7 +20,9 @@ is ``madvise``) instead of huge pages (``model.huge_pages``, kvlab/kernels/huge_
 in turns with the same format on huge pages; ``:layers`` calls the fused layers one by one
 instead of a step's layers in one C call (``Decoder.step_in_one_call``, FusedStep in
 kvlab/models/fused_layer.py); ``:row`` gives W8A8 one activation scale a row instead of one
-every 32 channels; ``--cache`` names the KV strategy:
+every 32 channels; ``:qwen3`` runs the model's weights as a Qwen3 checkpoint (per-head q/k
+norms of ones: the fused layer norms them in C; ``kvlab.models.loading.as_qwen3``);
+``--cache`` names the KV strategy:
 
     python scripts/bench_weight_formats.py --depth 4096 --cache full \
         --formats none@float32,none:4k@float32
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 from bench_vs_llamacpp import wikitext_prompt  # scripts/, beside it
@@ -38,14 +42,17 @@ from bench_vs_llamacpp import wikitext_prompt  # scripts/, beside it
 from kvlab.cache import cache_factory
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels.huge_pages import summary
+from kvlab.models.loading import as_qwen3
 from kvlab.run import compose_run_config, load_run_model
 from kvlab.tracking import environment
 
+QWEN3_DIR = Path(tempfile.gettempdir()) / "kvlab-bench-qwen3"  # remade each run
 EXTRAS = {
     "head": "+quant.options.skip=[]",
     "4k": "model.huge_pages=false",
     "layers": None,
     "row": "quant.options.activation_group=row",
+    "qwen3": None,
 }
 
 
@@ -59,6 +66,9 @@ def load(spec: str, dtype: str) -> torch.nn.Module:
         raise SystemExit(f"--formats: {spec!r} asks for {unknown}; allowed: {sorted(EXTRAS)}")
     overrides = [f"quant={preset}", f"model.dtype={own_dtype or dtype}"]
     overrides += [EXTRAS[extra] for extra in extras if EXTRAS[extra] is not None]
+    if "qwen3" in extras:
+        qwen3 = as_qwen3(compose_run_config([]).model.source, QWEN3_DIR)
+        overrides.append(f"model.source={qwen3}")
     cfg = compose_run_config(overrides)
     model = load_run_model(cfg.model, cfg.quant, torch.device("cpu"))[0]
     model.step_in_one_call = "layers" not in extras

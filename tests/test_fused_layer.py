@@ -73,7 +73,9 @@ def decode_logits(model, steps: int = 6, cache: str = "full", prompts=PROMPTS, *
 
 
 @needs_kernel
-@pytest.mark.parametrize("family", ["llama", "llama3_scaled", "llama2_linear", "qwen2", "smollm"])
+@pytest.mark.parametrize(
+    "family", ["llama", "llama3_scaled", "llama2_linear", "qwen2", "qwen3", "smollm"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     "bits",
@@ -287,10 +289,9 @@ def test_a_step_stays_layer_by_layer_where_one_layer_does_not_take_its_rows(
 
 @needs_kernel
 def test_fused_layer_kernel_serves_only_layers_it_can(tiny_checkpoints):
-    """q/k norms (Qwen3), layers not on kvlab's kernels and quantized layers computing in
-    fp32 in a bf16 model keep the op-by-op path; a plan is taken again once a layer's
-    weights change."""
-    qwen3 = with_decode_linears(tiny_checkpoints["qwen3"], torch.float32)
+    """Layers not on kvlab's kernels and quantized layers computing in fp32 in a bf16 model
+    keep the op-by-op path (q/k norms, Qwen3's, no longer: normed in C); a plan is taken
+    again once a layer's weights change."""
     plain, _ = load_model(str(tiny_checkpoints["llama"]), cpu_prepack=False)
     fp32_int8 = with_decode_linears(tiny_checkpoints["llama"], torch.bfloat16, 8)
     for layer in fp32_int8.modules():
@@ -298,7 +299,7 @@ def test_fused_layer_kernel_serves_only_layers_it_can(tiny_checkpoints):
             layer.compute_dtype, layer.scale = torch.float32, layer.scale.float()
     model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
     with torch.inference_mode():
-        for unserved in (qwen3, plain, fp32_int8):
+        for unserved in (plain, fp32_int8):
             decode_logits(unserved, steps=2)
             assert not any(layer.fused.applies for layer in unserved.layers)
         decode_logits(model, steps=2)
@@ -558,3 +559,23 @@ def test_fused_layer_kernel_leaves_the_attention_to_a_pinned_backend(tiny_checkp
     with torch.inference_mode(), attention.use_backend("reference"):
         decode_logits(model, 2)
     assert not taken
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_the_default_model_as_qwen3_decodes_fused_with_its_op_by_op_logits(
+    smollm2, tmp_path, monkeypatch
+):
+    """SmolLM2's weights as a Qwen3 checkpoint (q/k norms of ones): every layer takes the
+    fused path and gives the op-by-op layers' logits."""
+    from kvlab.models.loading import as_qwen3
+
+    model, _ = load_model(str(as_qwen3("smollm2-135m", tmp_path / "qwen3")))
+    assert model.config.qk_norm
+    with torch.inference_mode():
+        fused = decode_logits(model, steps=4)
+        assert all(layer.fused is not None and layer.fused.applies for layer in model.layers)
+        monkeypatch.setattr(llama, "fused_plan", lambda layer: None)
+        reference = decode_logits(model, steps=4)
+    for got, want in zip(fused, reference, strict=True):
+        assert (got - want).abs().max() <= 1e-5

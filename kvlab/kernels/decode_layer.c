@@ -161,15 +161,25 @@ static void add(const void *x, const void *delta, int bf16, int64_t M, int64_t n
 }
 
 /* Before attention: normed = rms_norm(x) (M, hidden); qkv = qkv_proj(normed) (M, N);
- * rotated (M, heads, dim) = the first `heads` heads of qkv (queries, then keys) rotated. */
+ * where the model norms each query and key head (Qwen3: q_norm, k_norm (dim,), NULL where
+ * it does not), each of qkv's `heads` query heads and `kv_heads` key heads normed in place
+ * with eps qk_eps; rotated (M, heads + kv_heads, dim) = those heads of qkv rotated. */
 void kvlab_layer_attention_in(const void *x, int bf16, int64_t M, const void *norm_weight,
-                              float eps, const Linear *qkv_proj, const void *cos,
-                              const void *sin, int64_t heads, int64_t dim, void *normed,
-                              void *qkv, void *rotated) {
-  const int64_t hidden = qkv_proj->in_features;
+                              float eps, const Linear *qkv_proj, const void *q_norm,
+                              const void *k_norm, float qk_eps, const void *cos,
+                              const void *sin, int64_t heads, int64_t kv_heads, int64_t dim,
+                              void *normed, void *qkv, void *rotated) {
+  const int64_t hidden = qkv_proj->in_features, N = qkv_proj->out_features;
+  const int64_t size = bf16 ? 2 : 4;
   kvlab_rms_norm(x, hidden, norm_weight, normed, bf16, M, hidden, eps);
   linear(qkv_proj, normed, bf16, qkv, M);
-  rotate(qkv, qkv_proj->out_features, cos, sin, bf16, M, heads, dim, rotated);
+  for (int64_t m = 0; q_norm && m < M; m++) {
+    char *row = (char *)qkv + m * N * size;
+    kvlab_rms_norm(row, dim, q_norm, row, bf16, heads, dim, qk_eps);
+    kvlab_rms_norm(row + heads * dim * size, dim, k_norm, row + heads * dim * size, bf16,
+                   kv_heads, dim, qk_eps);
+  }
+  rotate(qkv, N, cos, sin, bf16, M, heads + kv_heads, dim, rotated);
 }
 
 /* After attention: mid = x + o_proj(attention) (M, hidden); gate_up =
@@ -276,7 +286,8 @@ typedef struct {
   int32_t merge_first;
 } CachedAttention;
 
-/* The layer's own pointers and shapes (kvlab.models.fused_layer.FusedDecode). */
+/* The layer's own pointers and shapes (kvlab.models.fused_layer.FusedDecode); qk_norms:
+ * the query and key heads' norm weights (Qwen3), NULL where the model has none. */
 typedef struct {
   const void *norms[2];
   float eps[2];
@@ -284,6 +295,8 @@ typedef struct {
   int64_t heads, kv_heads, dim;
   const Linear *down_proj;
   int64_t inner;
+  const void *qk_norms[2];
+  float qk_eps;
 } LayerPlan;
 
 void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16);
@@ -462,8 +475,9 @@ void kvlab_layer_decode_in(const void *x, int bf16, int64_t M, const LayerPlan *
                            const int64_t *blocks, const int64_t *slots, void *qkv,
                            void *rotated, void *attention, void *mid, void *gate_up,
                            void *scratch) {
-  kvlab_layer_attention_in(x, bf16, M, p->norms[0], p->eps[0], p->qkv_proj, cos, sin,
-                           p->heads + p->kv_heads, p->dim, scratch, qkv, rotated);
+  kvlab_layer_attention_in(x, bf16, M, p->norms[0], p->eps[0], p->qkv_proj, p->qk_norms[0],
+                           p->qk_norms[1], p->qk_eps, cos, sin, p->heads, p->kv_heads, p->dim,
+                           scratch, qkv, rotated);
   attend_cached(cache, p, rotated, qkv, bf16, M, blocks, slots, attention);
   kvlab_layer_mlp_in(attention, x, bf16, M, p->o_proj, p->norms[1], p->eps[1],
                      p->gate_up_proj, mid, gate_up, scratch);

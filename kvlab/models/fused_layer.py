@@ -22,9 +22,10 @@ all in one call (:class:`FusedStep`): the cache hands every layer's attention ov
 
 It serves layers whose four linears run a kvlab matrix-vector kernel at this row count
 (:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16; ``Int8Linear`` and
-``Int4Linear`` where kvlab's int8 / int4 kernel was chosen), without q/k norms, on CPU
-tensors in eager mode; everything else (compiled steps, prefill, other weight formats,
-other devices) takes the op-by-op path.
+``Int4Linear`` where the plan names kvlab's int8 / int4 kernel), with or without q/k norms
+(Qwen3: each query and key head normed in C before RoPE), on CPU tensors in eager mode;
+everything else (compiled steps, prefill, other weight formats, other devices) takes the
+op-by-op path.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class _LayerPlan(ctypes.Structure):  # decode_layer.c's LayerPlan
         ("gate_up_proj", ctypes.c_void_p), ("heads", ctypes.c_int64),
         ("kv_heads", ctypes.c_int64), ("dim", ctypes.c_int64),
         ("down_proj", ctypes.c_void_p), ("inner", ctypes.c_int64),
+        ("qk_norms", ctypes.c_void_p * 2), ("qk_eps", ctypes.c_float),
     ]  # fmt: skip
 
 
@@ -259,21 +261,27 @@ class FusedDecode:
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        qk_norms = [n for n in (attn.q_norm, attn.k_norm) if n is not None]  # Qwen3's
         dtype = norms[0].weight.dtype
         rows = [kernel_rows(lin, dtype) for lin in linears]
         self.applies = (
             library() is not None
-            and attn.q_norm is None
+            and len(qk_norms) in (0, 2)
+            and len({n.eps for n in qk_norms}) <= 1
             and None not in rows
             and dtype in (torch.float32, torch.bfloat16)
-            and all(n.weight.dtype == dtype and n.weight.device.type == "cpu" for n in norms)
-        )
+            and all(n.weight.dtype == dtype and n.weight.device.type == "cpu"
+                    for n in (*norms, *qk_norms))
+        )  # fmt: skip
         if not self.applies:
             return
         self.dtype, self.bf16 = dtype, int(dtype == torch.bfloat16)
         self.rows = (max(first for first, _ in rows), min(last for _, last in rows))
         self.layer, self.norms = attn.layer, [n.weight for n in norms]
         self.eps = [n.eps for n in norms]
+        self.qk_norms = [n.weight for n in qk_norms]  # kept alive: C reads them
+        self.qk_eps = qk_norms[0].eps if qk_norms else 0.0
+        qk_at = [n.data_ptr() for n in self.qk_norms] or [None, None]
         self.heads, self.kv_heads, self.dim = attn.heads, attn.kv_heads, attn.head_dim
         self.hidden, self.inner = attn.o_proj.out_features, mlp.inner
         self.linears = [_linear(lin, dtype) for lin in linears]  # kept alive: C reads them
@@ -282,8 +290,8 @@ class FusedDecode:
         self.held = [t for lin in linears for t in (*lin.parameters(), *lin.buffers())]
         self.addresses = [ctypes.addressof(lin) for lin in self.linears]
         self.attention_in = kernel("kvlab_layer_attention_in", POINTER, INT, INT64, POINTER,
-                                   FLOAT, POINTER, POINTER, POINTER, INT64, INT64, POINTER,
-                                   POINTER, POINTER)  # fmt: skip
+                                   FLOAT, POINTER, POINTER, POINTER, FLOAT, POINTER, POINTER,
+                                   INT64, INT64, INT64, POINTER, POINTER, POINTER)  # fmt: skip
         self.mlp_in = kernel("kvlab_layer_mlp_in", POINTER, POINTER, INT, INT64, POINTER,
                              POINTER, FLOAT, POINTER, POINTER, POINTER, POINTER)  # fmt: skip
         self.out = kernel("kvlab_layer_out", POINTER, POINTER, INT, INT64, POINTER, POINTER,
@@ -293,7 +301,8 @@ class FusedDecode:
         norms = (ctypes.c_void_p * 2)(*(n.data_ptr() for n in self.norms))
         self.plan = _LayerPlan(norms, (ctypes.c_float * 2)(*self.eps), *self.addresses[:3],
                                self.heads, self.kv_heads, self.dim, self.addresses[3],
-                               self.inner)  # fmt: skip
+                               self.inner, (ctypes.c_void_p * 2)(*qk_at),
+                               self.qk_eps)  # fmt: skip
         self.plan_address = ctypes.addressof(self.plan)
         self.buffers: dict[int, _StepBuffers] = {}  # per batch size (_step_buffers)
         # the activation in C too where torch's silu would run serial whole vectors: bf16
@@ -329,10 +338,12 @@ class FusedDecode:
         qkv = torch.empty(batch, 1, (heads + 2 * kv_heads) * dim, dtype=dtype)
         rotated = torch.empty(batch, 1, heads + kv_heads, dim, dtype=dtype)
         scratch = torch.empty(2 * batch * hidden, dtype=dtype)
+        q_norm, k_norm = self.plan.qk_norms
         self.attention_in(
             x.data_ptr(), bf16, batch, self.norms[0].data_ptr(), self.eps[0],
-            self.addresses[0], rope.cos.data_ptr(), rope.sin.data_ptr(), heads + kv_heads, dim,
-            scratch.data_ptr(), qkv.data_ptr(), rotated.data_ptr(),
+            self.addresses[0], q_norm, k_norm, self.qk_eps, rope.cos.data_ptr(),
+            rope.sin.data_ptr(), heads, kv_heads, dim, scratch.data_ptr(), qkv.data_ptr(),
+            rotated.data_ptr(),
         )  # fmt: skip
         q, k = rotated.transpose(1, 2).split_with_sizes([heads, kv_heads], 1)  # (B, H|H_kv, 1, D)
         k_raw = qkv[..., heads * dim : (heads + kv_heads) * dim].view(batch, 1, kv_heads, dim)

@@ -91,6 +91,34 @@ def _converted(gguf: Path, name: str) -> Path:
     return out
 
 
+def as_qwen3(source: str, out: Path) -> Path:
+    """``source``'s Llama checkpoint rewritten as a Qwen3 one of the same weights (per-head
+    q/k norms of ones added, which change its logits: a Qwen3 model's shape on real weights,
+    for timing and parity, not a model anyone trained). Written to ``out``, which it
+    returns (tokenizer files copied beside)."""
+    from safetensors.torch import load_file, save_file
+
+    checkpoint = resolve_checkpoint(source)
+    hf = json.loads((checkpoint / "config.json").read_text())
+    dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    hf |= {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": dim,
+           "use_sliding_window": False}  # fmt: skip
+    tensors = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        tensors |= load_file(file)
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    for i in range(hf["num_hidden_layers"]):
+        for norm in ("q_norm", "k_norm"):
+            tensors[f"model.layers.{i}.self_attn.{norm}.weight"] = torch.ones(dim, dtype=dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    for extra in checkpoint.iterdir():
+        if extra.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            (out / extra.name).write_bytes(extra.read_bytes())
+    return out
+
+
 def max_context(source: str) -> int:
     """The model's trained context length, without converting or loading weights."""
     if source in REGISTERED_MODELS:
