@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab import load_model
-from kvlab.cache import build_cache
+from kvlab.cache import build_cache, registered
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import attention_c, cached_attention, kernel_available
 from kvlab.kernels.linear import DecodeLinear
@@ -175,15 +175,16 @@ def test_the_fp32_activation_in_c_is_torchs_bit_for_bit_or_not_taken():
 @pytest.mark.parametrize(
     ("cache", "options"),
     [("full", {}), ("paged", {"block_size": 4}), ("int4", {"group_size": 4, "residual": 2}),
-     ("sliding", {"sinks": 1, "window": 4})],
-    ids=["full", "paged", "int4", "sliding"],
+     ("sliding", {"sinks": 1, "window": 4}), ("quest", {"block_size": 2, "token_budget": 6})],
+    ids=["full", "paged", "int4", "sliding", "quest"],
 )  # fmt: skip
 def test_a_decode_step_runs_its_layers_in_one_c_call(
     dtype, cache, options, tiny_checkpoints, monkeypatch
 ):
     """Where every layer takes the one-call path, a decode step runs them all in one C call
     (``FusedStep``), the cache's attentions made for all layers at once
-    (``fused_attentions``: the contiguous, paged, staged and ring stores): the op-by-op
+    (``decode_attentions``: the contiguous, paged, staged and ring stores; Quest's block
+    bounds and selection in C, over 2 to 5 blocks of 2 tokens, 2 chosen): the op-by-op
     logits bit for bit, no layer called on its own; an fp32 model without the activation in
     C (two calls a layer) runs them one by one, with the same logits."""
     if dtype == torch.float32 and fused_layer.fp32_activation() is None:
@@ -356,7 +357,7 @@ def test_a_layer_that_decoded_in_inference_mode_decodes_outside_it(tiny_checkpoi
      ("int4", {"group_size": 4, "residual": 2}, True),
      ("int8", {"group_size": 4, "residual": 0, "key_axis": "token"}, True),
      ("paged", {"kv_bits": 4, "kv_group_size": 8}, False), ("full", {"rotate": "hadamard"}, False),
-     ("quest", {}, False), ("gqa_shared", {"factor": 1}, True),
+     ("quest", {}, True), ("gqa_shared", {"factor": 1}, True),
      ("gqa_shared", {"factor": 2}, True), ("gqa_shared", {"factor": 2, "merge": "first"}, True),
      ("evict", {"scorer": "snapkv", "ratio": 0.5, "window": 2, "kernel": 3}, True),
      ("evict", {"scorer": "snapkv", "ratio": 0.5, "window": 2, "kernel": 3,
@@ -373,8 +374,9 @@ def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     residual, so decode steps read codes and close groups), as do ``gqa_shared`` (its
     heads merged in C before the write: their mean or the first of each group) and
     ``evict`` compressed at prefill (the ragged store: each head after its own kept tokens,
-    uniform or adaptive budgets); paged token codes, rotation, quest, eviction while
-    decoding and evicted tokens held as codes attend through the cache. Either way the
+    uniform or adaptive budgets) and ``quest`` (its block bounds and selection in C); paged
+    token codes, rotation, eviction while decoding and evicted tokens held as codes attend
+    through the cache. Either way the
     logits are the op-by-op layer's, bit for bit, also when a second generation of another
     batch size re-plans the cache."""
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)
@@ -390,13 +392,13 @@ def test_merged_heads_attend_in_torch_where_c_would_not_merge_to_torchs_bits(
     """``gqa_shared`` merges heads in C only where the probe found C's merge equal to its
     own in torch, bit for bit (``merge_matches_torch``: true on every CPU build here);
     refused, its steps attend through the cache, with the same logits."""
-    from kvlab.cache.policies import merged_heads
+    from kvlab.cache import composed
 
     for dtype in (torch.float32, torch.bfloat16):
         for factor in (2, 3):
             for first in (False, True):
                 assert cached_attention.merge_matches_torch(dtype, factor, first)
-    monkeypatch.setattr(merged_heads, "merge_matches_torch", lambda *a: False)
+    monkeypatch.setattr(composed, "merge_matches_torch", lambda *a: False)
     model = with_decode_linears(tiny_checkpoints["llama"], torch.bfloat16)
     taken = fused_equals_op_by_op(model, 4, "gqa_shared", {"factor": 2}, (PROMPTS,),
                                   monkeypatch)  # fmt: skip
@@ -579,3 +581,22 @@ def test_the_default_model_as_qwen3_decodes_fused_with_its_op_by_op_logits(
         reference = decode_logits(model, steps=4)
     for got, want in zip(fused, reference, strict=True):
         assert (got - want).abs().max() <= 1e-5
+
+
+STORING = sorted(name for name, cls in registered().items() if cls.stores_past)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", STORING)
+def test_every_strategy_decodes_on_the_fused_path(name, tiny_llama):
+    """Observed, not assumed by type: under every registered strategy (its lossy setting,
+    as it declares it), every decode layer step of a batched generation ran the cache's
+    writes and attention in the fused layer's C call (a whole step in one call, or the
+    layer's own)."""
+    cls = registered()[name]
+    before = tiny_llama.decode_paths()
+    cache = build_cache(name, tiny_llama.cache_spec(), cls.tests.lossy)
+    with torch.inference_mode():
+        Engine(tiny_llama, cache).generate(PROMPTS, GenerationConfig(6, stop_on_eos=False))
+    taken = tiny_llama.decode_paths() - before
+    assert taken and set(taken) <= {"one_call", "c_attention"}, dict(taken)

@@ -54,7 +54,7 @@ def reference_decode(q, keys, values, block: int, budget: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("block", "budget"), [(2, 6), (4, 8), (3, 9)])
-def test_decode_attends_the_top_blocks_by_the_bound(tiny_llama, block, budget):
+def test_decode_attends_the_top_blocks_by_the_bound(tiny_llama, block, budget, layers_op_by_op):
     options = dict(block_size=block, token_budget=budget)
     cache = build_cache("quest", tiny_llama.cache_spec(), options)
     history: dict[int, list] = {}

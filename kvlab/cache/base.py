@@ -58,15 +58,38 @@ class StepInfo:
 
 
 @dataclass
+class DecodeReads:
+    """A decode step as data, the same for every layer (a policy's :meth:`plan` says it):
+    each layer's new keys and values go where the store placed them (``where``), merged in
+    groups of ``merge = (factor, first)`` KV heads first where a policy shares heads, and
+    each query reads the store's segments over the logical tokens [lo, hi) of its row, in
+    place (``Store.segments``). ``stage``: what a policy computes between the write and
+    the attention (its block selection, its pooled entries), with a C form and a torch
+    form (:class:`kvlab.cache.policies.base.Stage`); None: nothing. The op-by-op layer
+    runs this in torch (``Policy.decode``) and the fused decode layer in C
+    (``KVCache.decode_attentions``), so a policy that plans its decode steps so is timed on
+    the fused path, whatever it is."""
+
+    where: Any
+    lo: torch.Tensor | None
+    hi: torch.Tensor | None
+    merge: tuple[int, bool] | None = None
+    stage: Any = None
+
+
+@dataclass
 class Step:
     """What ``plan`` prepares, once per forward step and on the model's device, for the
     layers to index with (nano-vllm's ``prepare_decode``, gpt-fast's ``input_pos``):
-    ``start`` (B,) tokens each row stored before the step, ``end`` (B,) after it. Strategies
-    that need more subclass it; ``attend`` reads only this object, never host state."""
+    ``start`` (B,) tokens each row stored before the step, ``end`` (B,) after it;
+    ``reads``: a decode step's attention as data (:class:`DecodeReads`; None: the policy
+    attends it otherwise). Strategies that need more subclass it; ``attend`` reads only
+    this object, never host state."""
 
     info: StepInfo
     start: torch.Tensor
     end: torch.Tensor
+    reads: DecodeReads | None = field(default=None, kw_only=True)
 
     @property
     def decode(self) -> bool:
@@ -348,20 +371,14 @@ class KVCache(ABC):
         re-position keys. Returns the attention output (B, H, T, D).
         """
 
-    def fused_attention(self, step: Step, layer: int):
-        """What :meth:`attend` does for ``layer`` in this decode step, as a C description
-        the fused decode layer (:mod:`kvlab.models.fused_layer`) runs inside its own call:
-        ``(address, blocks, slots, dtype)``, an attention over the layer's keys and values
-        held exactly in place, the block and slot (B,) each row's new key and value are
-        written at, and their dtype. None where the strategy attends otherwise (the
-        default): the layer then calls :meth:`attend`."""
-        return None
-
-    def fused_attentions(self, step: Step, layers: list[int]) -> list:
-        """:meth:`fused_attention` of each of ``layers``, for a step whose layers run in one
-        C call (``kvlab.models.fused_layer.FusedStep``); a strategy may make what they share
-        once."""
-        return [self.fused_attention(step, layer) for layer in layers]
+    def decode_attentions(self, step: Step, layers: list[int]) -> list:
+        """What :meth:`attend` does for each of ``layers`` in this decode step, as C
+        descriptions the fused decode layer (:mod:`kvlab.models.fused_layer`) runs inside its
+        own call: ``(address, blocks, slots, dtype)`` each, an attention over the layer's
+        keys and values held exactly in place, the block and slot (B,) each row's new key and
+        value are written at, and their dtype; None for a layer whose step the cache attends
+        otherwise (then the layer calls :meth:`attend`). None for all by default."""
+        return [None] * len(layers)
 
     def end(self, step: Step) -> None:
         """Called once after the layers: the step's real tokens now count as stored."""

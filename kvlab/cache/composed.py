@@ -30,6 +30,7 @@ from kvlab.cache.policies.base import Policy
 from kvlab.cache.stores.base import Store
 from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.cache.stores.staged import StagedStore
+from kvlab.kernels.cached_attention import merge_matches_torch
 
 _COMPOSITIONS: dict[str, tuple[type[Policy], type[Store], type]] = {}
 STAGED: dict[type[Store], type[Store]] = {ContiguousStore: StagedStore}  # store -> its staged form
@@ -175,13 +176,21 @@ class ComposedCache(KVCache):
         out = self.policy.attend(step, self.store, layer, q @ r, k @ r, v @ r, k_raw)
         return out @ r.T
 
-    def fused_attention(self, step, layer):
-        return self.fused_attentions(step, [layer])[0]
-
-    def fused_attentions(self, step, layers):
-        if self.rotation is not None:
+    def decode_attentions(self, step, layers):
+        """A decode step planned as data (``step.reads``) for the fused decode layer's C
+        call, whatever the policy: its stage's C form, or the store's layers written at
+        ``reads.where`` (merged first, where C merges to torch's bits) and read over
+        [lo, hi) in place. None where the policy attends itself (it overrides
+        :meth:`Policy.attend`), the codec rotates, or the store cannot describe its layers."""
+        reads, policy = step.reads, self.policy
+        if reads is None or self.rotation is not None or type(policy).attend is not Policy.attend:
             return [None] * len(layers)
-        return self.policy.fused_attentions(step, self.store, layers)
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        if reads.stage is not None:
+            return reads.stage.c_layers(self.store, layers, group)
+        if reads.merge is not None and not merge_matches_torch(self.spec.dtype, *reads.merge):
+            return [None] * len(layers)
+        return self.store.c_layers(reads.where, layers, reads.lo, reads.hi, group, reads.merge)
 
     def end(self, step) -> None:
         self.policy.end(step, self.store)

@@ -48,3 +48,11 @@ def heads_as_blocks(pool: torch.Tensor) -> torch.Tensor:
     """A block pool part (N, H_kv, block, E), stored head-major, as (H_kv * N, 1, block, E):
     block n of head h is row h * N + n (a view, no copy), for a table per (row, KV head)."""
     return pool.transpose(0, 1).reshape(-1, 1, *pool.shape[2:])
+
+
+def merge_heads(x: torch.Tensor, factor: int, first: bool) -> torch.Tensor:
+    """KV heads x (B, H_kv, T, D) merged in groups of ``factor`` consecutive heads: each
+    group's mean, or its first head (``first``): (B, H_kv / factor, T, D)."""
+    batch, heads, steps, dim = x.shape
+    groups = x.view(batch, heads // factor, factor, steps, dim)  # (B, H_kv/f, f, T, D)
+    return groups[:, :, 0] if first else groups.mean(dim=2)

@@ -47,6 +47,7 @@ class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
         ("queries", ctypes.c_void_p), ("raw", ctypes.c_void_p),
         ("select", ctypes.c_void_p), ("step", ctypes.c_void_p), ("ragged", ctypes.c_void_p),
         ("merge", ctypes.c_int64), ("merge_first", ctypes.c_int32),
+        ("block_select", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -84,12 +85,15 @@ class CachedAttention:
     (row, KV head) is a row of the job (``batch`` of them) and takes its new token after
     its own ``held`` ones (decode_layer.c's RaggedHeads; blocks of ``written``'s slots).
     ``merge``: (factor, first): the layer's KV heads merged in groups of ``factor`` (their
-    mean, or with ``first`` the first of each) before they are written (merged_heads)."""
+    mean, or with ``first`` the first of each) before they are written (merged_heads).
+    ``select``: a block selection (block_select.h's BlockSelect, held by the caller): the
+    new keys folded into its bounds and each (row, KV head)'s table chosen before the jobs
+    run, which then read a row per (row, KV head) (quest)."""
 
     def __init__(
         self, written, reads: list[tuple[Stored, Stored, int]], batch: int, group: int,
         step: int, pooling: Pooling | None = None, key: tuple | None = None, ragged=None,
-        merge: tuple[int, bool] | None = None,
+        merge: tuple[int, bool] | None = None, select=None,
     ):  # fmt: skip
         keys, values = written
         blocks, heads, slots, dim = keys.shape
@@ -98,7 +102,7 @@ class CachedAttention:
         self.layouts = tuple(map(_layout, self.tensors))  # the structs bake these in
         self.key = key  # the caller's name for these tensors where they are (see holds)
         self.queries = torch.empty(batch, heads, group, dim, dtype=torch.float32)
-        per_head = pooling is not None and pooling.top_k > 0
+        per_head = (pooling is not None and pooling.top_k > 0) or select is not None
         queries = self.queries.view(batch * heads, 1, group, dim) if per_head else self.queries
         self.dtype, self.rings = keys.dtype, [ring for _, _, ring in reads]
         self.block_sizes = [k.data.shape[2] for k, _, _ in reads]
@@ -127,6 +131,9 @@ class CachedAttention:
         self.merge = merge
         if merge is not None:
             self.struct.merge, self.struct.merge_first = merge[0], int(merge[1])
+        self.select = select
+        if select is not None:
+            self.struct.block_select = ctypes.addressof(select)
         self.address = ctypes.addressof(self.struct)
 
     @staticmethod
@@ -153,7 +160,7 @@ class CachedAttention:
 
     def holds(
         self, written, reads, batch: int, pooling: Pooling | None = None, key: tuple | None = None,
-        ragged=None, merge: tuple[int, bool] | None = None,
+        ragged=None, merge: tuple[int, bool] | None = None, select=None,
     ) -> bool:  # fmt: skip
         """Whether it was built over these tensors, still where and as they were (address,
         shape and strides: a tensor made anew at a freed one's address may be laid out
@@ -168,6 +175,7 @@ class CachedAttention:
             and top_k == (None if self.pooling is None else self.pooling.top_k)
             and (ragged is None) == (self.ragged is None)
             and merge == self.merge
+            and select is self.select
             and (
                 (key is not None and key == self.key)
                 or tuple(map(_layout, _tensors(written, reads, pooling, ragged))) == self.layouts
@@ -246,24 +254,26 @@ class LayerAttentions:
 
     def at(
         self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None, key=None,
-        ragged=None, merge=None,
+        ragged=None, merge=None, select=None,
     ):  # fmt: skip
         """The address of ``layer``'s cached attention this step (see
         :class:`CachedAttention`; ``bounds``: (table, lo, hi) per read; ``pooling``: a
         :class:`Pooling`; ``key``: see :meth:`CachedAttention.holds`; ``ragged``: a ragged
-        layer's (table, held); ``merge``: merged heads' (factor, first)), or None where the
-        tensors do not fit it."""
+        layer's (table, held); ``merge``: merged heads' (factor, first); ``select``: a block
+        selection's struct), or None where the tensors do not fit it."""
         if not self._point_at(bounds):
             return None
         if pooling is not None and not self._pooling_fits(pooling, batch):
             return None
         cached = self.layers[layer] if layer < len(self.layers) else None
-        if cached is None or not cached.holds(written, reads, batch, pooling, key, ragged, merge):
+        if cached is None or not cached.holds(
+            written, reads, batch, pooling, key, ragged, merge, select
+        ):
             if not CachedAttention.serves(written, reads, pooling):
                 return None
             step = self.step_address
             cached = CachedAttention(
-                written, reads, batch, group, step, pooling, key, ragged, merge
+                written, reads, batch, group, step, pooling, key, ragged, merge, select
             )
             self.layers += [None] * (layer + 1 - len(self.layers))
             self.layers[layer] = cached
@@ -325,22 +335,23 @@ class LayerAttentions:
         return self.fused_layers(layers, parts, made, group, bounds, blocks, slots, merge)
 
     def fused_layers(
-        self, layers, tensors, made, group: int, bounds, blocks, slots, merge=None
+        self, layers, tensors, made, group: int, bounds, blocks, slots, merge=None, selects=None
     ) -> list:  # fmt: skip
         """:meth:`fused` of each of ``layers``, ``made(i)`` giving the i-th one's (written,
         reads); ``tensors[i]``: every tensor those point into; ``bounds``: the step's, one
-        list for all the layers, so :meth:`at` reads them once. The last step's cached
-        attentions again, without a call a layer (nor ``made``), where they still hold
-        (:class:`_LastStep`)."""
+        list for all the layers, so :meth:`at` reads them once; ``selects[i]``: the i-th
+        one's block selection, if any. The last step's cached attentions again, without a
+        call a layer (nor ``made``), where they still hold (:class:`_LastStep`)."""
         flat = [t for layer_tensors in tensors for t in layer_tensors]
         last = self.last_step
         if last is not None and self._indexes_fit(blocks, slots) and self._point_at(bounds):
             if last.holds(self, layers, flat, blocks.shape[0]):
                 return [(address, blocks, slots, last.dtype) for address in last.addresses]
         found = [
-            self.fused(layer, *made(i), group, bounds, blocks, slots, merge=merge)
+            self.fused(layer, *made(i), group, bounds, blocks, slots, merge=merge,
+                       select=None if selects is None else selects[i])
             for i, layer in enumerate(layers)
-        ]
+        ]  # fmt: skip
         complete = bool(found) and all(f is not None for f in found)
         self.last_step = _LastStep(self, layers, flat, found) if complete else None
         return found
@@ -356,15 +367,16 @@ class LayerAttentions:
 
     def fused(
         self, layer: int, written, reads, group: int, bounds, blocks, slots, pooling=None,
-        key=None, merge=None,
+        key=None, merge=None, select=None,
     ):  # fmt: skip
-        """What a store's ``fused_attention`` returns: (address, blocks, slots, dtype), the
+        """What a store's ``c_layers`` returns for a layer: (address, blocks, slots, dtype), the
         step's rows going to slot ``slots[b]`` of block ``blocks[b]`` (int64, (B, 1)) of
         ``written``; None where something does not fit. (``key``: see :meth:`at`.)"""
         if not self._indexes_fit(blocks, slots):
             return None
         batch = blocks.shape[0]
-        address = self.at(layer, written, reads, group, bounds, batch, pooling, key, merge=merge)
+        address = self.at(layer, written, reads, group, bounds, batch, pooling, key, merge=merge,
+                          select=select)  # fmt: skip
         return None if address is None else (address, blocks, slots, written[0].dtype)
 
 

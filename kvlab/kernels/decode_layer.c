@@ -13,6 +13,7 @@
 
 #include "attention_job.h" /* Job */
 #include "bf16.h"
+#include "block_select.h" /* BlockSelect */
 #include "timers.h"
 
 /* A linear layer: weight (out_features, in_features), bias (out_features,) or NULL. KIND
@@ -271,7 +272,10 @@ typedef struct {
 
 /* merge (0: none): the layer's KV heads merged in groups of `merge` before they are
  * written (kvlab.cache.policies.merged_heads; the written tensors hold kv / merge heads):
- * each group's mean (kvlab_merged_heads), or with merge_first its first head. */
+ * each group's mean (kvlab_merged_heads), or with merge_first its first head.
+ * block_select (NULL: none): a block selection (block_select.c, Quest): the new keys folded
+ * into their blocks' bounds and each (row, KV head)'s blocks chosen into the step's table,
+ * which the jobs then read, a row per (row, KV head). */
 typedef struct {
   void *keys, *values;
   int64_t s_b, s_h, s_s, blocks, slots;
@@ -284,6 +288,7 @@ typedef struct {
   const RaggedHeads *ragged;
   int64_t merge;
   int32_t merge_first;
+  const BlockSelect *block_select;
 } CachedAttention;
 
 /* The layer's own pointers and shapes (kvlab.models.fused_layer.FusedDecode); qk_norms:
@@ -456,6 +461,11 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
     for (int64_t i = 0; i < heads * dim; i++)
       c->queries[m * heads * dim + i] = value_at(rotated, bf16, m * width + i);
   }
+  if (c->block_select) /* a selection, timed as the indexer is (timers.h) */
+    TIMED(TIMER_INDEXER,
+          (kvlab_block_bounds(c->block_select, bf16, M, kv, dim, blocks, slots,
+                              (const char *)rotated + heads * dim * size, width),
+           kvlab_block_select(c->block_select, bf16, c->queries, M, kv, heads / kv, dim)));
   point_jobs(c);
   const Selection *s = c->select;
   if (s)

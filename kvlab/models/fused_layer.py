@@ -9,7 +9,7 @@ Where the cache writes the step's keys and values exactly and attends in place (
 over the contiguous, paged or KIVI store: ``full``, ``paged``, ``int8``/``int4``/``int2``;
 the window over its ring: ``sliding``; DeepSeek-V4's pooling layers on steps that pool no
 window, their raw buffers and CSA's top-k included: ``compressed``) it hands its writes
-and attention over as C (``KVCache.fused_attention``), and the first two calls become
+and attention over as C (``KVCache.decode_attentions``), and the first two calls become
 one, the cache's writes and the attention kernel inside it: ~60 us of Python a layer (the
 store's indexed writes, segments, backend checks, job structs; ~150 us for a pooling
 layer) down to the two calls and the activation. Where torch's silu of the layer's shape
@@ -258,6 +258,7 @@ class FusedDecode:
 
     def __init__(self, layer):
         self.generation = _GENERATION[0]
+        self.last_path = ""  # the path __call__ took last (DecoderLayer.decode_paths)
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
@@ -329,10 +330,13 @@ class FusedDecode:
         )
 
     def __call__(self, x: torch.Tensor, rope, cache, step) -> torch.Tensor:
-        """The layer's output (B, 1, hidden) for x (B, 1, hidden)."""
-        cached = cache.fused_attention(step, self.layer) if c_kernel_allowed() else None
+        """The layer's output (B, 1, hidden) for x (B, 1, hidden); ``last_path`` says how:
+        ``c_attention`` (the cache's attention in the C call) or ``cache_attends``."""
+        cached = cache.decode_attentions(step, [self.layer])[0] if c_kernel_allowed() else None
         if cached is not None and cached[3] == self.dtype:
+            self.last_path = "c_attention"
             return self._with_cached_attention(x, rope, *cached[:3])
+        self.last_path = "cache_attends"
         batch, dtype, bf16, hidden = x.shape[0], self.dtype, self.bf16, self.hidden
         heads, kv_heads, dim = self.heads, self.kv_heads, self.dim
         qkv = torch.empty(batch, 1, (heads + 2 * kv_heads) * dim, dtype=dtype)
@@ -366,7 +370,7 @@ class FusedDecode:
 
     def _with_cached_attention(self, x, rope, attention: int, blocks, slots: torch.Tensor):
         """The layer's output where the cache hands its writes and attention over as C
-        (``KVCache.fused_attention``): one call in all for a layer of up to
+        (``KVCache.decode_attentions``): one call in all for a layer of up to
         ``one_call_rows`` rows, else one call up to the activation, the activation in torch
         and one call more; no cache or attention Python in between."""
         batch = x.shape[0]
@@ -407,7 +411,7 @@ class FusedStep:
     (``kvlab_layers_decode``) where every layer takes the one-call path
     (:meth:`FusedDecode._with_cached_attention`): its Python a layer (the module call, the
     plan, the C call's arguments and output) paid once a step. The cache hands every
-    layer's writes and attention over first, all at once (``KVCache.fused_attentions``);
+    layer's writes and attention over first, all at once (``KVCache.decode_attentions``);
     the values are the per-layer calls', the same C code in the same order. Made per model
     on first use and again when a layer's plan changes (:func:`fused_plan`); a copied or
     pickled model makes its own."""
@@ -446,7 +450,7 @@ class FusedStep:
         fits = self.rows[0] <= batch <= self.rows[1] and first.takes(x, rope.cos)
         if not fits or not c_kernel_allowed():
             return None
-        attentions = cache.fused_attentions(step, self.layers)
+        attentions = cache.decode_attentions(step, self.layers)
         dtype = first.dtype
         if any(a is None or a[3] != dtype for a in attentions):
             return None

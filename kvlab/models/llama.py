@@ -8,6 +8,7 @@ matmul each. Attention owns no cache: every layer hands q, k, v to the cache str
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -89,6 +90,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
         self.fused: FusedDecode | None = None  # the one-token decode step in C, planned on use
+        self.decode_paths: Counter[str] = Counter()  # its decode steps by the path they took
 
     def forward(
         self, x: torch.Tensor, rope: RotaryTables, cache: KVCache, step: Step
@@ -96,7 +98,10 @@ class DecoderLayer(nn.Module):
         if not torch.compiler.is_compiling() and x.shape[1] == 1:
             fused = fused_plan(self)
             if fused is not None and fused.takes(x, rope.cos):
-                return fused(x, rope, cache, step)
+                y = fused(x, rope, cache, step)
+                self.decode_paths[fused.last_path] += 1
+                return y
+            self.decode_paths["op_by_op"] += 1
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -129,6 +134,18 @@ class Decoder(nn.Module):
         self.fused_step: FusedStep | None = None  # a decode step's layers in one C call
         self.step_in_one_call = True  # False: layer by layer (for benchmarks side by side)
         self.kernel_plan = None  # the kernels its layers run (kvlab.kernels.plan), set on load
+        self.one_call_steps = 0  # decode steps whose layers ran in one C call (FusedStep)
+
+    def decode_paths(self) -> Counter[str]:
+        """The layer steps of every decode step so far, by the path each took: ``one_call``
+        (the step's layers in one C call), ``c_attention`` (the layer's C call with the
+        cache's attention inside), ``cache_attends`` (the layer's C calls, the cache's
+        attention in Python between them), ``op_by_op`` (torch ops, the reference). A
+        compiled step counts in none."""
+        paths = Counter({"one_call": self.one_call_steps * len(self.layers)})
+        for layer in self.layers:
+            paths.update(layer.decode_paths)
+        return +paths
 
     def cache_spec(self) -> CacheSpec:
         """Shapes, dtype and device a cache strategy needs to serve this model."""
@@ -200,6 +217,7 @@ class Decoder(nn.Module):
             in_one_call = None if whole is None else whole(x, rope, cache, step)
         if in_one_call is not None:
             x = in_one_call
+            self.one_call_steps += 1
         else:
             for layer in self.layers:
                 x = layer(x, rope, cache, step)

@@ -1,10 +1,17 @@
 """The policy contract: what a strategy keeps and what each query attends.
 
 A policy maps each new token to a logical slot of its store (``plan``), writes and attends
-through the store (``attend``) and keeps whatever bookkeeping it needs per row
-(``row_state``); it never allocates K/V itself. The store under it is any of those named
-in ``stores``: the pair is a strategy (:mod:`kvlab.cache.composed`), the codec its third
-axis. Where a policy needs per-step state it lives in its own :class:`~kvlab.cache.base.Step`.
+through the store and keeps whatever bookkeeping it needs per row (``row_state``); it never
+allocates K/V itself. The store under it is any of those named in ``stores``: the pair is a
+strategy (:mod:`kvlab.cache.composed`), the codec its third axis. Where a policy needs
+per-step state it lives in its own :class:`~kvlab.cache.base.Step`.
+
+A decode step is planned as data (``step.reads``, :class:`~kvlab.cache.base.DecodeReads`):
+where the new keys and values go and which of the store's tokens each query reads, with a
+:class:`Stage` where the policy computes between the two (Quest's block selection, pooled
+entries). :meth:`Policy.decode` runs it in torch and the fused decode layer in C, so every
+policy that plans its decode steps so, a researcher's too, is timed on the fused path. Other
+steps (prefill, chunks, verification) are the policy's own :meth:`Policy.attend_steps`.
 """
 
 from __future__ import annotations
@@ -14,7 +21,25 @@ from typing import Any, ClassVar
 import torch
 
 from kvlab.cache.base import CacheSpec, RowState, Step, StepInfo
+from kvlab.cache.rows import decode_output, grouped, merge_heads
 from kvlab.cache.stores.base import Store
+from kvlab.kernels import decode_attention
+
+
+class Stage:
+    """What a policy computes in a decode step between its write and its attention (the
+    defined point for Quest's block bounds and selection, the pooled entries' pooling and
+    indexer), in two forms that compute the same: :meth:`attend`, the torch form the op-by-op
+    layer runs (the reference), and :meth:`c_layers`, the C form the fused decode layer runs
+    inside its own call."""
+
+    def attend(self, policy, step, store, layer: int, q, k, v, k_raw) -> torch.Tensor:
+        raise NotImplementedError
+
+    def c_layers(self, store, layers: list[int], group: int) -> list:
+        """Each layer's C description (see ``KVCache.decode_attentions``), or None for a
+        layer it cannot describe (then :meth:`attend` serves it). None for all by default."""
+        return [None] * len(layers)
 
 
 class Policy:
@@ -102,18 +127,33 @@ class Policy:
         raise NotImplementedError
 
     def attend(self, step: Step, store: Store, layer: int, q, k, v, k_raw) -> torch.Tensor:
+        """The step's attention output for ``layer``: a decode step planned as data
+        (``step.reads``) by :meth:`decode`, any other by :meth:`attend_steps`. A policy
+        overrides :meth:`attend_steps`, not this: the fused decode layer runs ``step.reads``
+        in C only for a policy that attends them here (``KVCache.decode_attentions``)."""
+        if step.reads is not None:
+            return self.decode(step, store, layer, q, k, v, k_raw)
+        return self.attend_steps(step, store, layer, q, k, v, k_raw)
+
+    def attend_steps(self, step: Step, store: Store, layer: int, q, k, v, k_raw) -> torch.Tensor:
+        """Store this step's k/v for ``layer`` and attend ``q`` over what is kept (steps
+        without ``reads``: prefills, chunks, verification, decode steps planned otherwise)."""
         raise NotImplementedError
 
-    def fused_attention(self, step: Step, store: Store, layer: int):
-        """The store's C description of this step's writes and attention for ``layer``
-        (:meth:`Store.fused_attention`) where :meth:`attend` would do exactly that and no
-        more; None by default (then the fused decode layer calls :meth:`attend`)."""
-        return None
-
-    def fused_attentions(self, step: Step, store: Store, layers: list[int]) -> list:
-        """:meth:`fused_attention` of each of ``layers`` (a policy may make what they share
-        once: :class:`KeepAll` does)."""
-        return [self.fused_attention(step, store, layer) for layer in layers]
+    def decode(self, step: Step, store: Store, layer: int, q, k, v, k_raw) -> torch.Tensor:
+        """A decode step as ``step.reads`` plans it, in torch (what the fused decode layer
+        computes in C): the stage's form where it has one, else the new keys and values
+        (merged first, where it shares heads) written where the store placed them and the
+        store's segments over [lo, hi) of each row attended in place."""
+        reads = step.reads
+        if reads.stage is not None:
+            return reads.stage.attend(self, step, store, layer, q, k, v, k_raw)
+        if reads.merge is not None:
+            k, v = merge_heads(k, *reads.merge), merge_heads(v, *reads.merge)
+        store.write(reads.where, layer, k, v)
+        queries = grouped(q, store.spec.num_kv_heads)
+        segments = store.segments(reads.where, layer, queries, reads.lo, reads.hi)
+        return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
 
     def check_truncation(self, lengths: list[int], kept: list[int]) -> None:
         """Refuse, before the store changes anything, a rollback from ``lengths`` to

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvlab.cache.base import Step, row_bounds, sdpa
+from kvlab.cache.base import DecodeReads, Step, row_bounds, sdpa
 from kvlab.cache.evict import rollback, select
 from kvlab.cache.evict.decoding import DecodingCompression
 from kvlab.cache.policies.base import Policy, check_room
@@ -86,6 +86,10 @@ class Evict(Policy):
         seal = none if self.decoding else list(info.context_end or none)
         step = EvictStep(info, start, end, store.place(lengths, info, positions, real), seal)
         step.compress = bool(self.decoding) and self.decoding.due(steps)
+        if step.decode and self.decoding is None and store.packed():
+            # each head's new token after its own, each over exactly its tokens: the
+            # ragged store's segments, whose bounds are its own (no lo, hi)
+            step.reads = DecodeReads(step.where, None, None)
         return step
 
     def end(self, step: EvictStep, store) -> None:
@@ -93,19 +97,7 @@ class Evict(Policy):
             self.decoding.count(step.info.steps, step.compress)
         self.sealed.note(step)
 
-    def fused_attention(self, step, store, layer):
-        return self.fused_attentions(step, store, [layer])[0]
-
-    def fused_attentions(self, step, store, layers):
-        """A decode step that compresses nothing (``when="prefill"``) writes and attends as
-        :meth:`attend` does, each head over its own tokens: in the fused layer's C call where
-        the ragged store can (:meth:`RaggedStore.fused_attentions`)."""
-        if not step.decode or self.decoding is not None:
-            return [None] * len(layers)
-        group = self.spec.num_heads // self.spec.num_kv_heads
-        return store.fused_attentions(step.where, layers, None, None, group)
-
-    def attend(self, step, store, layer, q, k, v, k_raw):
+    def attend_steps(self, step, store, layer, q, k, v, k_raw):
         if step.decode and store.layers[layer] is not None:
             store.write(step.where, layer, k, v)
             queries = grouped(q, self.spec.num_kv_heads)

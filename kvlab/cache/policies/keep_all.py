@@ -1,5 +1,6 @@
 """``keep_all``: every key and value kept, token t of a row in logical slot t; exact by
-construction. Decode reads every stored token in place (the decode kernel), and so does
+construction. A decode step reads every stored token in place, planned as data (its
+``reads``: tokens [0, end) of each row, which the fused decode layer runs in C), and so does
 a short step where the store allows it (a query row per token: a verification over KIVI
 codes reads them where they lie); other multi-token steps run SDPA over the stored
 prefix, causal on a first prefill, else under the mask of :mod:`kvlab.cache.masks`. Over
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvlab.cache.base import Step, row_bounds, sdpa
+from kvlab.cache.base import DecodeReads, Step, row_bounds, sdpa
 from kvlab.cache.masks import slot_positions, visible
 from kvlab.cache.policies.base import Policy, check_room
 from kvlab.cache.rows import decode_output, grouped
@@ -49,6 +50,8 @@ class KeepAll(Policy):
         where = store.place(lengths, info, slots, real)
         in_place = steps <= store.in_place_steps()
         step = self.Step(info, start, end, where, torch.zeros_like(start), in_place)
+        if in_place and step.decode:
+            step.reads = DecodeReads(where, step.origin, end)
         if not in_place:
             step.read = longest + steps
             held = store.held(where, step.read)
@@ -58,21 +61,7 @@ class KeepAll(Policy):
                 step.mask = visible(slots, torch.arange(step.read, device=start.device))
         return step
 
-    def fused_attention(self, step, store, layer):
-        return self.fused_attentions(step, store, [layer])[0]
-
-    def fused_attentions(self, step, store, layers):
-        if not self.attends_as_keep_all() or not (step.in_place and step.decode):
-            return [None] * len(layers)  # a subclass attends otherwise; a short step, per token
-        group = self.spec.num_heads // self.spec.num_kv_heads
-        return store.fused_attentions(step.where, layers, step.origin, step.end, group)
-
-    def attends_as_keep_all(self) -> bool:
-        """Whether a decode step's writes and attention are exactly keep_all's, so the fused
-        layer may run them in C (a subclass that attends otherwise says no)."""
-        return type(self) is KeepAll
-
-    def attend(self, step, store, layer, q, k, v, k_raw):
+    def attend_steps(self, step, store, layer, q, k, v, k_raw):
         if step.in_place:
             store.write(step.where, layer, k, v)
             queries = grouped(q, self.spec.num_kv_heads)

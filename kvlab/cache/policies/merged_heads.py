@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from kvlab.cache.policies.keep_all import KeepAll
-from kvlab.kernels.cached_attention import merge_matches_torch
+from kvlab.cache.rows import merge_heads
 
 MERGES = ("mean", "first")
 
@@ -51,28 +51,16 @@ class MergedHeads(KeepAll):
             "model_gqa_bytes": report.held_bytes * model_spec.num_kv_heads // kept,
         }
 
-    def attends_as_keep_all(self) -> bool:
-        """``factor=1`` merges nothing: its steps are keep_all's, in C where the fused layer
-        runs them."""
-        return self.options.factor == 1
+    def plan(self, info, lengths, store, static):
+        """keep_all's plan; a decode step's keys and values are merged before the write
+        (``reads.merge``: in C too, in the fused decode layer, where C merges to torch's
+        bits)."""
+        step = super().plan(info, lengths, store, static)
+        if step.reads is not None and self.options.factor > 1:
+            step.reads.merge = (self.options.factor, self.options.merge == "first")
+        return step
 
-    def fused_attentions(self, step, store, layers):
-        """Merged heads in the fused layer's C call too, the merge before the write, where C
-        merges to torch's bits here (probed once per dtype and factor); else in torch."""
-        factor, first = self.options.factor, self.options.merge == "first"
-        if factor == 1 or not (step.in_place and step.decode):
-            return super().fused_attentions(step, store, layers)
-        if not merge_matches_torch(self.spec.dtype, factor, first):
-            return [None] * len(layers)
-        group = self.spec.num_heads // self.spec.num_kv_heads
-        where, merge = step.where, (factor, first)
-        return store.fused_attentions(where, layers, step.origin, step.end, group, merge=merge)
-
-    def attend(self, step, store, layer, q, k, v, k_raw):
-        return super().attend(step, store, layer, q, self._merge(k), self._merge(v), k_raw)
-
-    def _merge(self, x):
-        batch, heads, steps, dim = x.shape
-        factor = self.options.factor
-        grouped = x.view(batch, heads // factor, factor, steps, dim)  # (B, H_kv/f, f, T, D)
-        return grouped.mean(dim=2) if self.options.merge == "mean" else grouped[:, :, 0]
+    def attend_steps(self, step, store, layer, q, k, v, k_raw):
+        merge = (self.options.factor, self.options.merge == "first")
+        k, v = merge_heads(k, *merge), merge_heads(v, *merge)
+        return super().attend_steps(step, store, layer, q, k, v, k_raw)

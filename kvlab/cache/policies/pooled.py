@@ -13,17 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvlab.cache.base import Step, row_bounds
+from kvlab.cache.base import DecodeReads, Step, row_bounds
 from kvlab.cache.policies.base import Policy
 from kvlab.cache.policies.window import Window, WindowStep
 from kvlab.cache.policies.window_options import WindowOptions
 from kvlab.cache.pooled import calibration
-from kvlab.cache.pooled.decode import decode_segments, fused_attention
+from kvlab.cache.pooled.decode import PooledStage
 from kvlab.cache.pooled.layer import PooledLayer, TopK, memory_lines
 from kvlab.cache.pooled.plan import entries_seen, plan_pooling
 from kvlab.cache.pooled.pooling import attend_entries
-from kvlab.cache.rows import decode_output
-from kvlab.kernels import decode_attention
 
 
 @dataclass
@@ -118,6 +116,8 @@ class Pooled(Policy):
             step.plans[key] = plan_pooling(info, lengths, bounds, pool, read, behind, static)
         if kernel:
             self._per_head_tables(step, ends, store)
+            where = window_step.where if window_step is not None else None
+            step.reads = DecodeReads(where, None, None, stage=PooledStage(self, step))
         return step
 
     def _per_head_tables(self, step: PooledStep, ends: list[int], store) -> None:
@@ -151,34 +151,19 @@ class Pooled(Policy):
             )
             step.top_k[key] = TopK(step.plans[key].seen, base, zeros, hi, table)
 
-    def attend(self, step, store, layer, q, k, v, k_raw):
+    def attend_steps(self, step, store, layer, q, k, v, k_raw):
         pooled = self.layers.get(layer)
         if pooled is None:
             return self.window.attend(step.window_step, store, layer, q, k, v, k_raw)
         plan, pool = step.plans[pooled.geometry], pooled.pool
-        pooling = (plan, q, k_raw, v, step.info.rope.inv_freq, torch.compiler.is_compiling())
-        if step.decode and not self.options.proportional:
-            pooled.pool_step(*pooling)
-            segments = decode_segments(step, store, layer, pooled, self.window, q, k, v)
-            return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
         if self.window is not None:
             window = (*self.window.context(step.window_step, store, layer, k, v), step.window)
         else:
             window = (k[:, :, :0], v[:, :, :0], step.window)
-        pooled.pool_step(*pooling)
+        pooled.pool_step(plan, q, k_raw, v, step.info.rope.inv_freq, torch.compiler.is_compiling())
         keys, values = pooled.read(plan.visible.shape[-1])
         bias = math.log(pool.ratio) if self.options.proportional else 0.0
         return attend_entries(q, (keys, values, plan.visible), window, pool.top_k, bias)
-
-    def fused_attention(self, step: PooledStep, store, layer):
-        pooled, window = self.layers.get(layer), self.window
-        if window is None:
-            return None
-        if pooled is None:  # a window's layer
-            return window.fused_attention(step.window_step, store, layer)
-        if self.options.proportional:
-            return None
-        return fused_attention(step, store, layer, pooled, window)
 
     def end(self, step: PooledStep, store) -> None:
         if step.window_step is not None:

@@ -4,8 +4,9 @@ Keeps the first ``sinks`` tokens and the ``window`` most recent ones in ``sinks 
 slots (+1 trash slot for padding): sinks in place, the rest cycling, so memory is bounded.
 A query attends to the sinks and the ``window`` most recent tokens including itself,
 however the prompt comes, so ``window`` >= length is exactly ``keep_all``. Decode writes
-the token, then reads every filled slot in place (in the fused layer's C call where it
-can); longer steps attend over [slots | new tokens] under the window mask.
+the token, then reads every filled slot in place (planned as data: ``reads``, which the
+fused decode layer runs in C); longer steps attend over [slots | new tokens] under the
+window mask.
 ``positions="cache"``: StreamingLLM's positions within the cache (:mod:`.cache_positions`).
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvlab.cache.base import Step, row_bounds, sdpa
+from kvlab.cache.base import DecodeReads, Step, row_bounds, sdpa
 from kvlab.cache.masks import visible
 from kvlab.cache.policies.base import Policy
 from kvlab.cache.policies.cache_positions import cache_rotation, sink_attention, sink_segments
@@ -63,8 +64,12 @@ class Window(Policy):
 
     def plan(self, info, lengths, store, static) -> WindowStep:
         if info.steps == 1 and self.options.positions != "cache":
-            return self._one_token_plan(info, lengths, store)
-        return self._tensor_plan(info, lengths, store)
+            step = self._one_token_plan(info, lengths, store)
+        else:
+            step = self._tensor_plan(info, lengths, store)
+        if self.decodes_in_place(step):  # the filled slots, read in place
+            step.reads = DecodeReads(step.where, step.origin, step.filled)
+        return step
 
     def _tensor_plan(self, info, lengths, store) -> WindowStep:
         """:meth:`plan` of any step, in tensor ops."""
@@ -103,7 +108,7 @@ class Window(Policy):
         origin = torch.zeros_like(start)
         return WindowStep(info, start, end, where, where.positions, kept, filled, origin)
 
-    def attend(self, step, store, layer, q, k, v, k_raw):
+    def attend_steps(self, step, store, layer, q, k, v, k_raw):
         if step.decode:
             segments = self.decode_segments(step, store, layer, q, k, v)
             return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
@@ -118,14 +123,8 @@ class Window(Policy):
 
     def decodes_in_place(self, step: WindowStep) -> bool:
         """A plain decode step (no cache positions, no margin): write the token, read the
-        filled slots in place, as the fused decode layer can do it in C."""
+        filled slots in place."""
         return step.decode and step.to_cache is None and not self.options.rollback
-
-    def fused_attention(self, step: WindowStep, store, layer):
-        if not self.decodes_in_place(step):
-            return None
-        group = self.spec.num_heads // self.spec.num_kv_heads
-        return store.fused_attention(step.where, layer, step.origin, step.filled, group)
 
     def decode_segments(self, step: WindowStep, store, layer: int, q, k, v) -> list[Segment]:
         """Store a decode step's k/v (B, H_kv, 1, D) and return what its queries read: the

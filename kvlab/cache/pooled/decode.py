@@ -1,20 +1,55 @@
 """A pooling layer's decode step over its entries and the exact window, one softmax
-(DeepSeek-V4's compressed attention, report of 2026-04-24, §2.3): as segments for the
-decode attention backends, or as one C description for the fused decode layer
-(``decode_layer.c``: the window's and the raw buffers' writes, the pooling of the windows
-the step closes, CSA's indexer and the attention in the layer's own call, where ~150 us a
-layer of Python ran, ~300 us on a step that pools)."""
+(DeepSeek-V4's compressed attention, report of 2026-04-24, §2.3), as the policy's
+:class:`PooledStage`: segments for the decode attention backends (its torch form), or one C
+description for the fused decode layer (``decode_layer.c``: the window's and the raw
+buffers' writes, the pooling of the windows the step closes, CSA's indexer and the attention
+in the layer's own call)."""
 
 from __future__ import annotations
 
 import torch
 
+from kvlab.cache.policies.base import Stage
 from kvlab.cache.pooled.layer import PooledLayer
 from kvlab.cache.pooled.plan import PoolingPlan
-from kvlab.cache.rows import grouped
+from kvlab.cache.rows import decode_output, grouped
+from kvlab.kernels import decode_attention
 from kvlab.kernels.cached_pooling import Closing, Pooling
 from kvlab.kernels.segments import Stored
 from kvlab.models.rope import RotaryTables
+
+
+class PooledStage(Stage):
+    """A pooled policy's decode step: a window's layer as the window decodes it, a pooling
+    layer's closing windows pooled and its entries and window read in one softmax."""
+
+    def __init__(self, policy, step):
+        self.policy, self.step = policy, step
+
+    def attend(self, policy, step, store, layer, q, k, v, k_raw):
+        pooled, window = policy.layers.get(layer), policy.window
+        if pooled is None:
+            return window.attend(step.window_step, store, layer, q, k, v, k_raw)
+        plan = step.plans[pooled.geometry]
+        pooled.pool_step(plan, q, k_raw, v, step.info.rope.inv_freq, torch.compiler.is_compiling())
+        segments = decode_segments(step, store, layer, pooled, window, q, k, v)
+        return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
+
+    def c_layers(self, store, layers, group: int) -> list:
+        policy, step, window = self.policy, self.step, self.policy.window
+        if window is None:
+            return [None] * len(layers)
+        out = []
+        for layer in layers:
+            pooled = policy.layers.get(layer)
+            if pooled is None:  # a window's layer: the window's reads, in place
+                reads = step.window_step.reads
+                found = None if reads is None else store.c_layers(
+                    reads.where, [layer], reads.lo, reads.hi, group)[0]  # fmt: skip
+            else:
+                found = c_layer(step, store, layer, pooled, window)
+            out.append(found)
+        return out
 
 
 def decode_segments(step, store, layer: int, pooled: PooledLayer, window, q, k, v) -> list:
@@ -31,9 +66,9 @@ def decode_segments(step, store, layer: int, pooled: PooledLayer, window, q, k, 
     return [picked, *(w.per_head(step.window_heads) for w in segments)]
 
 
-def fused_attention(step, store, layer: int, pooled: PooledLayer, window):
+def c_layer(step, store, layer: int, pooled: PooledLayer, window):
     """The same step as :func:`decode_segments` for the fused decode layer (see
-    ``Store.fused_attention``), with the step's keys before RoPE and values buffered in the
+    ``KVCache.decode_attentions``), with the step's keys before RoPE and values buffered in the
     same call, where a plain window (no cache positions, no margin) and exact entries and
     buffers make it exactly that: the window's ring written and read in place, the windows
     the step closes pooled (the uniform gate: weights that do not depend on the keys), the

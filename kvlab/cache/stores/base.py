@@ -106,19 +106,23 @@ class Store(ABC):
         holds some tokens apart, as the staged store its exact ring, returns more than one)."""
         return [self.segment(where, layer, queries, lo, hi)]
 
-    def fused_attention(self, where: Any, layer: int, lo, hi, group: int):
-        """A decode step's writes and attention for ``layer`` as one C description the fused
-        decode layer runs (``(address, blocks, slots, dtype)``, see
-        :class:`~kvlab.kernels.cached_attention.CachedAttention`), where this store holds the
-        layer exactly and in place; None where it cannot: then the policy's :meth:`write`
-        and :meth:`segments` serve the step. ``lo``/``hi`` (B,): the logical slots attended;
-        ``group``: query heads per KV head. (:meth:`fused_attentions` for one layer.)"""
-        return self.fused_attentions(where, [layer], lo, hi, group)[0]
-
-    def fused_attentions(self, where: Any, layers: list[int], lo, hi, group: int) -> list:
-        """:meth:`fused_attention` of each of ``layers``, what they share made once (a whole
-        step in one call, ``kvlab.models.fused_layer.FusedStep``); all None by default."""
+    def c_layers(self, where: Any, layers: list[int], lo, hi, group: int, merge=None) -> list:
+        """A decode step's writes and attention for each of ``layers`` as the fused decode
+        layer's C call runs them (``(address, blocks, slots, dtype)`` each, see
+        :class:`~kvlab.kernels.cached_attention.CachedAttention`): the new keys and values
+        written where :meth:`place` put them (``where``) and the :meth:`segments` over
+        [lo, hi) read in place, as :meth:`write` and :meth:`segments` do them; ``group``:
+        query heads per KV head; ``merge``: (factor, first), KV heads merged before the
+        write. None for a layer it cannot describe (then the policy's torch form serves it);
+        what the layers share is made once (a whole step in one call). All None by
+        default."""
         return [None] * len(layers)
+
+    def mirrors(self, owner: type, *methods: str) -> bool:
+        """Whether this store's ``methods`` are ``owner``'s own, so that a C description
+        made after ``owner``'s does what they do (a subclass that places, writes or reads
+        otherwise is served by its torch form)."""
+        return all(getattr(type(self), name) is getattr(owner, name) for name in methods)
 
     @abstractmethod
     def read(self, layer: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,6 +27,10 @@ class ContiguousWrite:
     rows: torch.Tensor
 
 
+# what a C description of a store that holds rows in place mirrors
+IN_PLACE = ("place", "write", "segment", "segments")
+
+
 class ContiguousStore(Store):
     """Per layer, keys and values as their codecs' parts (B, H_kv, slots / span_i, E_i)."""
 
@@ -37,7 +41,7 @@ class ContiguousStore(Store):
         self.key_codec, self.value_codec = codec.halves()
         self.keys: list[list[torch.Tensor]] = []  # per layer: [data] or [codes, scale, zero]
         self.values: list[list[torch.Tensor]] = []
-        self._attentions = LayerAttentions()  # the fused decode layer's (fused_attention)
+        self._attentions = LayerAttentions()  # the fused decode layer's (c_layers)
         self._inexact = not (type(self.key_codec) is Exact and type(self.value_codec) is Exact)
 
     @staticmethod
@@ -105,22 +109,16 @@ class ContiguousStore(Store):
         keys, values = self.key_codec.stored(keys), self.value_codec.stored(values)
         return Segment(queries, keys, values, where.rows, lo, hi, ring)
 
-    def fused_attentions(
-        self, where: ContiguousWrite, layers, lo, hi, group: int, merge=None
-    ) -> list:  # fmt: skip
-        """The layers' writes and attention in place for the fused decode layer, where the
-        store is this class itself in exact codes on the CPU (a subclass places and reads
-        otherwise): each row is a block of the C job's table. ``merge``: (factor, first),
-        where the store's heads are the model's merged in groups, the merge in C too (see
-        ``CachedAttention``)."""
-        if type(self) is not ContiguousStore:
+    def c_layers(self, where: ContiguousWrite, layers, lo, hi, group: int, merge=None) -> list:
+        """Each row is a block of the C job's table (see :meth:`Store.c_layers`)."""
+        if not self.mirrors(ContiguousStore, *IN_PLACE):
             return [None] * len(layers)
-        return self.fused_in_place(where, layers, lo, hi, group, merge)
+        return self.c_in_place(where, layers, lo, hi, group, merge)
 
-    def fused_in_place(self, where: ContiguousWrite, layers, lo, hi, group: int, merge=None):
-        """:meth:`fused_attentions` of a store that writes each layer slot by slot through
-        ``where`` and reads slots [lo, hi) of each row in place; Nones in other codecs. The
-        step's bounds are one list for all the layers (read once, see LayerAttentions)."""
+    def c_in_place(self, where: ContiguousWrite, layers, lo, hi, group: int, merge=None):
+        """:meth:`c_layers` of a store that writes each layer slot by slot through ``where``
+        and reads slots [lo, hi) of each row in place; Nones in other codecs. The step's
+        bounds are one list for all the layers (read once, see LayerAttentions)."""
         if self._inexact:
             return [None] * len(layers)
         parts = [self.exact_parts(layer) for layer in layers]

@@ -19,6 +19,7 @@ from kvlab.cache.base import RowState, at_least, nbytes
 from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.stores.base import Store, allocate_layers, parts_bytes
 from kvlab.cache.stores.blocks import BlockPool
+from kvlab.cache.stores.contiguous import IN_PLACE
 from kvlab.kernels import Segment
 from kvlab.kernels.cached_attention import LayerAttentions
 
@@ -45,7 +46,8 @@ class PagedWrite:
 class PagedStore(Store):
     """Per layer a block pool (N + 1, H_kv, block, E_i) per codec part, stored head-major
     (+1: the trash block padding writes into), and per-row block tables on the host and on
-    the device. ``block_extras``: (shape, dtype) of per-block metadata of each layer."""
+    the device. ``block_extras``: (shape, dtype) of per-block metadata of each layer, its
+    first axis outermost in memory (the pool's head-major storage)."""
 
     kind = "paged"
     pooled = True
@@ -63,7 +65,7 @@ class PagedStore(Store):
         self.tokens: list[list[int]] = []  # token ids per row, for the prefix hash chain
         self.slots = 0
         self.serving = False  # the pool is a serving budget: it never grows
-        self._attentions = LayerAttentions()  # the fused decode layer's (fused_attention)
+        self.attentions = LayerAttentions()  # the fused decode layer's (c_layers)
 
     # ---- layout --------------------------------------------------------------------------
     def _block_layout(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -82,14 +84,17 @@ class PagedStore(Store):
         s = self.spec
         self.pool = BlockPool(blocks, self.options.block_size)
         layout = [((s.num_kv_heads, blocks + 1, *shape), t) for shape, t in self._block_layout()]
-        extras = [((blocks + 1, *shape), t) for shape, t in self.block_extras]
-        keys, values, self.extras = allocate_layers(s, [layout, layout, extras])
+        # an extra's leading axis (its KV heads) outermost as well: a head's bounds of
+        # consecutive blocks are adjacent, so a scan over a row's blocks streams them
+        extras = [((shape[0], blocks + 1, *shape[1:]), t) for shape, t in self.block_extras]
+        keys, values, extras = allocate_layers(s, [layout, layout, extras])
+        self.extras = [[part.transpose(0, 1) for part in layer] for layer in extras]
         # head-major storage, seen block-major: a head's consecutive blocks are adjacent in
         # memory, so decode streams them like a contiguous cache (block-major storage read
         # 4 KiB runs a page apart, 1.3x slower on the AMD EPYC here)
         self.keys = [[part.transpose(0, 1) for part in layer] for layer in keys]
         self.values = [[part.transpose(0, 1) for part in layer] for layer in values]
-        self._attentions = LayerAttentions()
+        self.attentions = LayerAttentions()
 
     def allocate(self, batch_size: int, max_tokens: int) -> None:
         self.release(range(len(self.tables)))
@@ -254,15 +259,16 @@ class PagedStore(Store):
             for pool, value in zip(parts, self.codec.encode(new), strict=True):
                 pool[where.blocks, :, where.slots] = value.transpose(1, 2)
 
-    def fused_attentions(self, where: PagedWrite, layers, lo, hi, group: int) -> list:
-        """The layers' writes and attention in place for the fused decode layer, where the
-        pool holds exact rows on the CPU: the step's rows go to their blocks and slots, the
-        job reads through the row tables (the step's bounds one list for all layers)."""
-        if type(self.codec) is not Exact:
+    def c_layers(self, where: PagedWrite, layers, lo, hi, group: int, merge=None) -> list:
+        """Where the pool holds exact rows on the CPU: the step's rows go to their blocks
+        and slots, the job reads through the row tables (the step's bounds one list for all
+        layers); see :meth:`Store.c_layers`."""
+        exact = type(self.codec) is Exact and self.mirrors(PagedStore, *IN_PLACE)
+        if merge is not None or not exact:
             return [None] * len(layers)
         parts = [(self.keys[layer][0], self.values[layer][0]) for layer in layers]
         bounds = [(self.table, lo, hi)]
-        return self._attentions.fused_exact(layers, parts, group, bounds, where.blocks,
+        return self.attentions.fused_exact(layers, parts, group, bounds, where.blocks,
                                             where.slots)  # fmt: skip
 
     def segment(self, where, layer, queries, lo, hi, ring=0) -> Segment:

@@ -23,6 +23,7 @@ from kvlab.cache.base import RowState
 from kvlab.cache.codecs import Codec
 from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.stores.base import Store
+from kvlab.cache.stores.contiguous import IN_PLACE
 from kvlab.kernels import Segment, Stored
 from kvlab.kernels.cached_attention import LayerAttentions, still_held
 
@@ -139,7 +140,7 @@ class RaggedStore(Store):
         self.slots = self.rows = 0
         self._attentions: list[LayerAttentions] = []  # the fused decode layer's, per layer
         self._nowhere = torch.zeros(0, 1, dtype=torch.int64)  # (B, 1) zeros, see fused
-        self._last_step = None  # fused_attentions' last answer, and what it was made from
+        self._last_step = None  # c_layers' last answer, and what it was made from
 
     @staticmethod
     def kept_bytes(spec, codec, batch_size: int, kept: int) -> dict[str, int]:
@@ -192,6 +193,10 @@ class RaggedStore(Store):
         offsets = torch.arange(info.steps, device=slots.device)
         return RaggedWrite(slots, real, offsets, slots[:, 0] + real.sum(dim=1))
 
+    def packed(self) -> bool:
+        """Whether every layer holds its rows' tokens in runs (a prefill repacked it)."""
+        return bool(self.layers) and all(layer is not None for layer in self.layers)
+
     def write(self, where: RaggedWrite, layer, k, v) -> None:
         """Decode: each head's new token after its own (room exists: a repack left it)."""
         store, heads = self.layers[layer], self.spec.num_kv_heads
@@ -206,14 +211,15 @@ class RaggedStore(Store):
         keys, values = store.stored(0, self.codec), store.stored(1, self.codec)
         return Segment(flat, keys, values, store.table, torch.zeros_like(store.held), store.held)
 
-    def fused_attentions(self, where: RaggedWrite, layers, lo, hi, group: int) -> list:
+    def c_layers(self, where: RaggedWrite, layers, lo, hi, group: int, merge=None) -> list:
         """A decode step's writes and attention for each of ``layers`` in the fused decode
         layer's C call, where the layer holds its tokens exactly on the CPU: every (row, KV
         head) a row of the C job over exactly its tokens, its new token written after them
         and counted (``CachedAttention``'s ``ragged``), as :meth:`write` and
         :meth:`segment` do. ``lo``/``hi`` are unused: each head's bounds are its own."""
         one_token = where.offsets.numel() == 1
-        if type(self.codec) is not Exact or not one_token or self.spec.device.type != "cpu":
+        exact = type(self.codec) is Exact and self.mirrors(RaggedStore, *IN_PLACE)
+        if merge is not None or not exact or not one_token or self.spec.device.type != "cpu":
             return [None] * len(layers)
         stores = [self.layers[layer] for layer in layers]  # a repack makes all new tensors
         now = [t for store in stores if store is not None for t in store.tensors()]

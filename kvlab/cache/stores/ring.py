@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache.base import RowState, nbytes
-from kvlab.cache.stores.contiguous import ContiguousStore, ContiguousWrite
+from kvlab.cache.stores.contiguous import IN_PLACE, ContiguousStore, ContiguousWrite
 
 
 @dataclass
@@ -83,11 +83,11 @@ class RingStore(ContiguousStore):
         first = self.segment(where, layer, queries, 0 * end, end.clamp(max=sinks), 0, slice(sinks))
         return [first, ring]
 
-    def fused_attentions(self, where: RingWrite, layers, lo, hi, group: int) -> list:
+    def c_layers(self, where: RingWrite, layers, lo, hi, group: int, merge=None) -> list:
         """Slots [lo, hi) of each row in place, written as the contiguous store writes."""
-        if type(self) is not RingStore:
+        if merge is not None or not self.mirrors(RingStore, *IN_PLACE):
             return [None] * len(layers)
-        return self.fused_in_place(where, layers, lo, hi, group)
+        return self.c_in_place(where, layers, lo, hi, group)
 
     def place(self, lengths, info, slots, real) -> RingWrite:
         """``slots`` are the new tokens' positions; ``real`` those the ring keeps."""

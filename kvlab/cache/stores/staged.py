@@ -22,7 +22,7 @@ from kvlab.cache.codecs.channel import ChannelCodec
 from kvlab.cache.codecs.token import TokenCodec
 from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import parts_bytes
-from kvlab.cache.stores.contiguous import ContiguousStore
+from kvlab.cache.stores.contiguous import IN_PLACE, ContiguousStore
 from kvlab.kernels import Segment, Stored
 from kvlab.kernels.codes import encode_ring_groups
 
@@ -266,12 +266,12 @@ class StagedStore(ContiguousStore):
                         where.coded, hi, ring=self.ring_size)  # fmt: skip
         return [codes, exact]
 
-    def fused_attentions(self, where: StagedWrite, layers, lo, hi, group: int) -> list:
+    def c_layers(self, where: StagedWrite, layers, lo, hi, group: int, merge=None) -> list:
         """A decode step's ring writes and their two segments (codes, exact ring) for the
         fused decode layer, as :meth:`write` and :meth:`segments` do them; the groups it
         closes are still encoded at :meth:`commit`. The step's bounds are one list for all
         the layers."""
-        if type(self) is not StagedStore or not where.in_place:
+        if merge is not None or not where.in_place or not self.mirrors(StagedStore, *IN_PLACE):
             return [None] * len(layers)
         bounds = [(where.rows, lo, where.coded), (where.rows, where.coded, hi)]
 
