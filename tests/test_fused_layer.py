@@ -600,3 +600,45 @@ def test_every_strategy_decodes_on_the_fused_path(name, tiny_llama):
         Engine(tiny_llama, cache).generate(PROMPTS, GenerationConfig(6, stop_on_eos=False))
     taken = tiny_llama.decode_paths() - before
     assert taken and set(taken) <= {"one_call", "c_attention"}, dict(taken)
+
+
+@needs_kernel
+def test_a_researchers_policy_is_timed_on_the_fused_path_unless_it_attends_itself(tiny_llama):
+    """A policy that extends keep_all and plans its decode steps as data (here: every query
+    reads only the newest 4 tokens of its row, a window as [lo, hi)) decodes in the fused
+    layer's C call, with the logits its torch form gives; one that overrides ``attend``
+    itself is served by its own attend, observed, with the same logits."""
+    from kvlab.cache import base, composed
+    from kvlab.cache.policies.keep_all import KeepAll
+    from kvlab.cache.stores.contiguous import ContiguousStore
+
+    class Newest(KeepAll):
+        name = "newest"
+
+        def plan(self, info, lengths, store, static):
+            step = super().plan(info, lengths, store, static)
+            if step.reads is not None:
+                step.reads.lo = (step.end - 4).clamp(min=0)
+            return step
+
+    class Itself(Newest):
+        def attend(self, step, store, layer, q, k, v, k_raw):
+            return super().attend(step, store, layer, q, k, v, k_raw)
+
+    logits = {}
+    try:
+        for name, policy in (("newest", Newest), ("newest_itself", Itself)):
+            composed.preset(name, policy, ContiguousStore)
+            before = tiny_llama.decode_paths()
+            logits[name] = decode_logits(tiny_llama, cache=name)
+            logits[name, "paths"] = set(tiny_llama.decode_paths() - before)
+    finally:
+        for name in ("newest", "newest_itself"):
+            base._REGISTRY.pop(name, None)
+            composed._COMPOSITIONS.pop(name, None)
+    assert logits["newest", "paths"] <= {"one_call", "c_attention"}
+    assert logits["newest_itself", "paths"] == {"cache_attends"}
+    for got, want in zip(logits["newest"], logits["newest_itself"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    full = decode_logits(tiny_llama)
+    assert not torch.allclose(full[-1], logits["newest"][-1])  # it did read fewer tokens
