@@ -16,27 +16,39 @@ import torch
 
 import kvlab
 from kvlab.cache import build_cache
+from kvlab.cache.codecs import token_formats
 from kvlab.eval.kld import window_divergence
 from kvlab.eval.perplexity import chunked_nll
 from kvlab.quiet import quiet_third_party
 from kvlab.workload import build_prompts
 
-SETTINGS = [
+# the strategies' own lossy settings; every registered per-token format is added below
+STRATEGIES = [
     ("int8", {}), ("int8", {"key_axis": "token"}), ("int4", {}), ("int4", {"key_axis": "token"}),
     ("int2", {}), ("int2", {"key_axis": "token"}), ("paged", {"kv_bits": 8}),
     ("paged", {"kv_bits": 4}), ("sliding", {"window": 1024, "kv_bits": 4}),
     ("sliding", {"window": 128, "sinks": 4}), ("gqa_shared", {"factor": 3}),
     ("gqa_shared", {"factor": 3, "merge": "first"}),
-    ("full", {"kv_bits": 8, "kv_format": "e4m3"}), ("full", {"kv_bits": 8, "kv_format": "e5m2"}),
-    ("full", {"kv_bits": 4}), ("full", {"kv_bits": 4, "rotate": "hadamard"}),
-    ("full", {"kv_bits": 2}), ("full", {"kv_bits": 2, "rotate": "hadamard"}),
     ("int4", {"key_axis": "token", "rotate": "hadamard"}), ("int2", {"rotate": "hadamard"}),
     ("int2", {"key_axis": "token", "rotate": "hadamard"}),
-    ("full", {"kv_bits": 4, "kv_format": "mxfp4", "kv_group_size": 32}),
-    ("full", {"kv_bits": 4, "kv_format": "nvfp4", "kv_group_size": 16}),
-    ("full", {"kv_bits": 4, "kv_format": "mxfp4", "kv_group_size": 32, "rotate": "hadamard"}),
-    ("full", {"kv_bits": 4, "kv_format": "nvfp4", "kv_group_size": 16, "rotate": "hadamard"}),
 ]  # fmt: skip
+
+
+def format_settings() -> list[tuple[str, dict]]:
+    """``full`` in every registered per-token format (kvlab/cache/codecs/formats.py) at each
+    of its widths, a scale every 32 channels where the format lets a group be chosen, with
+    and without the Hadamard rotation (only with it where the format quantizes rotated
+    coordinates)."""
+    out = []
+    for name, kind in sorted(token_formats().items()):
+        for bits in kind.bits:
+            options = {"kv_bits": bits, "kv_format": name, "kv_group_size": kind.block or 32}
+            rotations = [kind.rotation] if kind.rotation else ["none", "hadamard"]
+            out += [("full", options | ({"rotate": r} if r != "none" else {})) for r in rotations]
+    return out
+
+
+SETTINGS = STRATEGIES + format_settings()
 RESIDUAL = 32  # int*: so that most of the 512 tokens are really quantized
 CHUNK = 128  # chunked_nll's
 

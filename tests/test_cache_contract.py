@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache, registered
-from kvlab.cache.codecs import CodecOptions, KiviOptions
+from kvlab.cache.codecs import CodecOptions, KiviOptions, token_formats
 from kvlab.cache.composed import compositions, preset
 from kvlab.cache.evict.scorers import scorers
 from kvlab.cache.policies.keep_all import KeepAll
@@ -25,13 +25,24 @@ TOLERANCE = 1e-4
 # The composition grid the registry declares: every (policy, store) preset in every token
 # codec (KIVI's presets, whose codec is their own, are the int rows above), and eviction
 # over quantized storage (not yet a composed preset).
-CODECS = {
-    "exact": {},
-    "int8": dict(kv_bits=8, kv_group_size=16),
-    "int4": dict(kv_bits=4, kv_group_size=8),
-    "fp8": dict(kv_bits=8, kv_format="e4m3", kv_group_size=16),
-    "nvfp4": dict(kv_bits=4, kv_format="nvfp4", kv_group_size=16),
-}
+def codec_settings(head_dim: int = 16) -> dict[str, dict]:
+    """Exact, and every registered per-token format at each of its widths (a scale every 8
+    channels where the format lets a group be chosen; its rotation where it needs one)
+    that holds heads of ``head_dim`` channels."""
+    settings = {"exact": {}}
+    for name, kind in sorted(token_formats().items()):
+        for bits in kind.bits:
+            options = dict(kv_bits=bits, kv_format=name, kv_group_size=kind.block or 8)
+            options |= {"rotate": kind.rotation} if kind.rotation else {}
+            try:
+                CodecOptions(**options).codec(head_dim)
+            except ValueError:  # a format of larger blocks than this head (mxfp4's 32)
+                continue
+            settings[f"{name}{bits}" if len(kind.bits) > 1 else name] = options
+    return settings
+
+
+CODECS = codec_settings()
 GRID = [
     pytest.param(name, {**LOSSY[name], **codec}, id=f"{name}-{codec_name}")
     for name, (_, _, codec_options) in sorted(compositions().items())

@@ -1,8 +1,10 @@
-"""Codecs: how a token's K/V rows are held (one file each). ``exact`` keeps the model
-dtype; ``token`` holds per-token integer codes; ``channel`` per-channel codes over token
-groups; ``kivi`` is KIVI's pair (channel keys, token values, an exact residual). The
-arithmetic is :mod:`kvlab.kernels.int_codes`. Strategies whose storage can hold codes take
-:class:`CodecOptions` (or :class:`KiviOptions`) and ask it for their codec."""
+"""Codecs: how a token's K/V rows are held (one file each, every file of this folder
+imported here). ``exact`` keeps the model dtype; ``token`` holds per-token integer codes;
+``channel`` per-channel codes over token groups; ``kivi`` is KIVI's pair (channel keys,
+token values, an exact residual); ``fp8``, ``fp4`` float formats. Per-token formats
+register themselves (:mod:`.formats`: ``kv_format``), so a new one is one file. Strategies
+whose storage can hold codes take :class:`CodecOptions` (or :class:`KiviOptions`) and ask it
+for their codec."""
 
 from __future__ import annotations
 
@@ -12,14 +14,16 @@ from typing import ClassVar
 from kvlab.cache.codecs.base import Codec
 from kvlab.cache.codecs.channel import ChannelCodec
 from kvlab.cache.codecs.exact import Exact
-from kvlab.cache.codecs.fp4 import BLOCKS as FP4_FORMATS
+from kvlab.cache.codecs.formats import token_format, token_formats
 from kvlab.cache.codecs.fp4 import Fp4Codec
-from kvlab.cache.codecs.fp8 import FORMATS as FP8_FORMATS
 from kvlab.cache.codecs.fp8 import Fp8Codec
 from kvlab.cache.codecs.kivi import Kivi, KiviOptions
 from kvlab.cache.codecs.rotation import check_rotation
 from kvlab.cache.codecs.token import TokenCodec
 from kvlab.kernels.int_codes import BITS
+from kvlab.registry import import_folder
+
+import_folder(__name__)  # every codec file: the per-token formats register themselves
 
 __all__ = [
     "BITS",
@@ -32,21 +36,22 @@ __all__ = [
     "Kivi",
     "KiviOptions",
     "TokenCodec",
+    "token_formats",
 ]
 
 
 @dataclass
 class CodecOptions:
     """Options of strategies whose storage can be quantized per token (``paged``,
-    ``sliding``, ...): ``kv_bits=0`` keeps K/V exactly; 8/4/2 store every token's keys and
-    values as codes with a scale per ``kv_group_size`` channels: integer codes and a zero
-    (``kv_format=int``, HF QuantizedCache's layout), at 8 bits an fp8 format
-    (``kv_format=e4m3`` or ``e5m2``, vLLM's fp8 cache with a dynamic scale), or at 4 bits a
-    block-scaled fp4 format (``kv_format=mxfp4``: blocks of 32, ``nvfp4``: blocks of 16 and
-    ``kv_tensor_scale``, the per-tensor fp32 scale; ``kv_group_size`` must be the block). No
-    full-precision residual: the step's own tokens are read back through storage too.
-    (``int8``/``int4``/``int2`` are KIVI: keys per channel and an exact residual; report
-    labels name the difference.)"""
+    ``sliding``, ...): ``kv_bits=0`` keeps K/V exactly; otherwise every token's keys and
+    values are held in ``kv_format`` (:func:`~kvlab.cache.codecs.formats.token_formats`:
+    ``int``, HF QuantizedCache's integer codes and a zero at 8/4/2 bits; fp8's ``e4m3`` and
+    ``e5m2`` at 8, vLLM's fp8 cache with a dynamic scale; block-scaled fp4 ``mxfp4``, blocks
+    of 32, and ``nvfp4``, blocks of 16 with ``kv_tensor_scale``, the per-tensor fp32 scale;
+    and whatever else a codec file registers) with a scale per ``kv_group_size`` channels
+    (the block where a format fixes it). No full-precision residual: the step's own tokens
+    are read back through storage too. (``int8``/``int4``/``int2`` are KIVI: keys per
+    channel and an exact residual; report labels name the difference.)"""
 
     name: ClassVar[str] = "per_token"  # the codec axis entry: exact or per-token codes
     staged: ClassVar[bool] = False  # its codecs encode token by token
@@ -59,51 +64,29 @@ class CodecOptions:
 
     def __post_init__(self) -> None:
         check_rotation(self.rotate)
-        if self.kv_bits not in (0, *BITS):
-            raise ValueError(f"cache.options.kv_bits={self.kv_bits} is invalid; allowed: 0, {BITS}")
+        every = sorted({bits for f in token_formats().values() for bits in f.bits})
+        if self.kv_bits not in (0, *every):
+            raise ValueError(
+                f"cache.options.kv_bits={self.kv_bits} is invalid; allowed: 0, {tuple(every)}"
+            )
         if self.kv_group_size < 1:
             raise ValueError(f"cache.options.kv_group_size={self.kv_group_size} must be >= 1")
-        formats = ("int", *FP8_FORMATS, *FP4_FORMATS)
-        if self.kv_format not in formats:
-            raise ValueError(
-                f"cache.options.kv_format={self.kv_format!r} is invalid; allowed: {formats}"
-            )
-        width = 8 if self.kv_format in FP8_FORMATS else 4
-        if self.kv_format != "int" and self.kv_bits != width:
-            raise ValueError(
-                f"cache.options.kv_format={self.kv_format!r} is {'an' if width == 8 else 'a'} "
-                f"{width}-bit format but "
-                f"kv_bits={self.kv_bits}; allowed: kv_bits={width} with it"
-            )
-        block = FP4_FORMATS.get(self.kv_format, self.kv_group_size)
-        if self.kv_group_size != block:
-            raise ValueError(
-                f"cache.options.kv_group_size={self.kv_group_size} with kv_format="
-                f"{self.kv_format}, which scales blocks of {block}; allowed: {block}"
-            )
+        kind = token_format(self.kv_format)  # refuses an unknown name, naming the known
+        if self.kv_bits:
+            kind.check(self)
         if self.kv_tensor_scale <= 0:
             raise ValueError(
                 f"cache.options.kv_tensor_scale={self.kv_tensor_scale} is invalid; allowed: > 0"
             )
 
     def codec(self, head_dim: int) -> Codec:
-        """The codec of the stored rows: exact, integer token codes, fp8 or fp4."""
+        """The codec of the stored rows: exact, or the format's."""
         if not self.kv_bits:
             return Exact()
-        if self.kv_format in FP4_FORMATS:
-            return Fp4Codec(self.kv_format, head_dim, self.kv_tensor_scale)
-        if self.kv_format != "int":
-            return Fp8Codec(self.kv_format, self.kv_group_size, head_dim)
-        return TokenCodec(self.kv_bits, self.kv_group_size, head_dim)
+        return token_format(self.kv_format).make(self, head_dim)
 
     def describe(self) -> str:
         """The storage in words, for report labels ("" when exact)."""
         if not self.kv_bits:
             return ""
-        if self.kv_format in FP4_FORMATS:
-            return f"{self.kv_format} keys and values (e2m1, a scale byte per {self.kv_group_size})"
-        if self.kv_format != "int":
-            return (
-                f"fp8 {self.kv_format} keys and values, a scale per {self.kv_group_size} channels"
-            )
-        return f"per-token int{self.kv_bits} keys and values, no exact residual"
+        return token_format(self.kv_format).describe(self)

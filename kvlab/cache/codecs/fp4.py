@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache.codecs.base import Codec
+from kvlab.cache.codecs.formats import TokenFormat, register_format
 from kvlab.kernels import Stored
 from kvlab.kernels.attention import unpack_nibbles
 
@@ -96,3 +97,11 @@ class Fp4Codec(Codec):
 
     def stored(self, parts: list[torch.Tensor]) -> Stored:
         return Stored(parts[0], "fp4", 4, self.group, parts[1], self.table.to(parts[0].device))
+
+
+for _variant, _block in BLOCKS.items():
+    register_format(TokenFormat(
+        _variant, (4,), lambda o, dim: Fp4Codec(o.kv_format, dim, o.kv_tensor_scale),
+        lambda o: f"{o.kv_format} keys and values (e2m1, a scale byte per {o.kv_group_size})",
+        block=_block,
+    ))  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache.codecs.base import Codec
+from kvlab.cache.codecs.formats import TokenFormat, register_format
 from kvlab.kernels import Stored
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -58,3 +59,10 @@ class Fp8Codec(Codec):
     def stored(self, parts: list[torch.Tensor]) -> Stored:
         table = self.table.to(parts[0].device)
         return Stored(parts[0], "fp8", EXPONENT_BITS[self.variant], self.group, parts[1], table)
+
+
+for _variant in FORMATS:
+    register_format(TokenFormat(
+        _variant, (8,), lambda o, dim: Fp8Codec(o.kv_format, o.kv_group_size, dim),
+        lambda o: f"fp8 {o.kv_format} keys and values, a scale per {o.kv_group_size} channels",
+    ))  # fmt: skip

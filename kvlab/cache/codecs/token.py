@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache.codecs.base import PackedCodes
-from kvlab.kernels.int_codes import TokenCodes, words_per_row
+from kvlab.cache.codecs.formats import TokenFormat, register_format
+from kvlab.kernels.int_codes import BITS, TokenCodes, words_per_row
 
 
 class TokenCodec(PackedCodes):
@@ -23,3 +24,9 @@ class TokenCodec(PackedCodes):
     def parts(self, dim: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
         groups = dim // self.group
         return [(words_per_row(dim, self.bits), torch.int32), (groups, dtype), (groups, dtype)]
+
+
+register_format(TokenFormat(
+    "int", BITS, lambda o, dim: TokenCodec(o.kv_bits, o.kv_group_size, dim),
+    lambda o: f"per-token int{o.kv_bits} keys and values, no exact residual",
+))  # fmt: skip
