@@ -17,6 +17,7 @@ import torch
 
 from kvlab.cache import build_cache, registered
 from kvlab.cache.codecs import Fp4Codec, Fp8Codec
+from kvlab.cache.codecs.codebook import NF4, CodebookCodec
 from kvlab.cache.codecs.fp8 import FORMATS as FP8_FORMATS
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import Segment, Stored, decode_attention, kernel_available, reference_attention
@@ -53,6 +54,11 @@ def stored_case(name: str, seq: int = 300):
     if name == "fp4":  # mxfp4 keys, nvfp4 values
         k_codec, v_codec = Fp4Codec("mxfp4", D), Fp4Codec("nvfp4", D, tensor_scale=0.5)
         return k_codec.stored(k_codec.encode(k)), v_codec.stored(v_codec.encode(v))
+    if name.startswith("codebook"):  # 3-bit keys over a norm, NF4 values over absmax
+        bits = int(name[-1])
+        k_codec = CodebookCodec(torch.linspace(-0.3, 0.3, 1 << bits), D, D, "norm")
+        v_codec = CodebookCodec(NF4, 32, D)
+        return k_codec.stored(k_codec.encode(k)), v_codec.stored(v_codec.encode(v))
     bits = int(name[-1])
     k_words, k_scale, k_zero = ChannelCodes(bits, 30).encode(k)  # 30-token groups
     v_words, v_scale, v_zero = TokenCodes(bits, 32).encode(v)
@@ -60,7 +66,8 @@ def stored_case(name: str, seq: int = 300):
     return keys, Stored(v_words, "token_codes", bits, 32, v_scale, v_zero)
 
 
-CASES = ["fp32", "bf16", *(f"codes{b}" for b in BITS), "fp8", "fp8-bf16", "fp4"]
+CASES = ["fp32", "bf16", *(f"codes{b}" for b in BITS), "fp8", "fp8-bf16", "fp4", "codebook1",
+         "codebook3"]  # fmt: skip
 
 
 @needs_kernel
@@ -537,3 +544,16 @@ def test_indexer_kernel_breaks_ties_to_the_lowest_entries(dtype):
         n = int(seen[pair // heads])
         ranked = sorted(range(n), key=lambda j: (-float(scores[pair, j]), j))[:top_k]
         assert (table[pair] - base[pair]).tolist() == sorted(ranked)
+
+
+def test_the_c_formats_are_the_python_ones():
+    """attention_job.h's FMT_* enum and segments.FORMATS name the same numbers (fp is 0,
+    or 1 for bf16 data), so a format is declared once on each side and checked here."""
+    import re
+
+    from kvlab.kernels.segments import FORMATS
+
+    header = (Path(__file__).parents[1] / "kvlab" / "kernels" / "attention_job.h").read_text()
+    c = {name.lower(): int(n) for name, n in re.findall(r"FMT_(\w+) = (\d+)", header)}
+    assert c.pop("f32") == FORMATS["fp"] and c.pop("bf16") == FORMATS["fp"] + 1
+    assert c == {name: n for name, n in FORMATS.items() if name != "fp"}

@@ -10,7 +10,7 @@ import ctypes
 import torch
 
 from kvlab.kernels.build import INT, POINTER, kernel, library
-from kvlab.kernels.segments import FORMATS, TABLES, Segment, Stored
+from kvlab.kernels.segments import FORMATS, TABLE_FORMATS, TABLES, Segment, Stored
 
 CHUNK = 256  # tokens per partial result, at the least
 LONG_CHUNKS = (1024, 512)  # the longer chunks a long span may take, longest first
@@ -112,16 +112,18 @@ def store_applies(st: Stored) -> bool:
         return False
     if st.format == "fp":
         return st.data.dtype in (torch.float32, torch.bfloat16)
-    if st.format in TABLES:
+    if st.format in TABLE_FORMATS:
         scale_types = (torch.uint8,) if st.format == "fp4" else (torch.float32, torch.bfloat16)
+        entries = 1 << st.bits if st.format == "codebook" else TABLES[st.format]
         return (
             st.data.dtype == torch.uint8
+            and (st.format != "codebook" or 1 <= st.bits <= 4)
             and st.scale is not None
             and st.scale.dtype in scale_types
             and st.scale.stride(-1) == 1
             and st.zero is not None
             and st.zero.dtype == torch.float32
-            and st.zero.shape == (TABLES[st.format],)
+            and st.zero.shape == (entries,)
             and st.zero.is_contiguous()
         )
     return (

@@ -18,7 +18,7 @@ import importlib.util
 
 import torch
 
-from kvlab.kernels.segments import TABLES, Segment, Stored, merge_partials
+from kvlab.kernels.segments import TABLE_FORMATS, Segment, Stored, merge_partials
 
 CHUNK = 256  # slots per program
 BLOCK_N = 32  # keys scored at once
@@ -64,7 +64,7 @@ def _store_applies(st: Stored) -> bool:
         return False
     if st.format == "fp":
         return st.data.is_floating_point()
-    if st.format in TABLES:
+    if st.format in TABLE_FORMATS:
         return st.zero is not None and st.zero.dtype == torch.float32 and st.scale is not None
     return st.scale is not None and st.zero is not None and st.data.dtype == torch.int32
 

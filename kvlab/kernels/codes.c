@@ -273,3 +273,46 @@ void kvlab_encode_fp4(const void *x, int x_bf16, int64_t x_stride, int64_t n, in
       codes[r * (D / 2) + j] = (uint8_t)(row[2 * j] | (row[2 * j + 1] << 4));
   }
 }
+
+/* CodebookCodec.encode on the CPU: x (n, D) rows with stride x_stride; per group of `group`
+ * channels a scale, rounded to the stored dtype (scale: (n, D / group)): the group's norm
+ * (`norm`: the root of its sum of squares taken in double, rounded to fp32, then to the
+ * stored dtype) or its largest magnitude over `largest` (the table's); then each channel's
+ * code, the number of the table's `count` - 1 midpoints below x / scale (torch.bucketize's
+ * side), `bits` a channel packed LSB first along the row (codes: (n, D * bits / 8)). */
+void kvlab_encode_codebook(const void *x, int x_bf16, int64_t x_stride, int64_t n, int64_t D,
+                           int64_t group, int bits, int norm, float largest,
+                           const float *midpoints, int count, uint8_t *codes, void *scale,
+                           int scale_bf16) {
+  const int64_t groups = D / group, width = D * bits / 8;
+#pragma omp parallel for schedule(static) if (n > 64)
+  for (int64_t r = 0; r < n; r++) {
+    uint8_t *row = codes + r * width;
+    memset(row, 0, (size_t)width);
+    for (int64_t g = 0; g < groups; g++) {
+      const int64_t at = r * x_stride + g * group;
+      float wanted;
+      if (norm) {
+        double squares = 0.0;
+        for (int64_t c = 0; c < group; c++) {
+          const double v = load_value(x, x_bf16, at + c);
+          squares += v * v;
+        }
+        wanted = (float)sqrt(squares);
+      } else {
+        wanted = largest_magnitude(x, x_bf16, at, group) / largest;
+      }
+      store_value(scale, scale_bf16, r * groups + g, wanted);
+      const float stored = load_value(scale, scale_bf16, r * groups + g);
+      const float safe = stored > 0.f ? stored : 1.f;
+      for (int64_t c = 0; c < group; c++) {
+        const float y = load_value(x, x_bf16, at + c) / safe;
+        int code = 0;
+        while (code < count - 1 && midpoints[code] < y) code++;
+        const int64_t bit = (g * group + c) * bits;
+        row[bit >> 3] |= (uint8_t)(code << (bit & 7));
+        if ((bit & 7) + bits > 8) row[(bit >> 3) + 1] |= (uint8_t)(code >> (8 - (bit & 7)));
+      }
+    }
+  }
+}

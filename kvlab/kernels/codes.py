@@ -171,3 +171,27 @@ def encode_fp4(x: torch.Tensor, group: int, mx: bool, tensor_scale: float, scale
     )  # fmt: skip
     lead = x.shape[:-1]
     return codes.view(*lead, -1), scale_codes.view(*lead, -1)
+
+
+def encode_codebook(x: torch.Tensor, group: int, bits: int, norm: bool, largest: float,
+                    midpoints: torch.Tensor):  # fmt: skip
+    """(codes (..., D * bits / 8) uint8, scale (..., D/group) in x's dtype) of x (..., D)
+    through a codebook (see ``CodebookCodec``: ``midpoints`` between its sorted values, a
+    scale per ``group`` channels, the group's norm or its largest magnitude over
+    ``largest``), or None where the kernel does not apply (the torch path runs)."""
+    found = _c_rows(x)
+    if found is None:
+        return None
+    (lib, rows), dim = found, x.shape[-1]
+    count, cuts = rows.shape[0], midpoints.float().contiguous()
+    codes = torch.empty(count, dim * bits // 8, dtype=torch.uint8)
+    scale = torch.empty(count, dim // group, dtype=x.dtype)
+    bf16 = int(x.dtype == torch.bfloat16)
+    lib.kvlab_encode_codebook(
+        ctypes.c_void_p(rows.data_ptr()), bf16, ctypes.c_int64(rows.stride(0)),
+        ctypes.c_int64(count), ctypes.c_int64(dim), ctypes.c_int64(group), bits, int(norm),
+        ctypes.c_float(largest), ctypes.c_void_p(cuts.data_ptr()), cuts.numel() + 1,
+        ctypes.c_void_p(codes.data_ptr()), ctypes.c_void_p(scale.data_ptr()), bf16,
+    )  # fmt: skip
+    lead = x.shape[:-1]
+    return codes.view(*lead, -1), scale.view(*lead, -1)

@@ -156,6 +156,59 @@ static int codes_in_eights(const Store *s, int D) {
  * codes): rows[i] points at slot + i as D floats, either into fp32 storage or into `tile`;
  * with `raw`, bf16 rows stay where they are (rows[i] then points at D bf16 values, read
  * only by the row walks' BF16 variants, see bf16_in_place). */
+/* A codebook row's codes d..d + 15 (bits each, LSB first: code d at bit d * bits of the
+ * row), as 16 int32: the 2 * bits bytes that hold them, shifted apart. */
+#if defined(__AVX512F__)
+static inline __m512i codebook_16(const uint8_t *c, int d, int bits) {
+  uint64_t word = 0;
+  memcpy(&word, c + d * bits / 8, (size_t)(2 * bits)); /* 16 codes: 2 * bits bytes */
+  const __m512i first = _mm512_setr_epi64(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits,
+                                           6 * bits, 7 * bits);
+  const __m512i lanes = _mm512_set1_epi64((long long)word);
+  const __m256i lo = _mm512_cvtepi64_epi32(_mm512_srlv_epi64(lanes, first));
+  const __m256i hi = _mm512_cvtepi64_epi32(
+      _mm512_srlv_epi64(lanes, _mm512_add_epi64(first, _mm512_set1_epi64(8 * bits))));
+  const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  return _mm512_and_si512(codes, _mm512_set1_epi32((1 << bits) - 1));
+}
+#endif
+
+/* FMT_CODEBOOK: `bits` (1 to 4) a channel, LSB first along the row (code d at bit d * bits;
+ * 4 bits: fp4's nibbles), indexing the table of 2^bits values in `zero`, times the scale of
+ * its token and group of channels (`scale`, fp32 or bf16). */
+static void codebook_rows(const Store *s, int64_t block, int h, int64_t slot, int count,
+                          int D, float *restrict tile) {
+  const float *table = (const float *)s->zero;
+  const int bits = s->bits, groups = D / s->group, mask = (1 << bits) - 1;
+  const int64_t at = block * s->s_block + h * s->s_head + slot * s->s_slot;
+#if defined(__AVX512F__)
+  float padded[16] = {0};
+  memcpy(padded, table, sizeof(float) * (size_t)(1 << bits));
+  const __m512 values = _mm512_loadu_ps(padded);
+#endif
+  for (int i = 0; i < count; i++) {
+    const uint8_t *c = (const uint8_t *)s->data + at + i * s->s_slot;
+    const int64_t z_at = block * s->z_block + h * s->z_head + (slot + i) * s->z_row;
+    float *out = tile + i * D;
+    for (int g = 0; g < groups; g++) {
+      const float a = value_at(s->scale, s->scale_bf16, z_at + g);
+      int d = g * s->group;
+#if defined(__AVX512F__)
+      for (; d % 16 == 0 && d + 16 <= (g + 1) * s->group; d += 16)
+        _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_permutexvar_ps(codebook_16(c, d, bits),
+                                                                       values),
+                                                _mm512_set1_ps(a)));
+#endif
+      for (; d < (g + 1) * s->group; d++) {
+        const int bit = d * bits, first = bit >> 3, shift = bit & 7;
+        int word = c[first];
+        if (shift + bits > 8) word |= c[first + 1] << 8;
+        out[d] = table[(word >> shift) & mask] * a;
+      }
+    }
+  }
+}
+
 static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int count, int D,
                       float *restrict tile, const float **rows, int raw) {
   const int64_t at = block * s->s_block + h * s->s_head + slot * s->s_slot;
@@ -232,6 +285,10 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
         }
       }
     }
+    return;
+  }
+  if (s->format == FMT_CODEBOOK) {
+    codebook_rows(s, block, h, slot, count, D, tile);
     return;
   }
   const int bits = s->bits, W = D * bits / 32;
@@ -347,7 +404,10 @@ void kvlab_prefetch_rows(const Job *job, const Store *s, int b, int h, int64_t t
   const int D = job->D;
   const int codes = s->format == FMT_TOKEN_CODES || s->format == FMT_CHANNEL_CODES;
   const int64_t element = s->format == FMT_BF16 ? 2 : (s->format >= FMT_FP8 ? 1 : 4);
-  const int64_t row = codes ? D * s->bits / 32 : (s->format == FMT_FP4 ? D / 2 : D);
+  const int64_t row = codes ? D * s->bits / 32
+                            : (s->format == FMT_FP4 ? D / 2
+                                                    : (s->format == FMT_CODEBOOK ? D * s->bits / 8
+                                                                                 : D));
   const int64_t scale_element = s->format == FMT_FP4 ? 1 : (s->scale_bf16 ? 2 : 4);
   int64_t block, slot;
   if (single_slots(job) && s->scale == NULL) {

@@ -12,14 +12,34 @@ import torch
 
 from kvlab.kernels.int_codes import ChannelCodes, TokenCodes
 
-FORMATS = {"fp": 0, "token_codes": 2, "channel_codes": 3, "fp8": 4, "fp4": 5}  # fp: by dtype
-TABLES = {"fp8": 256, "fp4": 16 + 256}  # formats read through a value table held in ``zero``
+# the C kernels' format numbers (attention_job.h's FMT_*; fp: 0 or 1 by dtype)
+FORMATS = {"fp": 0, "token_codes": 2, "channel_codes": 3, "fp8": 4, "fp4": 5, "codebook": 6}
+TABLES = {"fp8": 256, "fp4": 16 + 256}  # formats read through a fixed value table in ``zero``
+TABLE_FORMATS = (*TABLES, "codebook")  # ``zero`` holds values, not one row's zeros
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Bytes (..., E) holding two 4-bit codes each, the even channel in the low nibble, as
     the codes (..., 2E)."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(-2)
+    return unpack_bits(packed, 4)
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (..., D) of ``bits`` bits each (1 to 8) as bytes (..., D * bits / 8), LSB first
+    along the row: code d at bit d * bits (4 bits: two a byte, the even channel low)."""
+    shape, width = codes.shape, codes.shape[-1] * bits
+    shifts = torch.arange(bits, device=codes.device)
+    stream = (codes.long()[..., None] >> shifts) & 1  # (..., D, bits): the row's bits in order
+    stream = stream.reshape(*shape[:-1], width // 8, 8)
+    weights = 1 << torch.arange(8, device=codes.device)
+    return (stream * weights).sum(-1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_bits`' bytes (..., E) back as the codes (..., 8E / bits), int64."""
+    stream = (packed.long()[..., None] >> torch.arange(8, device=packed.device)) & 1
+    stream = stream.flatten(-2).unflatten(-1, (-1, bits))  # (..., D, bits)
+    return (stream << torch.arange(bits, device=packed.device)).sum(-1)
 
 
 @dataclass
@@ -32,7 +52,10 @@ class Stored:
     as ``bits`` its exponent bits (4: e4m3, 5: e5m2; the C kernel converts through fp16).
     ``fp4``: e2m1 codes two a byte, the even channel in the low nibble (E = D / 2), a scale
     byte per token and ``group`` channels (uint8), and as ``zero`` the 16 e2m1 values then
-    the scale byte's 256 values (fp32).
+    the scale byte's 256 values (fp32). ``codebook``: codes of ``bits`` (1 to 4) bits
+    packed LSB first along the row (:func:`pack_bits`, E = D * bits / 8 bytes), indexing
+    the 2^bits values in ``zero`` (fp32), times a scale per token and ``group`` channels
+    (fp32 or bf16).
     Only the last axis needs to be contiguous."""
 
     data: torch.Tensor
@@ -48,7 +71,7 @@ class Stored:
         def split(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.view(-1, 1, *t.shape[2:])
 
-        table = self.format in TABLES  # zero is the format's value table, not per row
+        table = self.format in TABLE_FORMATS  # zero is the format's values, not per row
         return Stored(
             split(self.data), self.format, self.bits, self.group, split(self.scale),
             self.zero if table else split(self.zero),
@@ -70,6 +93,10 @@ class Stored:
             codes = unpack_nibbles(take(self.data).long())  # (B, H, L, D)
             scale = self.zero[16 + take(self.scale).long()]
             return self.zero[codes] * scale.repeat_interleave(self.group, dim=-1)
+        if self.format == "codebook":
+            codes = unpack_bits(take(self.data), self.bits)  # (B, H, L, D)
+            scale = take(self.scale).float().repeat_interleave(self.group, dim=-1)
+            return self.zero[codes] * scale
         words, scale, zero = take(self.data), take(self.scale), take(self.zero)
         codec = (TokenCodes if self.format == "token_codes" else ChannelCodes)(
             self.bits, self.group

@@ -29,6 +29,16 @@ def _rows(data, scale, zero, base, zbase, pos, z_row, d, mask,
         step = tl.load(scale + at, mask=mask, other=0.0).to(tl.float32)
         low = tl.load(zero + at, mask=mask, other=0.0).to(tl.float32)
         rows = codes.to(tl.float32) * step + low
+    elif FMT == 6:  # a codebook: BITS-bit codes LSB first along the row, a scale a group
+        at = zbase[:, None] + pos[:, None] * z_row + (d // GROUP)[None, :]
+        bit = d * BITS
+        first = tl.load(data + base[:, None] + (bit // 8)[None, :], mask=mask, other=0)
+        spill = mask & ((bit % 8) + BITS > 8)[None, :]  # the code runs into the next byte
+        second = tl.load(data + base[:, None] + (bit // 8 + 1)[None, :], mask=spill, other=0)
+        word = first.to(tl.int32) | (second.to(tl.int32) << 8)
+        codes = (word >> (bit % 8)[None, :]) & ((1 << BITS) - 1)
+        step = tl.load(scale + at, mask=mask, other=0.0).to(tl.float32)
+        rows = tl.load(zero + codes, mask=mask, other=0.0) * step
     else:  # fp8 / fp4 through the format's value table in `zero`
         at = zbase[:, None] + pos[:, None] * z_row + (d // GROUP)[None, :]
         if FMT == 4:
