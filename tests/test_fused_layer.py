@@ -356,7 +356,14 @@ def test_a_layer_that_decoded_in_inference_mode_decodes_outside_it(tiny_checkpoi
     [("full", {}, True), ("paged", {"block_size": 4}, True),
      ("int4", {"group_size": 4, "residual": 2}, True),
      ("int8", {"group_size": 4, "residual": 0, "key_axis": "token"}, True),
-     ("paged", {"kv_bits": 4, "kv_group_size": 8}, False), ("full", {"rotate": "hadamard"}, False),
+     ("paged", {"kv_bits": 4, "kv_group_size": 8}, True), ("full", {"rotate": "hadamard"}, True),
+     ("full", {"kv_bits": 8, "kv_format": "e4m3", "kv_group_size": 8}, True),
+     ("full", {"kv_bits": 4, "kv_format": "nvfp4", "kv_group_size": 16}, True),
+     ("full", {"kv_bits": 4, "kv_format": "nf4", "kv_group_size": 8}, True),
+     ("full", {"kv_bits": 4, "kv_format": "nf4", "kv_group_size": 8, "rotate": "hadamard"},
+      True),
+     ("int4", {"group_size": 4, "residual": 2, "rotate": "hadamard"}, True),
+     ("sliding", {"sinks": 1, "window": 4, "kv_bits": 2, "kv_group_size": 8}, True),
      ("quest", {}, True), ("gqa_shared", {"factor": 1}, True),
      ("gqa_shared", {"factor": 2}, True), ("gqa_shared", {"factor": 2, "merge": "first"}, True),
      ("evict", {"scorer": "snapkv", "ratio": 0.5, "window": 2, "kernel": 3}, True),
@@ -374,8 +381,10 @@ def test_fused_layer_kernel_attends_in_c_where_the_cache_hands_it_over(
     residual, so decode steps read codes and close groups), as do ``gqa_shared`` (its
     heads merged in C before the write: their mean or the first of each group) and
     ``evict`` compressed at prefill (the ragged store: each head after its own kept tokens,
-    uniform or adaptive budgets) and ``quest`` (its block bounds and selection in C); paged
-    token codes, rotation, eviction while decoding and evicted tokens held as codes attend
+    uniform or adaptive budgets), ``quest`` (its block bounds and selection in C) and every
+    per-token format over the contiguous, paged and ring stores (the step's rows encoded in
+    C to the codec's bytes), rotated or not (keys, values and queries turned in C before,
+    the output after); eviction while decoding and evicted tokens held as codes attend
     through the cache. Either way the
     logits are the op-by-op layer's, bit for bit, also when a second generation of another
     batch size re-plans the cache."""

@@ -25,7 +25,7 @@ from kvlab.cache.base import (
     register,
 )
 from kvlab.cache.codecs import CodecOptions
-from kvlab.cache.codecs.rotation import hadamard
+from kvlab.cache.codecs.rotation import hadamard, rotate_rows
 from kvlab.cache.policies.base import Policy
 from kvlab.cache.stores.base import Store
 from kvlab.cache.stores.contiguous import ContiguousStore
@@ -64,8 +64,11 @@ class ComposedCache(KVCache):
         self.policy = self.Policy(self.spec, self.options)
         self.store = self._new_store()
         self.rotation = None  # (D, D) orthonormal, with cache.options.rotate
+        self.rotations = None  # it and its transpose in fp32, as C turns rows by them
         if self.options.rotate != "none":
             self.rotation = hadamard(self.spec.head_dim, self.spec.dtype, self.spec.device)
+            turn = self.rotation.float()
+            self.rotations = (turn.contiguous(), turn.T.contiguous())
 
     def _new_store(self) -> Store:
         codec = self.options.codec(self.spec.head_dim)
@@ -172,25 +175,31 @@ class ComposedCache(KVCache):
     def attend(self, step, layer, q, k, v, k_raw):
         if self.rotation is None:
             return self.policy.attend(step, self.store, layer, q, k, v, k_raw)
-        r = self.rotation  # q·k and the output unchanged: (qR)·(kR) = q·k, (Σ p vR)Rᵀ = Σ p v
-        out = self.policy.attend(step, self.store, layer, q @ r, k @ r, v @ r, k_raw)
-        return out @ r.T
+        # q·k and the output unchanged: (qR)·(kR) = q·k, (Σ p vR)Rᵀ = Σ p v
+        r, r_t = (t.to(q.dtype) for t in self.rotations)
+        q, k, v = (rotate_rows(x, r) for x in (q, k, v))
+        out = self.policy.attend(step, self.store, layer, q, k, v, k_raw)
+        return rotate_rows(out, r_t)
 
     def decode_attentions(self, step, layers):
         """A decode step planned as data (``step.reads``) for the fused decode layer's C
         call, whatever the policy: its stage's C form, or the store's layers written at
         ``reads.where`` (merged first, where C merges to torch's bits) and read over
-        [lo, hi) in place. None where the policy attends itself (it overrides
-        :meth:`Policy.attend`), the codec rotates, or the store cannot describe its layers."""
+        [lo, hi) in place (turned by the codec's rotation, where it has one, in C too).
+        None where the policy attends itself (it overrides :meth:`Policy.attend`), a stage
+        would see rotated rows, or the store cannot describe its layers."""
         reads, policy = step.reads, self.policy
-        if reads is None or self.rotation is not None or type(policy).attend is not Policy.attend:
+        if reads is None or type(policy).attend is not Policy.attend:
             return [None] * len(layers)
         group = self.spec.num_heads // self.spec.num_kv_heads
         if reads.stage is not None:
+            if self.rotation is not None:  # a stage sees the rows as written
+                return [None] * len(layers)
             return reads.stage.c_layers(self.store, layers, group)
         if reads.merge is not None and not merge_matches_torch(self.spec.dtype, *reads.merge):
             return [None] * len(layers)
-        return self.store.c_layers(reads.where, layers, reads.lo, reads.hi, group, reads.merge)
+        return self.store.c_layers(reads.where, layers, reads.lo, reads.hi, group, reads.merge,
+                                   self.rotations)  # fmt: skip
 
     def end(self, step) -> None:
         self.policy.end(step, self.store)

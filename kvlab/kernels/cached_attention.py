@@ -47,8 +47,63 @@ class _CachedAttention(ctypes.Structure):  # decode_layer.c's CachedAttention
         ("queries", ctypes.c_void_p), ("raw", ctypes.c_void_p),
         ("select", ctypes.c_void_p), ("step", ctypes.c_void_p), ("ragged", ctypes.c_void_p),
         ("merge", ctypes.c_int64), ("merge_first", ctypes.c_int32),
-        ("block_select", ctypes.c_void_p),
+        ("block_select", ctypes.c_void_p), ("encoding", ctypes.c_void_p),
+        ("rotation", ctypes.c_void_p), ("rotation_t", ctypes.c_void_p),
     ]  # fmt: skip
+
+
+class _Encoding(ctypes.Structure):  # decode_layer.c's Encoding
+    _fields_ = [
+        ("format", ctypes.c_int32), ("bits", ctypes.c_int32), ("group", ctypes.c_int32),
+        ("scale_bf16", ctypes.c_int32), ("mantissa", ctypes.c_int32), ("bias", ctypes.c_int32),
+        ("mx", ctypes.c_int32), ("norm", ctypes.c_int32), ("count", ctypes.c_int32),
+        ("largest", ctypes.c_float), ("tensor_scale", ctypes.c_float),
+        ("table", ctypes.c_void_p), ("n_parts", ctypes.c_int64),
+        ("keys", ctypes.c_void_p * 3), ("values", ctypes.c_void_p * 3),
+        ("strides", (ctypes.c_int64 * 3) * 3), ("width", ctypes.c_int64 * 3),
+        ("size", ctypes.c_int64 * 3), ("blocks", ctypes.c_int64), ("slots", ctypes.c_int64),
+    ]  # fmt: skip
+
+
+class Encoding:
+    """A layer's keys and values held as codes, as the fused decode layer's C call writes a
+    step's rows into them (decode_layer.c's Encoding): the codec's C encoder
+    (``Codec.c_encoding``) and the parts of keys and values ((blocks, H_kv, slots, E_p)
+    each, a part of keys laid out as the same part of values), for rows of ``dim``
+    channels in ``dtype``. :meth:`of` is None where that cannot be."""
+
+    def __init__(self, spec: dict, keys: list, values: list, dim: int, dtype: torch.dtype):
+        self.dim, self.dtype = dim, dtype
+        table = spec.get("table")
+        self.tensors = [*keys, *values, *([] if table is None else [table])]
+        s = _Encoding(FORMATS[spec["format"]], spec["bits"], spec["group"],
+                      int(keys[1].dtype == torch.bfloat16), spec.get("mantissa", 0),
+                      spec.get("bias", 0), spec.get("mx", 0), spec.get("norm", 0),
+                      spec.get("count", 0), spec.get("largest", 0.0),
+                      spec.get("tensor_scale", 1.0))  # fmt: skip
+        s.table = None if table is None else table.data_ptr()
+        s.n_parts = len(keys)
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            s.keys[i], s.values[i] = k.data_ptr(), v.data_ptr()
+            s.strides[i][:] = k.stride()[:3]
+            s.width[i], s.size[i] = k.shape[-1], k.element_size()
+        s.blocks, s.slots = keys[0].shape[0], keys[0].shape[2]
+        self.struct = s
+
+    @staticmethod
+    def of(codec, keys: list, values: list, dim: int, dtype: torch.dtype) -> Encoding | None:
+        """The layer's encoding, where ``codec`` has a C encoder and the parts fit it (CPU
+        tensors, each part of keys laid out as the same part of values, channels
+        contiguous); else None."""
+        spec = codec.c_encoding()
+        fits = (
+            spec is not None
+            and len(keys) == len(values) <= 3
+            and all(k.is_cpu and k.shape == v.shape and k.stride() == v.stride()
+                    and k.dtype == v.dtype and k.stride(-1) == 1
+                    for k, v in zip(keys, values, strict=True))
+        )  # fmt: skip
+        return Encoding(spec, keys, values, dim, dtype) if fits and kernel_available() else None
 
 
 class _RaggedHeads(ctypes.Structure):  # decode_layer.c's RaggedHeads
@@ -88,23 +143,31 @@ class CachedAttention:
     mean, or with ``first`` the first of each) before they are written (merged_heads).
     ``select``: a block selection (block_select.h's BlockSelect, held by the caller): the
     new keys folded into its bounds and each (row, KV head)'s table chosen before the jobs
-    run, which then read a row per (row, KV head) (quest)."""
+    run, which then read a row per (row, KV head) (quest). ``encoding``: the step's rows
+    written as codes (:class:`Encoding`; ``written``: its first parts). ``rotation``: a
+    codec's (R, Rᵀ), fp32 (D, D) contiguous (decode_layer.c's rotation)."""
 
     def __init__(
         self, written, reads: list[tuple[Stored, Stored, int]], batch: int, group: int,
         step: int, pooling: Pooling | None = None, key: tuple | None = None, ragged=None,
-        merge: tuple[int, bool] | None = None, select=None,
+        merge: tuple[int, bool] | None = None, select=None, encoding: Encoding | None = None,
+        rotation: tuple | None = None,
     ):  # fmt: skip
         keys, values = written
         blocks, heads, slots, dim = keys.shape
+        if encoding is not None:
+            dim = encoding.dim
         # kept alive: structs point into them
-        self.tensors = _tensors(written, reads, pooling, ragged)
+        self.tensors = _tensors(written, reads, pooling, ragged) + (
+            encoding.tensors if encoding is not None else []
+        )
         self.layouts = tuple(map(_layout, self.tensors))  # the structs bake these in
         self.key = key  # the caller's name for these tensors where they are (see holds)
         self.queries = torch.empty(batch, heads, group, dim, dtype=torch.float32)
         per_head = (pooling is not None and pooling.top_k > 0) or select is not None
         queries = self.queries.view(batch * heads, 1, group, dim) if per_head else self.queries
-        self.dtype, self.rings = keys.dtype, [ring for _, _, ring in reads]
+        self.dtype = keys.dtype if encoding is None else encoding.dtype  # of the rows written
+        self.rings = [ring for _, _, ring in reads]
         self.block_sizes = [k.data.shape[2] for k, _, _ in reads]
         self.jobs = (JobStruct * len(reads))()
         nowhere = torch.zeros(batch, 1, dtype=torch.int64)  # tables and bounds: at() sets them
@@ -134,25 +197,34 @@ class CachedAttention:
         self.select = select
         if select is not None:
             self.struct.block_select = ctypes.addressof(select)
+        self.encoding = encoding
+        if encoding is not None:
+            self.struct.encoding = ctypes.addressof(encoding.struct)
+        self.rotation = rotation
+        if rotation is not None:
+            self.struct.rotation, self.struct.rotation_t = (t.data_ptr() for t in rotation)
         self.address = ctypes.addressof(self.struct)
 
     @staticmethod
-    def serves(written, reads: list[tuple[Stored, Stored, int]], pooling=None) -> bool:
+    def serves(written, reads: list[tuple[Stored, Stored, int]], pooling=None,
+               encoding: Encoding | None = None) -> bool:  # fmt: skip
         """Whether the tensors fit it: written keys and values fp32 or bf16 CPU tensors of
-        one shape, dtype and strides, rows contiguous, head_dim <= 256; every read store
-        one the C kernel reads, MAX_JOBS at most; a pooling's buffers that fit
-        (:meth:`Pooling.fits`); the kernel built."""
+        one shape, dtype and strides, rows contiguous, head_dim <= 256 (or an encoding's
+        first parts); every read store one the C kernel reads, MAX_JOBS at most; a
+        pooling's buffers that fit (:meth:`Pooling.fits`); the kernel built."""
         keys, values = written
+        dim = keys.shape[-1] if encoding is None else encoding.dim
+        floats = encoding is not None or keys.dtype in (torch.float32, torch.bfloat16)
         return (
             len(reads) <= MAX_JOBS
             and (pooling is None or pooling.fits(keys))
             and keys.is_cpu
-            and keys.dtype in (torch.float32, torch.bfloat16)
+            and floats
             and values.dtype == keys.dtype
             and values.shape == keys.shape
             and values.stride() == keys.stride()
             and keys.stride(-1) == 1
-            and keys.shape[-1] <= MAX_HEAD_DIM
+            and dim <= MAX_HEAD_DIM
             and all(store_applies(k) and store_applies(v) for k, v, _ in reads)
             and all(k.data.is_cpu and v.data.is_cpu for k, v, _ in reads)
             and kernel_available()
@@ -160,7 +232,8 @@ class CachedAttention:
 
     def holds(
         self, written, reads, batch: int, pooling: Pooling | None = None, key: tuple | None = None,
-        ragged=None, merge: tuple[int, bool] | None = None, select=None,
+        ragged=None, merge: tuple[int, bool] | None = None, select=None, encoding=None,
+        rotation=None,
     ) -> bool:  # fmt: skip
         """Whether it was built over these tensors, still where and as they were (address,
         shape and strides: a tensor made anew at a freed one's address may be laid out
@@ -176,6 +249,8 @@ class CachedAttention:
             and (ragged is None) == (self.ragged is None)
             and merge == self.merge
             and select is self.select
+            and encoding is self.encoding
+            and rotation is self.rotation
             and (
                 (key is not None and key == self.key)
                 or tuple(map(_layout, _tensors(written, reads, pooling, ragged))) == self.layouts
@@ -251,29 +326,32 @@ class LayerAttentions:
         self.pooling_fits: tuple = (None, [])  # (batch, a step's pooling indices) found to fit
         self.indexed: tuple = (None, None)  # the last (blocks, slots) found int64, contiguous
         self.last_step: _LastStep | None = None  # fused_layers' last answer, while it holds
+        self.encodings: dict[int, tuple] = {}  # layer -> (its parts, their addresses, Encoding)
 
     def at(
         self, layer: int, written, reads, group: int, bounds, batch: int, pooling=None, key=None,
-        ragged=None, merge=None, select=None,
+        ragged=None, merge=None, select=None, encoding=None, rotation=None,
     ):  # fmt: skip
         """The address of ``layer``'s cached attention this step (see
         :class:`CachedAttention`; ``bounds``: (table, lo, hi) per read; ``pooling``: a
         :class:`Pooling`; ``key``: see :meth:`CachedAttention.holds`; ``ragged``: a ragged
         layer's (table, held); ``merge``: merged heads' (factor, first); ``select``: a block
-        selection's struct), or None where the tensors do not fit it."""
+        selection's struct; ``encoding``: an :class:`Encoding`; ``rotation``: a codec's
+        (R, Rᵀ)), or None where the tensors do not fit it."""
         if not self._point_at(bounds):
             return None
         if pooling is not None and not self._pooling_fits(pooling, batch):
             return None
         cached = self.layers[layer] if layer < len(self.layers) else None
         if cached is None or not cached.holds(
-            written, reads, batch, pooling, key, ragged, merge, select
+            written, reads, batch, pooling, key, ragged, merge, select, encoding, rotation
         ):
-            if not CachedAttention.serves(written, reads, pooling):
+            if not CachedAttention.serves(written, reads, pooling, encoding):
                 return None
             step = self.step_address
             cached = CachedAttention(
-                written, reads, batch, group, step, pooling, key, ragged, merge, select
+                written, reads, batch, group, step, pooling, key, ragged, merge, select,
+                encoding, rotation,
             )
             self.layers += [None] * (layer + 1 - len(self.layers))
             self.layers[layer] = cached
@@ -323,35 +401,73 @@ class LayerAttentions:
         self.bounds_list = bounds
         return True
 
-    def fused_exact(self, layers, parts, group: int, bounds, blocks, slots, merge=None) -> list:
+    def fused_exact(
+        self, layers, parts, group: int, bounds, blocks, slots, merge=None, rotation=None
+    ) -> list:  # fmt: skip
         """:meth:`fused_layers` over each layer's keys and values ``parts[i]``, held exactly
-        in the model dtype, written and read in place (one job); ``merge``: see
+        in the model dtype, written and read in place (one job); ``merge``, ``rotation``: see
         :class:`CachedAttention`."""
 
         def made(i: int) -> tuple:
             keys, values = parts[i]
             return parts[i], [(Stored(keys), Stored(values), 0)]
 
-        return self.fused_layers(layers, parts, made, group, bounds, blocks, slots, merge)
+        return self.fused_layers(layers, parts, made, group, bounds, blocks, slots, merge,
+                                 rotation=rotation)  # fmt: skip
+
+    def fused_codes(
+        self, layers, codec, parts, dim: int, dtype: torch.dtype, group: int, bounds, blocks,
+        slots, merge=None, rotation=None,
+    ) -> list:  # fmt: skip
+        """:meth:`fused_layers` over each layer's keys and values held as ``codec``'s codes
+        (``parts[i]``: the i-th one's (key parts, value parts)), the step's rows of ``dim``
+        channels in ``dtype`` encoded in C (:class:`Encoding`), read in place; None for a
+        layer whose codec has no C encoder or whose parts do not fit one."""
+
+        def made(i: int) -> tuple:
+            keys, values = parts[i]
+            encoding = self._encoding(layers[i], codec, keys, values, dim, dtype)
+            if encoding is None:
+                return None, None
+            return (keys[0], values[0]), [(codec.stored(keys), codec.stored(values), 0)], encoding
+
+        tensors = [[*keys, *values] for keys, values in parts]
+        return self.fused_layers(layers, tensors, made, group, bounds, blocks, slots, merge,
+                                 rotation=rotation)  # fmt: skip
+
+    def _encoding(self, layer: int, codec, keys, values, dim: int, dtype) -> Encoding | None:
+        """``layer``'s :class:`Encoding`, made again when its parts change."""
+        known = self.encodings.get(layer)
+        held = [*keys, *values]
+        if known is None or not still_held(held, known[0], known[1]):
+            encoding = Encoding.of(codec, keys, values, dim, dtype)
+            known = (held, list(map(DATA_PTR, held)), encoding)
+            self.encodings[layer] = known
+        return known[2]
 
     def fused_layers(
-        self, layers, tensors, made, group: int, bounds, blocks, slots, merge=None, selects=None
+        self, layers, tensors, made, group: int, bounds, blocks, slots, merge=None, selects=None,
+        rotation=None,
     ) -> list:  # fmt: skip
         """:meth:`fused` of each of ``layers``, ``made(i)`` giving the i-th one's (written,
-        reads); ``tensors[i]``: every tensor those point into; ``bounds``: the step's, one
-        list for all the layers, so :meth:`at` reads them once; ``selects[i]``: the i-th
-        one's block selection, if any. The last step's cached attentions again, without a
-        call a layer (nor ``made``), where they still hold (:class:`_LastStep`)."""
+        reads) or (written, reads, encoding); ``tensors[i]``: every tensor those point into;
+        ``bounds``: the step's, one list for all the layers, so :meth:`at` reads them once;
+        ``selects[i]``: the i-th one's block selection, if any. The last step's cached
+        attentions again, without a call a layer (nor ``made``), where they still hold
+        (:class:`_LastStep`)."""
         flat = [t for layer_tensors in tensors for t in layer_tensors]
         last = self.last_step
         if last is not None and self._indexes_fit(blocks, slots) and self._point_at(bounds):
             if last.holds(self, layers, flat, blocks.shape[0]):
                 return [(address, blocks, slots, last.dtype) for address in last.addresses]
-        found = [
-            self.fused(layer, *made(i), group, bounds, blocks, slots, merge=merge,
-                       select=None if selects is None else selects[i])
-            for i, layer in enumerate(layers)
-        ]  # fmt: skip
+        found = []
+        for i, layer in enumerate(layers):
+            written, reads, *encoding = made(i)
+            select = None if selects is None else selects[i]
+            found.append(None if written is None else self.fused(
+                layer, written, reads, group, bounds, blocks, slots, merge=merge, select=select,
+                encoding=encoding[0] if encoding else None, rotation=rotation,
+            ))  # fmt: skip
         complete = bool(found) and all(f is not None for f in found)
         self.last_step = _LastStep(self, layers, flat, found) if complete else None
         return found
@@ -367,7 +483,7 @@ class LayerAttentions:
 
     def fused(
         self, layer: int, written, reads, group: int, bounds, blocks, slots, pooling=None,
-        key=None, merge=None, select=None,
+        key=None, merge=None, select=None, encoding=None, rotation=None,
     ):  # fmt: skip
         """What a store's ``c_layers`` returns for a layer: (address, blocks, slots, dtype), the
         step's rows going to slot ``slots[b]`` of block ``blocks[b]`` (int64, (B, 1)) of
@@ -376,8 +492,10 @@ class LayerAttentions:
             return None
         batch = blocks.shape[0]
         address = self.at(layer, written, reads, group, bounds, batch, pooling, key, merge=merge,
-                          select=select)  # fmt: skip
-        return None if address is None else (address, blocks, slots, written[0].dtype)
+                          select=select, encoding=encoding, rotation=rotation)  # fmt: skip
+        if address is None:
+            return None
+        return address, blocks, slots, self.layers[layer].dtype
 
 
 class _LastStep:

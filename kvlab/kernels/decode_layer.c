@@ -270,12 +270,78 @@ typedef struct {
   int64_t *held;
 } RaggedHeads;
 
+/* How a store holds the step's rows when they are codes (NULL: exactly, in the model
+ * dtype; kvlab.kernels.cached_attention.Encoding): the codec's C encoder (codes.c) by its
+ * format, with that encoder's parameters (fp8: mantissa, bias, largest; fp4: mx,
+ * tensor_scale and the scale byte's 256 values in `table`; codebook: norm, largest and the
+ * count - 1 midpoints in `table`), and the n_parts parts a row is written to, keys' at
+ * keys[p] and values' at values[p], strides (block, head, slot) in elements, a row of
+ * width[p] elements of size[p] bytes each, in tensors of `blocks` blocks of `slots`. */
+typedef struct {
+  int32_t format, bits, group, scale_bf16;
+  int32_t mantissa, bias, mx, norm, count;
+  float largest, tensor_scale;
+  const float *table;
+  int64_t n_parts;
+  void *keys[3], *values[3];
+  int64_t strides[3][3];
+  int64_t width[3], size[3];
+  int64_t blocks, slots;
+} Encoding;
+
+void kvlab_encode_token_codes(const void *x, int x_bf16, int64_t x_stride, int64_t n,
+                              int64_t D, int64_t group, int bits, uint32_t *words,
+                              void *scale, void *zero, int scale_bf16);
+void kvlab_encode_fp8(const void *x, int x_bf16, int64_t x_stride, int64_t n, int64_t D,
+                      int64_t group, int mantissa, int bias, float largest, uint8_t *codes,
+                      void *scale, int scale_bf16);
+void kvlab_encode_fp4(const void *x, int x_bf16, int64_t x_stride, int64_t n, int64_t D,
+                      int64_t group, int mx, float tensor_scale, const float *scales,
+                      uint8_t *codes, uint8_t *scale_codes);
+void kvlab_encode_codebook(const void *x, int x_bf16, int64_t x_stride, int64_t n, int64_t D,
+                           int64_t group, int bits, int norm, float largest,
+                           const float *midpoints, int count, uint8_t *codes, void *scale,
+                           int scale_bf16);
+
+/* Row m's kv heads `x` (kv, dim, in the model dtype) encoded as `e` says and written at slot
+ * `slot` of block `block` of the parts of keys (`values` 0) or values (1); a place outside
+ * the tensors (the store's error, refused before the layers) is not written. */
+static void encode_row(const Encoding *e, int values, const void *x, int bf16, int64_t kv,
+                       int64_t dim, int64_t block, int64_t slot) {
+  if (block < 0 || block >= e->blocks || slot < 0 || slot >= e->slots) return;
+  char buffer[3][kv * (dim * 4 + 16)]; /* a part's rows: at most 4 bytes a channel */
+  void *out[3] = {buffer[0], buffer[1], buffer[2]};
+  if (e->format == FMT_TOKEN_CODES)
+    kvlab_encode_token_codes(x, bf16, dim, kv, dim, e->group, e->bits, out[0], out[1], out[2],
+                             e->scale_bf16);
+  else if (e->format == FMT_FP8)
+    kvlab_encode_fp8(x, bf16, dim, kv, dim, e->group, e->mantissa, e->bias, e->largest, out[0],
+                     out[1], e->scale_bf16);
+  else if (e->format == FMT_FP4)
+    kvlab_encode_fp4(x, bf16, dim, kv, dim, e->group, e->mx, e->tensor_scale, e->table, out[0],
+                     out[1]);
+  else
+    kvlab_encode_codebook(x, bf16, dim, kv, dim, e->group, e->bits, e->norm, e->largest,
+                          e->table, e->count, out[0], out[1], e->scale_bf16);
+  for (int64_t p = 0; p < e->n_parts; p++) {
+    char *part = values ? e->values[p] : e->keys[p];
+    const int64_t *st = e->strides[p], row = e->width[p] * e->size[p];
+    for (int64_t h = 0; h < kv; h++)
+      memcpy(part + (block * st[0] + h * st[1] + slot * st[2]) * e->size[p],
+             buffer[p] + h * row, (size_t)row);
+  }
+}
+
 /* merge (0: none): the layer's KV heads merged in groups of `merge` before they are
  * written (kvlab.cache.policies.merged_heads; the written tensors hold kv / merge heads):
  * each group's mean (kvlab_merged_heads), or with merge_first its first head.
  * block_select (NULL: none): a block selection (block_select.c, Quest): the new keys folded
  * into their blocks' bounds and each (row, KV head)'s blocks chosen into the step's table,
- * which the jobs then read, a row per (row, KV head). */
+ * which the jobs then read, a row per (row, KV head). encoding (NULL: exact rows): the
+ * step's rows written as codes (Encoding). rotation, rotation_t (NULL: none): a codec's
+ * rotation (dim, dim) and its transpose: the new keys (after RoPE) and values and the
+ * queries turned by it before anything else, the output turned back after the attention
+ * (kvlab_rotate_rows). */
 typedef struct {
   void *keys, *values;
   int64_t s_b, s_h, s_s, blocks, slots;
@@ -289,6 +355,8 @@ typedef struct {
   int64_t merge;
   int32_t merge_first;
   const BlockSelect *block_select;
+  const Encoding *encoding;
+  const float *rotation, *rotation_t;
 } CachedAttention;
 
 /* The layer's own pointers and shapes (kvlab.models.fused_layer.FusedDecode); qk_norms:
@@ -423,6 +491,22 @@ static void point_jobs(const CachedAttention *c) {
   }
 }
 
+/* out (rows, dim) = x (rows, dim) times `rotation` (dim, dim, fp32: row j, column i at
+ * j * dim + i), each product summed in fp32 in j order and rounded to the dtype (bf16 = 1:
+ * bf16): a codec's rotation (kvlab.cache.codecs.rotation), in place too (out may be x).
+ * The cache's torch form calls it as well, so a rotated step is the same bits on both
+ * paths. */
+void kvlab_rotate_rows(const void *x, int bf16, int64_t rows, int64_t dim,
+                       const float *rotation, void *out) {
+  float row[dim], acc[dim];
+  for (int64_t r = 0; r < rows; r++) {
+    for (int64_t j = 0; j < dim; j++) row[j] = value_at(x, bf16, r * dim + j), acc[j] = 0.f;
+    for (int64_t j = 0; j < dim; j++)
+      for (int64_t i = 0; i < dim; i++) acc[i] += row[j] * rotation[j * dim + i];
+    for (int64_t i = 0; i < dim; i++) store(out, bf16, r * dim + i, acc[i]);
+  }
+}
+
 /* Row m's new keys (rotated heads heads..heads + kv_heads - 1) and values (the last
  * kv_heads heads of qkv) written at slot slots[m] of block blocks[m] (a ragged layer: each
  * head after its own tokens, write_heads; merged heads: merged first), and before RoPE to
@@ -436,21 +520,34 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
   const int64_t width = (heads + kv) * dim, qkv_width = (heads + 2 * kv) * dim;
   const int64_t strides[3] = {c->s_b, c->s_h, c->s_s};
   const RawWrite *r = c->raw;
+  char turned[c->rotation ? 2 * kv * dim * size : 1];
   for (int64_t m = 0; m < M; m++) {
     const char *key = (const char *)rotated + (m * width + heads * dim) * size;
     const char *raw_key = (const char *)qkv + (m * qkv_width + heads * dim) * size;
     const char *value = raw_key + kv * dim * size;
+    if (c->rotation) { /* the row as the codec holds it: turned */
+      kvlab_rotate_rows(key, bf16, kv, dim, c->rotation, turned);
+      kvlab_rotate_rows(value, bf16, kv, dim, c->rotation, turned + kv * dim * size);
+      key = turned, value = turned + kv * dim * size;
+    }
     if (c->ragged) {
       write_heads(c, m, key, value, kv, dim, size);
-    } else if (c->merge > 1) {
-      char merged_key[kv * dim * size], merged_value[kv * dim * size];
-      kvlab_merged_heads(key, bf16, 1, kv, dim, c->merge, c->merge_first, merged_key);
-      kvlab_merged_heads(value, bf16, 1, kv, dim, c->merge, c->merge_first, merged_value);
-      write_row(c->keys, c->values, strides, c->blocks, c->slots, blocks[m], slots[m],
-                merged_key, merged_value, kv / c->merge, dim, size);
     } else {
-      write_row(c->keys, c->values, strides, c->blocks, c->slots, blocks[m], slots[m], key,
-                value, kv, dim, size);
+      char merged_key[kv * dim * size], merged_value[kv * dim * size];
+      const char *k_row = key, *v_row = value;
+      int64_t heads_written = kv;
+      if (c->merge > 1) {
+        kvlab_merged_heads(key, bf16, 1, kv, dim, c->merge, c->merge_first, merged_key);
+        kvlab_merged_heads(value, bf16, 1, kv, dim, c->merge, c->merge_first, merged_value);
+        k_row = merged_key, v_row = merged_value, heads_written = kv / c->merge;
+      }
+      if (c->encoding) {
+        encode_row(c->encoding, 0, k_row, bf16, heads_written, dim, blocks[m], slots[m]);
+        encode_row(c->encoding, 1, v_row, bf16, heads_written, dim, blocks[m], slots[m]);
+      } else {
+        write_row(c->keys, c->values, strides, c->blocks, c->slots, blocks[m], slots[m],
+                  k_row, v_row, heads_written, dim, size);
+      }
     }
     if (r) {
       const int64_t raw_strides[3] = {r->s_b, r->s_h, r->s_s};
@@ -458,8 +555,16 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
                 value, kv, dim, size);
       if (r->pool) pool_row(r, m, kv, dim, bf16);
     }
-    for (int64_t i = 0; i < heads * dim; i++)
-      c->queries[m * heads * dim + i] = value_at(rotated, bf16, m * width + i);
+    if (c->rotation) { /* the queries turned as the keys are */
+      char q[heads * dim * size];
+      kvlab_rotate_rows((const char *)rotated + m * width * size, bf16, heads, dim, c->rotation,
+                        q);
+      for (int64_t i = 0; i < heads * dim; i++)
+        c->queries[m * heads * dim + i] = value_at(q, bf16, i);
+    } else {
+      for (int64_t i = 0; i < heads * dim; i++)
+        c->queries[m * heads * dim + i] = value_at(rotated, bf16, m * width + i);
+    }
   }
   if (c->block_select) /* a selection, timed as the indexer is (timers.h) */
     TIMED(TIMER_INDEXER,
@@ -472,6 +577,7 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
     kvlab_top_k_entries(c->queries, 0, M * kv, kv, heads / kv, dim, s->keys, s->bf16, s->s_row,
                         s->s_head, s->s_slot, s->seen, s->base, s->top_k, s->table);
   kvlab_decode_attention(c->jobs, (int)c->n_jobs, out, bf16);
+  if (c->rotation) kvlab_rotate_rows(out, bf16, M * heads, dim, c->rotation_t, out);
 }
 
 /* A layer's decode step up to its SwiGLU activation, attention included, where the cache

@@ -47,6 +47,13 @@ class Codec(ABC):
         """The codecs keys and values are held in."""
         return self, self
 
+    def c_encoding(self) -> dict | None:
+        """How the fused decode layer's C call encodes a row as :meth:`encode` does
+        (``decode_layer.c``'s Encoding: the format its C encoder in ``codes.c`` is, and that
+        encoder's parameters), or None where no C encoder gives its bytes (then a store in
+        it attends through its torch form)."""
+        return None
+
     def round_trip(self, x: torch.Tensor) -> torch.Tensor:
         """x as it reads back after being stored."""
         return self.decode(self.encode(x), x.dtype)

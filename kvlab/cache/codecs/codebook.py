@@ -76,6 +76,11 @@ class CodebookCodec(Codec):
         values = self.table.to(packed.device)[codes] * scale.float()[..., None]
         return values.flatten(-2).to(dtype)
 
+    def c_encoding(self) -> dict:
+        return {"format": "codebook", "bits": self.bits, "group": self.group,
+                "norm": int(self.scale == "norm"), "largest": self.largest,
+                "count": self.table.numel(), "table": self.midpoints.contiguous()}  # fmt: skip
+
     def stored(self, parts: list[torch.Tensor]) -> Stored:
         table = self.table.to(parts[0].device)
         return Stored(parts[0], "codebook", self.bits, self.group, parts[1], table)

@@ -95,6 +95,11 @@ class Fp4Codec(Codec):
         scale = self.scales.to(packed.device)[scale_code.long()][..., None]
         return (values * scale).flatten(-2).to(dtype)
 
+    def c_encoding(self) -> dict:
+        return {"format": "fp4", "bits": 4, "group": self.group,
+                "mx": int(self.variant == "mxfp4"), "tensor_scale": self.tensor_scale,
+                "table": self.scales.float().contiguous()}  # fmt: skip
+
     def stored(self, parts: list[torch.Tensor]) -> Stored:
         return Stored(parts[0], "fp4", 4, self.group, parts[1], self.table.to(parts[0].device))
 

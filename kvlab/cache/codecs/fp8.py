@@ -56,6 +56,11 @@ class Fp8Codec(Codec):
         values = codes.view(self.dtype).float().unflatten(-1, (-1, self.group))
         return (values * scale.float()[..., None]).flatten(-2).to(dtype)
 
+    def c_encoding(self) -> dict:
+        mantissa, bias = FIELDS[self.variant]
+        return {"format": "fp8", "bits": 8, "group": self.group, "mantissa": mantissa,
+                "bias": bias, "largest": self.largest}  # fmt: skip
+
     def stored(self, parts: list[torch.Tensor]) -> Stored:
         table = self.table.to(parts[0].device)
         return Stored(parts[0], "fp8", EXPONENT_BITS[self.variant], self.group, parts[1], table)

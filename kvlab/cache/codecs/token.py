@@ -25,6 +25,9 @@ class TokenCodec(PackedCodes):
         groups = dim // self.group
         return [(words_per_row(dim, self.bits), torch.int32), (groups, dtype), (groups, dtype)]
 
+    def c_encoding(self) -> dict:
+        return {"format": "token_codes", "bits": self.bits, "group": self.group}
+
 
 register_format(TokenFormat(
     "int", BITS, lambda o, dim: TokenCodec(o.kv_bits, o.kv_group_size, dim),

@@ -106,16 +106,19 @@ class Store(ABC):
         holds some tokens apart, as the staged store its exact ring, returns more than one)."""
         return [self.segment(where, layer, queries, lo, hi)]
 
-    def c_layers(self, where: Any, layers: list[int], lo, hi, group: int, merge=None) -> list:
+    def c_layers(
+        self, where: Any, layers: list[int], lo, hi, group: int, merge=None, rotation=None
+    ) -> list:  # fmt: skip
         """A decode step's writes and attention for each of ``layers`` as the fused decode
         layer's C call runs them (``(address, blocks, slots, dtype)`` each, see
         :class:`~kvlab.kernels.cached_attention.CachedAttention`): the new keys and values
         written where :meth:`place` put them (``where``) and the :meth:`segments` over
         [lo, hi) read in place, as :meth:`write` and :meth:`segments` do them; ``group``:
         query heads per KV head; ``merge``: (factor, first), KV heads merged before the
-        write. None for a layer it cannot describe (then the policy's torch form serves it);
-        what the layers share is made once (a whole step in one call). All None by
-        default."""
+        write; ``rotation``: a codec's (R, Rᵀ) (fp32), the rows turned by R before they
+        are written and read, the output turned back. None for a layer it cannot describe
+        (then the policy's torch form serves it); what the layers share is made once (a
+        whole step in one call). All None by default."""
         return [None] * len(layers)
 
     def mirrors(self, owner: type, *methods: str) -> bool:

@@ -109,22 +109,33 @@ class ContiguousStore(Store):
         keys, values = self.key_codec.stored(keys), self.value_codec.stored(values)
         return Segment(queries, keys, values, where.rows, lo, hi, ring)
 
-    def c_layers(self, where: ContiguousWrite, layers, lo, hi, group: int, merge=None) -> list:
+    def c_layers(
+        self, where: ContiguousWrite, layers, lo, hi, group: int, merge=None, rotation=None
+    ) -> list:  # fmt: skip
         """Each row is a block of the C job's table (see :meth:`Store.c_layers`)."""
         if not self.mirrors(ContiguousStore, *IN_PLACE):
             return [None] * len(layers)
-        return self.c_in_place(where, layers, lo, hi, group, merge)
+        return self.c_in_place(where, layers, lo, hi, group, merge, rotation)
 
-    def c_in_place(self, where: ContiguousWrite, layers, lo, hi, group: int, merge=None):
+    def c_in_place(
+        self, where: ContiguousWrite, layers, lo, hi, group: int, merge=None, rotation=None
+    ):  # fmt: skip
         """:meth:`c_layers` of a store that writes each layer slot by slot through ``where``
-        and reads slots [lo, hi) of each row in place; Nones in other codecs. The step's
-        bounds are one list for all the layers (read once, see LayerAttentions)."""
-        if self._inexact:
-            return [None] * len(layers)
-        parts = [self.exact_parts(layer) for layer in layers]
+        and reads slots [lo, hi) of each row in place: exact rows, or a per-token codec's
+        codes encoded in C (keys and values in one codec). The step's bounds are one list
+        for all the layers (read once, see LayerAttentions)."""
         bounds = [(where.rows, lo, hi)]
         rows, slots = where.rows, where.slots
-        return self._attentions.fused_exact(layers, parts, group, bounds, rows, slots, merge)
+        if not self._inexact:
+            parts = [self.exact_parts(layer) for layer in layers]
+            return self._attentions.fused_exact(layers, parts, group, bounds, rows, slots, merge,
+                                                rotation)  # fmt: skip
+        if self.key_codec is not self.value_codec:
+            return [None] * len(layers)
+        parts = [(self.keys[layer], self.values[layer]) for layer in layers]
+        dim, dtype, codec = self.spec.head_dim, self.spec.dtype, self.key_codec
+        return self._attentions.fused_codes(layers, codec, parts, dim, dtype, group, bounds,
+                                            rows, slots, merge, rotation)  # fmt: skip
 
     def exact_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``layer``'s keys and values (B, H_kv, slots, D) where both codecs are exact (one

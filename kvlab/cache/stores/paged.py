@@ -259,17 +259,23 @@ class PagedStore(Store):
             for pool, value in zip(parts, self.codec.encode(new), strict=True):
                 pool[where.blocks, :, where.slots] = value.transpose(1, 2)
 
-    def c_layers(self, where: PagedWrite, layers, lo, hi, group: int, merge=None) -> list:
-        """Where the pool holds exact rows on the CPU: the step's rows go to their blocks
-        and slots, the job reads through the row tables (the step's bounds one list for all
-        layers); see :meth:`Store.c_layers`."""
-        exact = type(self.codec) is Exact and self.mirrors(PagedStore, *IN_PLACE)
-        if merge is not None or not exact:
+    def c_layers(
+        self, where: PagedWrite, layers, lo, hi, group: int, merge=None, rotation=None
+    ) -> list:  # fmt: skip
+        """The step's rows go to their blocks and slots, exactly or as a per-token codec's
+        codes encoded in C, the job reads through the row tables (the step's bounds one
+        list for all layers); see :meth:`Store.c_layers`."""
+        if merge is not None or not self.mirrors(PagedStore, *IN_PLACE):
             return [None] * len(layers)
-        parts = [(self.keys[layer][0], self.values[layer][0]) for layer in layers]
-        bounds = [(self.table, lo, hi)]
-        return self.attentions.fused_exact(layers, parts, group, bounds, where.blocks,
-                                            where.slots)  # fmt: skip
+        bounds, blocks, slots = [(self.table, lo, hi)], where.blocks, where.slots
+        if type(self.codec) is Exact:
+            parts = [(self.keys[layer][0], self.values[layer][0]) for layer in layers]
+            return self.attentions.fused_exact(layers, parts, group, bounds, blocks, slots,
+                                               rotation=rotation)  # fmt: skip
+        parts = [(self.keys[layer], self.values[layer]) for layer in layers]
+        dim, dtype = self.spec.head_dim, self.spec.dtype
+        return self.attentions.fused_codes(layers, self.codec, parts, dim, dtype, group, bounds,
+                                           blocks, slots, rotation=rotation)  # fmt: skip
 
     def segment(self, where, layer, queries, lo, hi, ring=0) -> Segment:
         keys = self.codec.stored(self.keys[layer])

@@ -211,7 +211,9 @@ class RaggedStore(Store):
         keys, values = store.stored(0, self.codec), store.stored(1, self.codec)
         return Segment(flat, keys, values, store.table, torch.zeros_like(store.held), store.held)
 
-    def c_layers(self, where: RaggedWrite, layers, lo, hi, group: int, merge=None) -> list:
+    def c_layers(
+        self, where: RaggedWrite, layers, lo, hi, group: int, merge=None, rotation=None
+    ) -> list:  # fmt: skip
         """A decode step's writes and attention for each of ``layers`` in the fused decode
         layer's C call, where the layer holds its tokens exactly on the CPU: every (row, KV
         head) a row of the C job over exactly its tokens, its new token written after them
@@ -223,14 +225,14 @@ class RaggedStore(Store):
             return [None] * len(layers)
         stores = [self.layers[layer] for layer in layers]  # a repack makes all new tensors
         now = [t for store in stores if store is not None for t in store.tensors()]
-        last = self._last_step
-        if last is not None and last[0] == (list(layers), group) and still_held(now, *last[1]):
+        last, asked = self._last_step, (list(layers), group, id(rotation))
+        if last is not None and last[0] == asked and still_held(now, *last[1]):
             return last[2]  # the same tensors, where they were: the same structs
-        found = [self._fused(layer, group) for layer in layers]
-        self._last_step = ((list(layers), group), (now, [t.data_ptr() for t in now]), found)
+        found = [self._fused(layer, group, rotation) for layer in layers]
+        self._last_step = (asked, (now, [t.data_ptr() for t in now]), found)
         return found
 
-    def _fused(self, layer: int, group: int):
+    def _fused(self, layer: int, group: int, rotation=None):
         store = self.layers[layer]
         if store is None:
             return None
@@ -242,6 +244,7 @@ class RaggedStore(Store):
         address = self._attentions[layer].at(
             0, (keys, values), [(Stored(keys), Stored(values), 0)], group,
             [(store.table, lo, store.held)], heads, ragged=(store.table, store.held),
+            rotation=rotation,
         )  # fmt: skip
         return None if address is None else (address, rows, rows, keys.dtype)
 

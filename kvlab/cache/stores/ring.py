@@ -83,11 +83,13 @@ class RingStore(ContiguousStore):
         first = self.segment(where, layer, queries, 0 * end, end.clamp(max=sinks), 0, slice(sinks))
         return [first, ring]
 
-    def c_layers(self, where: RingWrite, layers, lo, hi, group: int, merge=None) -> list:
+    def c_layers(
+        self, where: RingWrite, layers, lo, hi, group: int, merge=None, rotation=None
+    ) -> list:  # fmt: skip
         """Slots [lo, hi) of each row in place, written as the contiguous store writes."""
         if merge is not None or not self.mirrors(RingStore, *IN_PLACE):
             return [None] * len(layers)
-        return self.c_in_place(where, layers, lo, hi, group)
+        return self.c_in_place(where, layers, lo, hi, group, rotation=rotation)
 
     def place(self, lengths, info, slots, real) -> RingWrite:
         """``slots`` are the new tokens' positions; ``real`` those the ring keeps."""

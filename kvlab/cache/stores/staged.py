@@ -266,7 +266,9 @@ class StagedStore(ContiguousStore):
                         where.coded, hi, ring=self.ring_size)  # fmt: skip
         return [codes, exact]
 
-    def c_layers(self, where: StagedWrite, layers, lo, hi, group: int, merge=None) -> list:
+    def c_layers(
+        self, where: StagedWrite, layers, lo, hi, group: int, merge=None, rotation=None
+    ) -> list:  # fmt: skip
         """A decode step's ring writes and their two segments (codes, exact ring) for the
         fused decode layer, as :meth:`write` and :meth:`segments` do them; the groups it
         closes are still encoded at :meth:`commit`. The step's bounds are one list for all
@@ -287,7 +289,7 @@ class StagedStore(ContiguousStore):
 
         tensors = [[*self.keys[i], *self.values[i], *self.rings[i]] for i in layers]
         return self._attentions.fused_layers(layers, tensors, made, group, bounds, where.rows,
-                                             where.ring_slots)  # fmt: skip
+                                             where.ring_slots, rotation=rotation)  # fmt: skip
 
     def _write_ring(self, where: StagedWrite, layer: int, k, v) -> None:
         for ring, new in zip(self.rings[layer], (k, v), strict=True):
