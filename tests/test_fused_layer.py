@@ -12,6 +12,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from test_cache_contract import codec_settings
 from torch import nn
 
 from kvlab import load_model
@@ -651,3 +652,20 @@ def test_a_researchers_policy_is_timed_on_the_fused_path_unless_it_attends_itsel
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     full = decode_logits(tiny_llama)
     assert not torch.allclose(full[-1], logits["newest"][-1])  # it did read fewer tokens
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", sorted(codec_settings()))
+def test_every_registered_kv_format_decodes_on_the_fused_path(name, tiny_llama, monkeypatch):
+    """Every per-token format a codec file registers (the contract tests' codec grid, read
+    from the registry), over the contiguous store: every decode layer step of a batched
+    generation ran in the fused layer's C call (its rows encoded there), observed, with the
+    op-by-op layers' logits bit for bit."""
+    options = codec_settings()[name]
+    before = tiny_llama.decode_paths()
+    fused = decode_logits(tiny_llama, 4, "full", **options)
+    taken = tiny_llama.decode_paths() - before
+    assert taken and set(taken) <= {"one_call", "c_attention"}, dict(taken)
+    monkeypatch.setattr(llama, "fused_plan", lambda layer: None)
+    reference = decode_logits(tiny_llama, 4, "full", **options)
+    assert all(torch.equal(a, b) for a, b in zip(fused, reference, strict=True))
