@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvlab.cache import build_cache, registered
+from kvlab.cache.base import cache_options
 from kvlab.cache.codecs import CodecOptions, KiviOptions, token_formats
 from kvlab.cache.composed import compositions, preset
 from kvlab.cache.evict.scorers import scorers
@@ -43,11 +44,22 @@ def codec_settings(head_dim: int = 16) -> dict[str, dict]:
 
 
 CODECS = codec_settings()
+def composes(name: str, options: dict) -> bool:
+    """Whether strategy ``name`` takes ``options`` (a policy refuses what contradicts it,
+    a rotation where its entries are pooled from unrotated keys; tested apart)."""
+    try:
+        cache_options(name, options)
+    except ValueError:
+        return False
+    return True
+
+
 GRID = [
     pytest.param(name, {**LOSSY[name], **codec}, id=f"{name}-{codec_name}")
     for name, (_, _, codec_options) in sorted(compositions().items())
     if codec_options is CodecOptions
     for codec_name, codec in CODECS.items()
+    if composes(name, {**LOSSY[name], **codec})
 ]
 # every registered scorer through the eviction policy (lossy: what it keeps matters)
 SCORED = [
