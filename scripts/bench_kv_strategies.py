@@ -22,6 +22,7 @@ import kvlab
 from kvlab.analysis.hf_baseline import tensor_bytes, timed_generate
 from kvlab.analysis.roofline import decode_roof
 from kvlab.cache import build_cache
+from kvlab.cache.codecs import token_formats
 from kvlab.data import wikitext2_test_text
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.engine.timing import percentile
@@ -43,11 +44,23 @@ STRATEGIES = [
     ("paged", {"kv_bits": 4}),
     ("quest", {"token_budget": 1024}),
     ("compressed", {}),
-    ("full", {"kv_bits": 8, "kv_format": "e4m3", "kv_group_size": 32}),
-    ("full", {"kv_bits": 4}),
-    ("full", {"kv_bits": 4, "kv_format": "mxfp4", "kv_group_size": 32}),
-    ("full", {"kv_bits": 4, "kv_format": "nvfp4", "kv_group_size": 16}),
 ]
+
+
+def format_rows() -> list[tuple[str, dict]]:
+    """``full`` in every registered per-token format (kvlab/cache/codecs/formats.py) at each
+    of its widths, a scale every 32 channels where the format lets a group be chosen (a
+    norm a head's row where it quantizes rotated rows), with the rotation a format needs."""
+    rows = []
+    for name, kind in sorted(token_formats().items()):
+        for bits in kind.bits:
+            group = kind.block or (64 if kind.rotation else 32)
+            options = {"kv_bits": bits, "kv_format": name, "kv_group_size": group}
+            rows.append(("full", options | ({"rotate": kind.rotation} if kind.rotation else {})))
+    return rows
+
+
+STRATEGIES += format_rows()
 
 
 def agreement(tokens: list[int], reference: list[int], count: int) -> tuple[int, int]:
