@@ -669,3 +669,16 @@ def test_every_registered_kv_format_decodes_on_the_fused_path(name, tiny_llama, 
     monkeypatch.setattr(llama, "fused_plan", lambda layer: None)
     reference = decode_logits(tiny_llama, 4, "full", **options)
     assert all(torch.equal(a, b) for a, b in zip(fused, reference, strict=True))
+
+
+def test_the_c_weight_kinds_are_the_python_ones():
+    """decode_layer.c's Linear kinds and the fused layer's, one declaration each side."""
+    import re
+    from pathlib import Path
+
+    source = Path(fused_layer.__file__).parents[1] / "kernels" / "decode_layer.c"
+    found = re.search(r"enum \{ FP = 0, ([^}]*) \};", source.read_text())
+    c = dict(re.findall(r"(\w+) = (\d+)", "FP = 0, " + found.group(1)))
+    assert {name: int(n) for name, n in c.items()} == {
+        name: getattr(fused_layer._Linear, name) for name in c
+    }
