@@ -136,10 +136,10 @@ def _cpu_kernels() -> dict[str, Any]:
     kernels it chose from this, is in its metrics: ``engine/kernel_plan``): the plan's
     capability (:func:`kvlab.kernels.plan.capability`), the decode attention, and whether
     torch's int8 matmul is exact here (W8A8's prefill takes it only then,
-    :func:`kvlab.kernels.w8a8.int8_matmul_exact`)."""
+    :func:`kvlab.kernels.linear.w8a8.int8_matmul_exact`)."""
     from kvlab.kernels import kernel_available
+    from kvlab.kernels.linear.w8a8 import int8_matmul_exact
     from kvlab.kernels.plan import capability
-    from kvlab.kernels.w8a8 import int8_matmul_exact
 
     return {
         "capability": capability(),

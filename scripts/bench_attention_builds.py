@@ -24,9 +24,10 @@ from pathlib import Path
 
 import torch
 
-from kvlab.kernels import attention_c, build
-from kvlab.kernels.int_codes import ChannelCodes, TokenCodes
-from kvlab.kernels.segments import Segment, Stored
+from kvlab.kernels import build
+from kvlab.kernels.attention import backend_c
+from kvlab.kernels.attention.segments import Segment, Stored
+from kvlab.kernels.codes.int_codes import ChannelCodes, TokenCodes
 from kvlab.tracking import environment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,22 +42,24 @@ def sources(spec: str, into: Path) -> Path:
     """A folder of kernel sources: ``spec`` itself, or its files at git revision ``spec``."""
     if Path(spec).is_dir():
         return Path(spec)
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{spec}:{KERNELS}"], cwd=ROOT,
-                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    listing = ["git", "ls-tree", "-r", "--name-only", f"{spec}:{KERNELS}"]
+    names = subprocess.run(listing, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    names = names.split()
     into.mkdir(parents=True)
     for name in names:
         if name.endswith((".c", ".h")):
             text = subprocess.run(["git", "show", f"{spec}:{KERNELS}/{name}"], cwd=ROOT,
                                   check=True, capture_output=True).stdout  # fmt: skip
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
             (into / name).write_bytes(text)
     return into
 
 
 def compiled(folder: Path, out: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The kernels of ``folder`` built as kvlab builds them, loaded; ``defines``: extra
-    ``-D`` flags (``-DKVLAB_TIMERS``: kernel timers, see kvlab/kernels/timers.h)."""
+    ``-D`` flags (``-DKVLAB_TIMERS``: kernel timers, see kvlab/kernels/include/timers.h)."""
     saved = build.SOURCES, build.HEADERS, build.FLAGS
-    build.SOURCES, build.HEADERS = sorted(folder.glob("*.c")), sorted(folder.glob("*.h"))
+    build.SOURCES, build.HEADERS = sorted(folder.rglob("*.c")), sorted(folder.rglob("*.h"))
     build.FLAGS = [*build.FLAGS, *defines]
     try:
         build._compile(build._compiler(), out)
@@ -139,7 +142,7 @@ def use_library(library: ctypes.CDLL) -> None:
 def step_seconds(layers: list[Segment]) -> float:
     start = time.perf_counter()
     for segment in layers:
-        attention_c.c_attention([segment], 0.125, torch.float32)
+        backend_c.c_attention([segment], 0.125, torch.float32)
     return time.perf_counter() - start
 
 
@@ -156,7 +159,7 @@ def compare(libraries: dict[str, ctypes.CDLL], case: str, args) -> str:
                 seconds = step_seconds(layers)
                 if round_ >= args.warmup:
                     times[name].append(seconds)
-                outputs[name] = attention_c.c_attention([layers[0]], 0.125, torch.float32)
+                outputs[name] = backend_c.c_attention([layers[0]], 0.125, torch.float32)
     finally:
         build.library = original
         build.kernel.cache_clear()

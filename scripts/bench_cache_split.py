@@ -1,7 +1,7 @@
 """KV strategies' decode steps side by side in one process, each split into its decode
 attention, its CSA indexer and the rest: one generation per strategy on the default model,
 their steps in turns (``--block`` steps each, the first of each turn dropped as its
-warm-up), with the kernels built with ``-DKVLAB_TIMERS`` (kvlab/kernels/timers.h) so the
+warm-up), with the kernels built with ``-DKVLAB_TIMERS`` (kvlab/kernels/include/timers.h) so the
 attention and indexer calls of the same steps are timed in C (so are the fused layers'
 products, "linears", and the call that runs a step's layers, whose time taken off the step
 leaves what runs outside it: the head, the cache's plan, the Python). Ratios are to the
@@ -12,7 +12,7 @@ its attention, or what it does around it. Not a test.
 
 A cache written ``NAME:KEY=VALUE:...`` takes those options (``gqa_shared:factor=3``: MQA;
 values read as YAML). A cache written ``NAME@CHUNKS/MIN`` runs its turns with the decode
-attention's chunk rule set so (``kvlab.kernels.attention_c.chunk_tokens``: LONG_CHUNKS the
+attention's chunk rule set so (``kvlab.kernels.attention.backend_c.chunk_tokens``: LONG_CHUNKS the
 dot-separated CHUNKS, longest first, none if empty; MIN_CHUNKS = MIN): ``int4@/4`` is
 int4 with chunks of 256 at any span, ``int4@2048.1024.512/2`` allows chunks of 2048, in
 turns with ``int4``.
@@ -34,7 +34,8 @@ from bench_vs_llamacpp import WEIGHTS, load_weights, wikitext_prompt
 
 from kvlab.cache import cache_factory
 from kvlab.engine import Engine, GenerationConfig
-from kvlab.kernels import attention_c, build, timers
+from kvlab.kernels import build, timers
+from kvlab.kernels.attention import backend_c
 from kvlab.models import fused_layer
 from kvlab.tracking import environment
 
@@ -43,15 +44,15 @@ from kvlab.tracking import environment
 def chunk_rule(cache: str):
     """The chunk rule ``cache``'s ``@CHUNKS/MIN`` asks for (see the module doc), while it
     runs; the library's own without one."""
-    saved = attention_c.LONG_CHUNKS, attention_c.MIN_CHUNKS
+    saved = backend_c.LONG_CHUNKS, backend_c.MIN_CHUNKS
     if "@" in cache:
         chunks, _, least = cache.split("@", 1)[1].partition("/")
-        attention_c.LONG_CHUNKS = tuple(int(c) for c in chunks.split(".") if c)
-        attention_c.MIN_CHUNKS = int(least or saved[1])
+        backend_c.LONG_CHUNKS = tuple(int(c) for c in chunks.split(".") if c)
+        backend_c.MIN_CHUNKS = int(least or saved[1])
     try:
         yield
     finally:
-        attention_c.LONG_CHUNKS, attention_c.MIN_CHUNKS = saved
+        backend_c.LONG_CHUNKS, backend_c.MIN_CHUNKS = saved
 
 
 def _pair(text: str) -> tuple[str, str]:

@@ -9,7 +9,7 @@ generate the same tokens. Not a test.
 
 A and B are git revisions or folders of kernel sources (``*.c`` and ``*.h``), as in
 scripts/bench_attention_builds.py. ``--timers`` builds both with ``-DKVLAB_TIMERS`` (see
-kvlab/kernels/timers.h) and also prints how much of each build's step its decode attention
+kvlab/kernels/include/timers.h) and also prints how much of each build's step its decode attention
 and its CSA indexer took (their calls timed in C, all layers of a step summed): the split
 of a step between attention and the rest, within the same turns.
 

@@ -38,7 +38,8 @@ def label_kvlab_kernels() -> None:
     eager step: wrap their entry points in named ranges so they show up as ops."""
     from torch.profiler import record_function
 
-    from kvlab.kernels import attention_c, linear
+    from kvlab.kernels import linear
+    from kvlab.kernels.attention import backend_c
     from kvlab.models import fused_layer
 
     def labelled(module, name: str, label: str) -> None:
@@ -53,7 +54,7 @@ def label_kvlab_kernels() -> None:
     labelled(linear, "_small_linear_impl", "kvlab::small_linear (C, ctypes)")
     labelled(linear, "_int8_linear_impl", "kvlab::int8_linear (C, ctypes)")
     labelled(linear, "_int4_linear_impl", "kvlab::int4_linear (C, ctypes)")
-    labelled(attention_c, "_attend", "kvlab::decode_attention (C, ctypes)")
+    labelled(backend_c, "_attend", "kvlab::decode_attention (C, ctypes)")
     declared = fused_layer.kernel  # the fused layer's three calls, by the C function's name
 
     def labelled_kernel(name: str, *argtypes):

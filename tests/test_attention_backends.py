@@ -16,8 +16,8 @@ from kvlab.cache import build_cache
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import Segment, Stored, attention, decode_attention, reference_attention
 from kvlab.kernels.attention import segment_backends, use_backend
-from kvlab.kernels.attention_flex import block_mask
-from kvlab.kernels.attention_triton import triton_interpreted
+from kvlab.kernels.attention.backend_flex import block_mask
+from kvlab.kernels.attention.backend_triton import triton_interpreted
 
 needs_triton = pytest.mark.skipif(
     not triton_interpreted(),

@@ -23,6 +23,8 @@ LOSSY = {name: cls.tests.lossy for name, cls in registered().items()}
 EXACT = {name: cls.tests.exact for name, cls in registered().items()}
 STRATEGIES = sorted(registered())
 TOLERANCE = 1e-4
+
+
 # The composition grid the registry declares: every (policy, store) preset in every token
 # codec (KIVI's presets, whose codec is their own, are the int rows above), and eviction
 # over quantized storage (not yet a composed preset).
@@ -44,6 +46,8 @@ def codec_settings(head_dim: int = 16) -> dict[str, dict]:
 
 
 CODECS = codec_settings()
+
+
 def composes(name: str, options: dict) -> bool:
     """Whether strategy ``name`` takes ``options`` (a policy refuses what contradicts it,
     a rotation where its entries are pooled from unrotated keys; tested apart)."""

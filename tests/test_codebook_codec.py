@@ -11,8 +11,8 @@ import torch
 from kvlab.cache import build_cache
 from kvlab.cache.codecs import token_formats
 from kvlab.cache.codecs.codebook import NF4, CodebookCodec
+from kvlab.kernels.attention.segments import pack_bits, unpack_bits
 from kvlab.kernels.codes import encode_codebook
-from kvlab.kernels.segments import pack_bits, unpack_bits
 
 GEN = torch.Generator().manual_seed(13)
 

@@ -232,7 +232,7 @@ def test_w8a8_kernel_gives_its_reference_bit_for_bit(dtype, rows, out_features, 
 
 
 def _check_w8a8_kernel(dtype, rows, out_features, in_features, order="rows"):
-    from kvlab.kernels.w8a8 import quantize_rows, w8a8_linear, w8a8_reference
+    from kvlab.kernels.linear.w8a8 import quantize_rows, w8a8_linear, w8a8_reference
 
     generator = torch.Generator().manual_seed(rows * out_features + in_features)
     codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
@@ -269,7 +269,12 @@ def test_w8a8_kernel_with_a_scale_a_group_gives_the_exact_product(
     weight rows; so does the reference; a row of zeros gives zeros. The prefill product over
     the dequantized weight (bf16 codes times bf16 activations where the layer computes in
     bf16) stays within the activations' own rounding of it."""
-    from kvlab.kernels.w8a8 import quantize_groups, w8a8_dequantized, w8a8_linear, w8a8_reference
+    from kvlab.kernels.linear.w8a8 import (
+        quantize_groups,
+        w8a8_dequantized,
+        w8a8_linear,
+        w8a8_reference,
+    )
 
     generator = torch.Generator().manual_seed(rows * out_features + in_features + group)
     codes = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8,
@@ -309,7 +314,7 @@ def _stepped_group_dots(xq, steps, codes, group):
 def _w4a8_exact(x, codes, scale, offset, group_size):
     """W4A8's product in float64 from the same quantized activations as the reference, and
     the sum of its terms' magnitudes (what fp32 rounding errors scale with)."""
-    from kvlab.kernels.w8a8 import quantize_groups
+    from kvlab.kernels.linear.w8a8 import quantize_groups
 
     xq, steps = quantize_groups(x, group_size)
     rows, groups = steps.shape
@@ -334,8 +339,8 @@ def test_w4a8_kernel_gives_its_reference(dtype, rows, out_features, in_features,
     them to the reference's codes; a row of zeros gives the offsets' term alone, zero. And
     the reference is the float product up to the activations' rounding: half a step of each
     group's scale per channel, on the codes' term only."""
-    from kvlab.kernels.w4a8 import w4a8_linear, w4a8_reference
-    from kvlab.kernels.w8a8 import quantize_groups
+    from kvlab.kernels.linear.w4a8 import w4a8_linear, w4a8_reference
+    from kvlab.kernels.linear.w8a8 import quantize_groups
     from kvlab.quant.packing import block_int4
     from kvlab.quant.rtn import dequantize_int4, quantize_int4
 
@@ -369,7 +374,7 @@ def test_w4a8_prefill_product_over_the_dequantized_weight_is_the_references(dtyp
     dequantized weight in one product in the layer's dtype, the offsets' term moved onto x's
     own group sums: the reference's exact product up to fp32 rounding, or in bf16 up to the
     rounding of the weight and the quantized activations to bf16; the layer runs it."""
-    from kvlab.kernels.w4a8 import w4a8_dequantized
+    from kvlab.kernels.linear.w4a8 import w4a8_dequantized
     from kvlab.quant.rtn import Int4Linear, dequantize_int4, quantize_int4
 
     generator = torch.Generator().manual_seed(3)
@@ -394,7 +399,7 @@ def test_prefill_activation_quantization_in_c_is_torchs(x_dtype, dtype, monkeypa
     """``kvlab_fake_quantize_groups`` (one pass over x, rows across threads) gives torch's
     quantized activations bit for bit, in fp32 or rounded to bf16, and each group's sum of
     x less theirs up to fp32 summation order; a row of zeros stays zeros."""
-    from kvlab.kernels import w8a8
+    from kvlab.kernels.linear import w8a8
 
     generator = torch.Generator().manual_seed(5)
     x = (3 * torch.randn(37, 384, generator=generator)).to(x_dtype)
@@ -411,7 +416,7 @@ def test_int8_products_are_exact_on_every_cpu():
     CPU: codes of +-127 in every pair, which saturate oneDNN's int8 matmul without VNNI
     (there it is probed inexact and not taken), and a product over more channels than one
     exact float span."""
-    from kvlab.kernels import w8a8
+    from kvlab.kernels.linear import w8a8
 
     generator = torch.Generator().manual_seed(3)
     xq = torch.randint(-127, 128, (40, 2500), dtype=torch.int8, generator=generator)
@@ -425,7 +430,7 @@ def test_int8_products_are_exact_on_every_cpu():
 def test_w8a8_reference_without_an_int8_matmul_gives_the_same_products(monkeypatch):
     """Where torch's int8 matmul refuses the shapes (CUDA's, under 17 rows), the reference
     multiplies in fp32 spans, exactly: the same outputs."""
-    from kvlab.kernels import w8a8
+    from kvlab.kernels.linear import w8a8
 
     generator = torch.Generator().manual_seed(0)
     codes = torch.randint(-127, 128, (64, 1536), dtype=torch.int8, generator=generator)
@@ -549,7 +554,7 @@ def test_fused_rms_norm_equals_the_torch_ops(dtype):
     one bf16 step. Rows may be strided (a view of a wider tensor)."""
     import torch.nn.functional as F
 
-    from kvlab.kernels.norm import fused_rms_norm
+    from kvlab.kernels.layer.norm import fused_rms_norm
 
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(576, generator=generator).to(dtype)

@@ -21,9 +21,9 @@ from kvlab.cache.codecs.codebook import NF4, CodebookCodec
 from kvlab.cache.codecs.fp8 import FORMATS as FP8_FORMATS
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import Segment, Stored, decode_attention, kernel_available, reference_attention
-from kvlab.kernels.attention_c import CHUNK, chunk_tokens
-from kvlab.kernels.attention_c import c_kernel_applies as _kernel_applies
-from kvlab.kernels.int_codes import BITS, ChannelCodes, TokenCodes
+from kvlab.kernels.attention.backend_c import CHUNK, chunk_tokens
+from kvlab.kernels.attention.backend_c import c_kernel_applies as _kernel_applies
+from kvlab.kernels.codes.int_codes import BITS, ChannelCodes, TokenCodes
 
 needs_kernel = pytest.mark.skipif(not kernel_available(), reason="no C compiler for the kernel")
 GEN = torch.Generator().manual_seed(0)
@@ -506,7 +506,7 @@ def test_indexer_kernel_chooses_the_entries_torch_top_k_chooses(dtype, dim):
     head), the set torch's masked top-k keeps over fp32 scores of the same values, in entry
     order; rows that see fewer entries than k keep all they see, a row that sees none
     keeps nothing."""
-    from kvlab.kernels.indexer import top_k_table
+    from kvlab.kernels.attention.indexer import top_k_table
 
     batch, heads, group, slots, top_k = 4, 3, 3, 200, 16
     queries = rand(batch, heads, group, dim, dtype=dtype)
@@ -530,7 +530,7 @@ def test_indexer_kernel_breaks_ties_to_the_lowest_entries(dtype):
     """Scores of a few integer values (negative, zero and positive, many equal; a radix
     select over their bits finds the k-th highest): the kernel keeps every entry above the
     k-th highest score and the lowest-numbered of those equal to it, in entry order."""
-    from kvlab.kernels.indexer import top_k_table
+    from kvlab.kernels.attention.indexer import top_k_table
 
     batch, heads, group, slots, dim, top_k = 2, 3, 2, 300, 16, 37
     queries = torch.zeros(batch, heads, group, dim, dtype=dtype)
@@ -551,9 +551,10 @@ def test_the_c_formats_are_the_python_ones():
     or 1 for bf16 data), so a format is declared once on each side and checked here."""
     import re
 
-    from kvlab.kernels.segments import FORMATS
+    from kvlab.kernels.attention import segments
+    from kvlab.kernels.attention.segments import FORMATS
 
-    header = (Path(__file__).parents[1] / "kvlab" / "kernels" / "attention_job.h").read_text()
+    header = Path(segments.__file__).with_name("attention_job.h").read_text()
     c = {name.lower(): int(n) for name, n in re.findall(r"FMT_(\w+) = (\d+)", header)}
     assert c.pop("f32") == FORMATS["fp"] and c.pop("bf16") == FORMATS["fp"] + 1
     assert c == {name: n for name, n in FORMATS.items() if name != "fp"}

@@ -18,7 +18,8 @@ from torch import nn
 from kvlab import load_model
 from kvlab.cache import build_cache, registered
 from kvlab.engine import Engine, GenerationConfig
-from kvlab.kernels import attention_c, cached_attention, kernel_available
+from kvlab.kernels import build, kernel_available
+from kvlab.kernels.attention import backend_c, cached
 from kvlab.kernels.linear import DecodeLinear
 from kvlab.models import fused_layer, llama
 from kvlab.quant import quantize_
@@ -228,11 +229,11 @@ def test_a_steps_cached_attentions_are_reused_only_while_they_hold(monkeypatch):
     in the answer); a tensor replaced or its storage, a batch of another size or a wider
     table builds them again, the C structs then pointing at the new tensors, also where a
     new tensor sits at an old one's address with other strides."""
-    attentions = cached_attention.LayerAttentions()
+    attentions = cached.LayerAttentions()
     calls = []
-    fused = cached_attention.LayerAttentions.fused
+    fused = cached.LayerAttentions.fused
     monkeypatch.setattr(
-        cached_attention.LayerAttentions, "fused",
+        cached.LayerAttentions, "fused",
         lambda self, *a, **k: calls.append(a[0]) or fused(self, *a, **k),
     )  # fmt: skip
     parts = [(torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)) for _ in range(2)]
@@ -407,7 +408,7 @@ def test_merged_heads_attend_in_torch_where_c_would_not_merge_to_torchs_bits(
     for dtype in (torch.float32, torch.bfloat16):
         for factor in (2, 3):
             for first in (False, True):
-                assert cached_attention.merge_matches_torch(dtype, factor, first)
+                assert cached.merge_matches_torch(dtype, factor, first)
     monkeypatch.setattr(composed, "merge_matches_torch", lambda *a: False)
     model = with_decode_linears(tiny_checkpoints["llama"], torch.bfloat16)
     taken = fused_equals_op_by_op(model, 4, "gqa_shared", {"factor": 2}, (PROMPTS,),
@@ -440,12 +441,12 @@ def test_fused_layer_kernel_takes_its_chunks_from_the_span(
     (CachedAttention.work_floats; chunk_tokens here made to take chunks of 8 slots once a
     span has one), and C splits them and sizes their partials as that says: the op-by-op
     layers' logits bit for bit over several chunks a job."""
-    monkeypatch.setattr(attention_c, "LONG_CHUNKS", (8,))
-    monkeypatch.setattr(attention_c, "MIN_CHUNKS", 1)
+    monkeypatch.setattr(backend_c, "LONG_CHUNKS", (8,))
+    monkeypatch.setattr(backend_c, "MIN_CHUNKS", 1)
     chosen = []
-    original = cached_attention.chunk_tokens
+    original = cached.chunk_tokens
     monkeypatch.setattr(
-        cached_attention, "chunk_tokens", lambda *a: chosen.append(original(*a)) or chosen[-1]
+        cached, "chunk_tokens", lambda *a: chosen.append(original(*a)) or chosen[-1]
     )
     model = with_decode_linears(tiny_checkpoints["llama"], torch.float32)
     taken = fused_equals_op_by_op(model, 6, cache, options, (PROMPTS[1:2],), monkeypatch)
@@ -676,7 +677,7 @@ def test_the_c_weight_kinds_are_the_python_ones():
     import re
     from pathlib import Path
 
-    source = Path(fused_layer.__file__).parents[1] / "kernels" / "decode_layer.c"
+    source = Path(build.__file__).parent / "layer" / "decode_layer.c"
     found = re.search(r"enum \{ FP = 0, ([^}]*) \};", source.read_text())
     c = dict(re.findall(r"(\w+) = (\d+)", "FP = 0, " + found.group(1)))
     assert {name: int(n) for name, n in c.items()} == {

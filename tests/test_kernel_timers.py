@@ -1,4 +1,4 @@
-"""The kernel timers (kvlab/kernels/timers.h) that ``scripts/bench_step_builds.py --timers``
+"""The kernel timers (kvlab/kernels/include/timers.h) that ``scripts/bench_step_builds.py --timers``
 reads to split a decode step: a build with ``-DKVLAB_TIMERS`` counts every decode
 attention and CSA indexer call and computes what the plain build computes; kvlab's own
 build times nothing."""
@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from kvlab.kernels import build, timers
-from kvlab.kernels.attention_c import c_attention
-from kvlab.kernels.indexer import top_k_table
-from kvlab.kernels.segments import Segment, Stored
+from kvlab.kernels.attention.backend_c import c_attention
+from kvlab.kernels.attention.indexer import top_k_table
+from kvlab.kernels.attention.segments import Segment, Stored
 
 pytestmark = pytest.mark.skipif(build.library() is None, reason="no C kernels on this machine")
-SOURCES = ("decode_attention.c", "attention_codes.c", "indexer.c", "timers.c")  # what is timed
+# what is timed, under kvlab/kernels
+SOURCES = ("attention/decode_attention.c", "attention/attention_codes.c", "attention/indexer.c",
+           "timers.c")  # fmt: skip
 
 
 def read_timers(library) -> tuple[list[float], list[int]]:

@@ -8,7 +8,7 @@ import torch
 
 from kvlab.cache import build_cache
 from kvlab.eval.perplexity import chunked_nll
-from kvlab.kernels.int_codes import (
+from kvlab.kernels.codes.int_codes import (
     BITS,
     ChannelCodes,
     TokenCodes,

@@ -30,7 +30,7 @@ from kvlab.cache.policies.base import Policy
 from kvlab.cache.stores.base import Store
 from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.cache.stores.staged import StagedStore
-from kvlab.kernels.cached_attention import merge_matches_torch
+from kvlab.kernels.attention.cached import merge_matches_torch
 
 _COMPOSITIONS: dict[str, tuple[type[Policy], type[Store], type]] = {}
 STAGED: dict[type[Store], type[Store]] = {ContiguousStore: StagedStore}  # store -> its staged form

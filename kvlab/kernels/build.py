@@ -1,11 +1,12 @@
 """Build kvlab's C kernels once per machine and load them with ctypes.
 
-The sources (every ``*.c`` here, with the ``*.h`` they include) are compiled with the
-system C compiler for this CPU (``-march=native``: AVX2 on the AMD EPYCs here, AVX-512 on
-the Xeons) into one library under ``$KVLAB_CACHE/kernels``, keyed by the sources, the flags
-and the CPU (model, features), so a cache shared between machines never loads code built
-for another CPU. OpenMP comes from the libgomp torch has already loaded. Without a
-compiler the kernels are unavailable and callers use their torch reference path.
+The sources (every ``*.c`` under this folder, with the ``*.h`` they include; each header's
+folder is on the include path) are compiled with the system C compiler for this CPU
+(``-march=native``: AVX2 on the AMD EPYCs here, AVX-512 on the Xeons) into one library
+under ``$KVLAB_CACHE/kernels``, keyed by the sources, the flags and the CPU (model,
+features), so a cache shared between machines never loads code built for another CPU.
+OpenMP comes from the libgomp torch has already loaded. Without a compiler the kernels are
+unavailable and callers use their torch reference path.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ from pathlib import Path
 
 from kvlab.paths import cache_dir
 
-SOURCES = sorted(Path(__file__).parent.glob("*.c"))
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # part of the build's key, not compiled
+SOURCES = sorted(Path(__file__).parent.rglob("*.c"))
+HEADERS = sorted(Path(__file__).parent.rglob("*.h"))  # part of the build's key, not compiled
 # fast-math for the code (vectorized expf from glibc's libmvec, reassociated reductions;
 # the kernels use a finite sentinel, not -inf, for "no score seen"), but never on the link
 # line: there gcc adds crtfastmath.o, which sets flush-to-zero for the whole process
@@ -78,7 +79,8 @@ def _compile(compiler: str, out: Path) -> None:
 
 
 def _flags(source: Path) -> list[str]:
-    return [f for f in FLAGS if f != "-ffast-math"] if source.name in EXACT else FLAGS
+    flags = [f for f in FLAGS if f != "-ffast-math"] if source.name in EXACT else FLAGS
+    return [*flags, *(f"-I{folder}" for folder in sorted({h.parent for h in HEADERS}))]
 
 
 def library_identity() -> str:

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels.attention import c_kernel_allowed
-from kvlab.kernels.attention_c import index_applies
+from kvlab.kernels.attention.backend_c import index_applies
 from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
 from kvlab.kernels.linear import MAX_ROWS, DecodeLinear, in_order, is_bf16
 from kvlab.quant.rtn import Int4Linear, Int8Linear

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.cache.base import CacheSpec, KVCache, Step, StepInfo
-from kvlab.kernels.norm import fused_rms_norm
+from kvlab.kernels.layer.norm import fused_rms_norm
 from kvlab.models.config import DecoderConfig
 from kvlab.models.fused_layer import FusedDecode, FusedStep, fused_plan, fused_step, weights_changed
 from kvlab.models.rope import RotaryTables, inverse_frequencies

@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels.linear import MAX_ROWS, int4_linear, int8_linear, int8_wide_linear
+from kvlab.kernels.linear.w4a8 import kernel_serves as w4a8_kernel_serves
+from kvlab.kernels.linear.w4a8 import w4a8_dequantized, w4a8_linear
+from kvlab.kernels.linear.w8a8 import int8_matmul_exact, w8a8_linear
 from kvlab.kernels.plan import LinearKernels, default_plan, plan_of
-from kvlab.kernels.w4a8 import kernel_serves as w4a8_kernel_serves
-from kvlab.kernels.w4a8 import w4a8_dequantized, w4a8_linear
-from kvlab.kernels.w8a8 import int8_matmul_exact, w8a8_linear
 from kvlab.quant.base import QuantOptions, register_quantizer, replace_linears
 from kvlab.quant.packing import block_int4, pack, unblock_int4, unpack
 
@@ -38,9 +38,9 @@ class RtnOptions(QuantOptions):
     scale; None = 64); ``compute_dtype``: bfloat16, or ``input`` (the activations' dtype);
     ``activations``: ``none`` (weight-only) or ``int8``: each token's activations quantized
     too, one scale every ``activation_group`` channels: with 8 bits (W8A8:
-    :mod:`kvlab.kernels.w8a8`) 32 by default (null), ``row`` for one a row (torchao's
+    :mod:`kvlab.kernels.linear.w8a8`) 32 by default (null), ``row`` for one a row (torchao's
     per-token scheme), or a multiple of 4 dividing every layer's input features; with 4 bits
-    (W4A8: :mod:`kvlab.kernels.w4a8`) the weight group (null or ``group_size``)."""
+    (W4A8: :mod:`kvlab.kernels.linear.w4a8`) the weight group (null or ``group_size``)."""
 
     bits: int = 4
     group_size: int | None = None
@@ -141,7 +141,7 @@ class Int4Linear(nn.Module):
     per call.
     ``input_perm`` reorders input channels first (GPTQ act-order checkpoints). With
     ``int8_activations`` each row of the input is quantized too, one scale a weight group,
-    and the codes multiplied in int8 (W4A8: :func:`~kvlab.kernels.w4a8.w4a8_linear`, in
+    and the codes multiplied in int8 (W4A8: :func:`~kvlab.kernels.linear.w4a8.w4a8_linear`, in
     kvlab's blocks or, where they do not fit, row-packed)."""
 
     def __init__(
@@ -240,7 +240,7 @@ class Int8Linear(nn.Module):
     plan's for int8 weights) names for that width (kvlab's or PyTorch's), more rows its
     wide kernel. With
     ``int8_activations`` every row of the input is quantized too and the product taken in
-    int8 (:func:`~kvlab.kernels.w8a8.w8a8_linear`), one scale a row, or one every
+    int8 (:func:`~kvlab.kernels.linear.w8a8.w8a8_linear`), one scale a row, or one every
     ``activation_group`` channels of a row."""
 
     def __init__(

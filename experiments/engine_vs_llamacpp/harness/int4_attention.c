@@ -21,11 +21,11 @@
 #include <string.h>
 #include <time.h>
 
-#include "../../../kvlab/kernels/attention_job.h"
+#include "../../../kvlab/kernels/attention/attention_job.h"
 #include "timing.h"
 
 enum { LAYERS = 30, H = 3, G = 3, D = 64, W = D * 4 / 32, GROUP = 32, TOKENS = 4096 };
-#ifndef CHUNK_TOKENS /* what attention_c.chunk_tokens picks for this span on 2 threads; */
+#ifndef CHUNK_TOKENS /* what backend_c.chunk_tokens picks for this span on 2 threads; */
 #define CHUNK_TOKENS 1024 /* -DCHUNK_TOKENS=256: the chunks before session k */
 #endif
 enum { CAPACITY = 4608, CHUNK = CHUNK_TOKENS, CHUNKS = (CAPACITY + CHUNK - 1) / CHUNK };

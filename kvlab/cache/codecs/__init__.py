@@ -20,7 +20,7 @@ from kvlab.cache.codecs.fp8 import Fp8Codec
 from kvlab.cache.codecs.kivi import Kivi, KiviOptions
 from kvlab.cache.codecs.rotation import check_rotation
 from kvlab.cache.codecs.token import TokenCodec
-from kvlab.kernels.int_codes import BITS
+from kvlab.kernels.codes.int_codes import BITS
 from kvlab.registry import import_folder
 
 import_folder(__name__)  # every codec file: the per-token formats register themselves

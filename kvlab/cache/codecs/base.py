@@ -64,7 +64,7 @@ class Codec(ABC):
 
 
 class PackedCodes(Codec):
-    """Integer codes as :mod:`kvlab.kernels.int_codes` packs them — words, scale, zero — held
+    """Integer codes as :mod:`kvlab.kernels.codes.int_codes` packs them — words, scale, zero — held
     as three parts and read by the kernel in ``format`` (token or channel codes)."""
 
     format: ClassVar[str]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kvlab.cache.codecs.base import PackedCodes
-from kvlab.kernels.int_codes import ChannelCodes, words_per_row
+from kvlab.kernels.codes.int_codes import ChannelCodes, words_per_row
 
 
 class ChannelCodec(PackedCodes):

@@ -17,7 +17,7 @@ import torch
 from kvlab.cache.codecs.base import Codec
 from kvlab.cache.codecs.formats import TokenFormat, register_format
 from kvlab.kernels import Stored
-from kvlab.kernels.segments import pack_bits, unpack_bits
+from kvlab.kernels.attention.segments import pack_bits, unpack_bits
 
 SCALES = ("absmax", "norm")
 

@@ -14,7 +14,7 @@ from kvlab.cache.codecs.base import Codec
 from kvlab.cache.codecs.channel import ChannelCodec
 from kvlab.cache.codecs.rotation import check_rotation
 from kvlab.cache.codecs.token import TokenCodec
-from kvlab.kernels.int_codes import BITS, KEY_AXES
+from kvlab.kernels.codes.int_codes import BITS, KEY_AXES
 
 
 @dataclass

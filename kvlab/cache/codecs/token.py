@@ -7,7 +7,7 @@ import torch
 
 from kvlab.cache.codecs.base import PackedCodes
 from kvlab.cache.codecs.formats import TokenFormat, register_format
-from kvlab.kernels.int_codes import BITS, TokenCodes, words_per_row
+from kvlab.kernels.codes.int_codes import BITS, TokenCodes, words_per_row
 
 
 class TokenCodec(PackedCodes):

@@ -25,7 +25,7 @@ from kvlab.cache.rows import decode_output, grouped, heads_as_blocks
 from kvlab.cache.stores.contiguous import IN_PLACE
 from kvlab.cache.stores.paged import PagedStore
 from kvlab.kernels import Segment, Stored, decode_attention, kernel_available
-from kvlab.kernels.block_select import BlockSteps, select_blocks
+from kvlab.kernels.attention.block_select import BlockSteps, select_blocks
 
 
 @dataclass

@@ -14,8 +14,8 @@ from kvlab.cache.pooled.layer import PooledLayer
 from kvlab.cache.pooled.plan import PoolingPlan
 from kvlab.cache.rows import decode_output, grouped
 from kvlab.kernels import decode_attention
-from kvlab.kernels.cached_pooling import Closing, Pooling
-from kvlab.kernels.segments import Stored
+from kvlab.kernels.attention.cached_pooling import Closing, Pooling
+from kvlab.kernels.attention.segments import Stored
 from kvlab.models.rope import RotaryTables
 
 

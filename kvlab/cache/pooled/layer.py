@@ -17,8 +17,8 @@ from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import parts_bytes
 from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.kernels import Segment
-from kvlab.kernels.cached_attention import LayerAttentions
-from kvlab.kernels.indexer import top_k_table
+from kvlab.kernels.attention.cached import LayerAttentions
+from kvlab.kernels.attention.indexer import top_k_table
 
 
 class EntryStore(ContiguousStore):
@@ -128,7 +128,7 @@ class PooledLayer:
         """Each (row, KV head) over the ``top_k`` visible entries its query heads score
         highest (q . k summed over the group, as ``top_k_mask``), one entry per block: in
         one C pass over the entries' keys where they are stored as floats
-        (:func:`~kvlab.kernels.indexer.top_k_table`), else scored and chosen in torch."""
+        (:func:`~kvlab.kernels.attention.indexer.top_k_table`), else scored and chosen in torch."""
         stored = self._stored(lambda part: part)[0]
         table = None
         if stored.format == "fp":

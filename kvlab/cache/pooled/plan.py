@@ -16,7 +16,7 @@ from kvlab.cache.pooled.pooling import (
     visible_entries,
     window_slots,
 )
-from kvlab.kernels.cached_pooling import Closing
+from kvlab.kernels.attention.cached_pooling import Closing
 
 
 @dataclass

@@ -111,7 +111,7 @@ class Store(ABC):
     ) -> list:  # fmt: skip
         """A decode step's writes and attention for each of ``layers`` as the fused decode
         layer's C call runs them (``(address, blocks, slots, dtype)`` each, see
-        :class:`~kvlab.kernels.cached_attention.CachedAttention`): the new keys and values
+        :class:`~kvlab.kernels.attention.cached.CachedAttention`): the new keys and values
         written where :meth:`place` put them (``where``) and the :meth:`segments` over
         [lo, hi) read in place, as :meth:`write` and :meth:`segments` do them; ``group``:
         query heads per KV head; ``merge``: (factor, first), KV heads merged before the

@@ -15,7 +15,7 @@ from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import Store, allocate_layers, parts_bytes
 from kvlab.kernels import Segment
-from kvlab.kernels.cached_attention import LayerAttentions
+from kvlab.kernels.attention.cached import LayerAttentions
 
 
 @dataclass

@@ -21,7 +21,7 @@ from kvlab.cache.stores.base import Store, allocate_layers, parts_bytes
 from kvlab.cache.stores.blocks import BlockPool
 from kvlab.cache.stores.contiguous import IN_PLACE
 from kvlab.kernels import Segment
-from kvlab.kernels.cached_attention import LayerAttentions
+from kvlab.kernels.attention.cached import LayerAttentions
 
 
 @dataclass

@@ -25,7 +25,7 @@ from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.stores.base import Store
 from kvlab.cache.stores.contiguous import IN_PLACE
 from kvlab.kernels import Segment, Stored
-from kvlab.kernels.cached_attention import LayerAttentions, still_held
+from kvlab.kernels.attention.cached import LayerAttentions, still_held
 
 BLOCK = 16  # tokens per block: rounding costs at most BLOCK - 1 slots per (row, head)
 

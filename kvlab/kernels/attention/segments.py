@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvlab.kernels.int_codes import ChannelCodes, TokenCodes
+from kvlab.kernels.codes.int_codes import ChannelCodes, TokenCodes
 
 # the C kernels' format numbers (attention_job.h's FMT_*; fp: 0 or 1 by dtype)
 FORMATS = {"fp": 0, "token_codes": 2, "channel_codes": 3, "fp8": 4, "fp4": 5, "codebook": 6}

@@ -1,10 +1,10 @@
 """Decode attention — one query token per sequence over the segments a cache hands over
-(:mod:`kvlab.kernels.segments`) — computed by a backend chosen from the tensors' device:
+(:mod:`.segments`) — computed by a backend chosen from the tensors' device:
 
-- ``c``: on the CPU, the C kernel of ``decode_attention.c`` (:mod:`kvlab.kernels.attention_c`);
+- ``c``: on the CPU, the C kernel of ``decode_attention.c`` (:mod:`.backend_c`);
 - ``gpu``: on CUDA, FlexAttention for segments held in the model dtype
-  (:mod:`~kvlab.kernels.attention_flex`) and Triton for codes
-  (:mod:`~kvlab.kernels.attention_triton`), each segment in place, merged by log-sum-exp;
+  (:mod:`.backend_flex`) and Triton for codes
+  (:mod:`.backend_triton`), each segment in place, merged by log-sum-exp;
 - ``reference``: torch ops over a dequantized copy (:func:`reference_attention`), where
   nothing else serves — a correctness reference, not a fast path.
 
@@ -19,10 +19,10 @@ import contextlib
 
 import torch
 
-from kvlab.kernels.attention_c import c_attention, c_kernel_applies, kernel_available
-from kvlab.kernels.attention_flex import flex_applies, flex_partial
-from kvlab.kernels.attention_triton import triton_applies, triton_partial
-from kvlab.kernels.segments import (
+from kvlab.kernels.attention.backend_c import c_attention, c_kernel_applies, kernel_available
+from kvlab.kernels.attention.backend_flex import flex_applies, flex_partial
+from kvlab.kernels.attention.backend_triton import triton_applies, triton_partial
+from kvlab.kernels.attention.segments import (
     Segment,
     Stored,
     merge_segments,

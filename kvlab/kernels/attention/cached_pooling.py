@@ -73,9 +73,9 @@ class Pooling:
     the raw buffers' dtype) a step's ``closing`` windows are pooled into (None: a step that
     closes none); for a CSA layer, the indexer's choice of ``top_k`` of the entries' keys
     per (row, KV head), written into ``table`` (B * H_kv, top_k), which the last job reads
-    (``seen`` (B,) and ``base`` (B * H_kv,) as :func:`~kvlab.kernels.indexer.top_k_table`
+    (``seen`` (B,) and ``base`` (B * H_kv,) as :func:`~kvlab.kernels.attention.indexer.top_k_table`
     takes them); every job then runs per head
-    (:meth:`~kvlab.kernels.segments.Segment.per_head`). ``raw_at``, ``closing``, ``seen``,
+    (:meth:`~kvlab.kernels.attention.segments.Segment.per_head`). ``raw_at``, ``closing``, ``seen``,
     ``base`` and ``table`` are the step's (int64, contiguous), the rest the allocation's."""
 
     raw: tuple[torch.Tensor, torch.Tensor]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kvlab.kernels import w8a8
 from kvlab.kernels.build import INT, INT64, POINTER, kernel
-from kvlab.kernels.w8a8 import fake_quantized, kernel_serves  # as W8A8 takes them
+from kvlab.kernels.linear import w8a8
+from kvlab.kernels.linear.w8a8 import fake_quantized, kernel_serves  # as W8A8 takes them
 
 _ARGS = (POINTER, INT, INT64, POINTER, POINTER, INT, INT64, POINTER, INT, POINTER, INT, INT64,
          INT64, INT64)  # fmt: skip
@@ -27,7 +27,7 @@ def w4a8_reference(
     """x (M, K) @ W^T in x's dtype, W = (codes - 8) * scale + offset per group of
     ``group_size`` input channels (codes (N, K) in 0..15; scale, offset (K/G, N), as
     :func:`kvlab.quant.rtn.quantize_int4` gives them), with x quantized per group
-    (:func:`kvlab.kernels.w8a8.quantize_groups`): the codes' term on the quantized x, the
+    (:func:`kvlab.kernels.linear.w8a8.quantize_groups`): the codes' term on the quantized x, the
     offsets' term (offset - 8 * scale) on each group's sum of x itself. In fp32."""
     quantized, sums = w8a8.stepped(x, group_size)
     scaled = codes.float() * scale.float().repeat_interleave(group_size, dim=0).T  # (N, K)

@@ -18,7 +18,7 @@ import importlib.util
 
 import torch
 
-from kvlab.kernels.segments import TABLE_FORMATS, Segment, Stored, merge_partials
+from kvlab.kernels.attention.segments import TABLE_FORMATS, Segment, Stored, merge_partials
 
 CHUNK = 256  # slots per program
 BLOCK_N = 32  # keys scored at once
@@ -71,7 +71,7 @@ def _store_applies(st: Stored) -> bool:
 
 def triton_partial(s: Segment, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The segment's attention (B, H_kv, G, D) in fp32 and its log-sum-exp (B, H_kv, G)."""
-    from kvlab.kernels.triton_decode import decode_partials  # imports triton
+    from kvlab.kernels.attention.triton_kernel import decode_partials  # imports triton
 
     batch, heads, group, dim = s.q.shape
     chunks = -(-s.capacity // CHUNK)

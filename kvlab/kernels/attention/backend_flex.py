@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from kvlab.kernels.segments import Segment
+from kvlab.kernels.attention.segments import Segment
 
 MAX_FLEX_BLOCK = 128  # keys per mask block at most (flex's default block size)
 try:  # torch >= 2.9 asks for the log-sum-exp as an auxiliary output

@@ -1,4 +1,4 @@
-/* Activations quantized to int8 as torch quantizes them (kvlab.kernels.w8a8.quantize_rows):
+/* Activations quantized to int8 as torch quantizes them (kvlab.kernels.linear.w8a8.quantize_rows):
  * d = max|x| / 127 over a span, codes round(x / d) by IEEE division and rounding to nearest
  * even, 0 where d is 0. For gemv_w8a8.c (a span a row) and gemv_w4a8.c (a span a weight
  * group); only for sources built without fast-math (build.py's EXACT), which would turn the

@@ -1,4 +1,4 @@
-"""The Triton kernel behind :mod:`kvlab.kernels.attention_triton` (imported only where
+"""The Triton kernel behind :mod:`kvlab.kernels.attention.backend_triton` (imported only where
 Triton is installed). Formats are compile-time constants, so each (key format, value
 format) pair is its own specialised kernel. On CPU tensors it runs in Triton's interpreter,
 which ``TRITON_INTERPRET=1`` selects when Triton is first imported."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kvlab.kernels.segments import FORMATS, Segment, Stored
+from kvlab.kernels.attention.segments import FORMATS, Segment, Stored
 
 
 @triton.jit

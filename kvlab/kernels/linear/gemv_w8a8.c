@@ -4,7 +4,7 @@
  * activations in blocks of 32). Each span of x (a row, or a group) is quantized once,
  * d = max|x| / 127, xq = nearbyint(x / d) (ties to even, as torch.round). One scale a row:
  * y (M, N) = (float)(xq_m . q_n) * d_m * scale[n] (+ bias) in that order, the dot product
- * exact in int32, so the result is kvlab.kernels.w8a8's torch reference's bit for bit. A
+ * exact in int32, so the result is kvlab.kernels.linear.w8a8's torch reference's bit for bit. A
  * scale a group: y = (sum over groups of d_g * (xq_g . q_g)) * scale[n], each group's part
  * taken from the integer products of four channels at a time (exact), converted and scaled
  * in fp32: the reference's numbers up to fp32 summation order. The int8 products run on

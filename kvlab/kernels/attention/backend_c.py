@@ -9,8 +9,8 @@ import ctypes
 
 import torch
 
+from kvlab.kernels.attention.segments import FORMATS, TABLE_FORMATS, TABLES, Segment, Stored
 from kvlab.kernels.build import INT, POINTER, kernel, library
-from kvlab.kernels.segments import FORMATS, TABLE_FORMATS, TABLES, Segment, Stored
 
 CHUNK = 256  # tokens per partial result, at the least
 LONG_CHUNKS = (1024, 512)  # the longer chunks a long span may take, longest first

@@ -115,7 +115,7 @@ void kvlab_encode_token_codes(const void *x, int x_bf16, int64_t x_stride, int64
 }
 
 /* Per-channel codes over groups of `group` consecutive tokens (KIVI's keys,
- * kvlab.kernels.int_codes.ChannelCodes on the CPU): x: n_groups * group rows of D values
+ * kvlab.kernels.codes.int_codes.ChannelCodes on the CPU): x: n_groups * group rows of D values
  * with stride x_stride, a group's rows consecutive; words: a row's D * bits / 32 planar
  * words; scale, zero: (n_groups, D), a row of channels per group. The torch path's
  * arithmetic in fp32, so its codes bit for bit (~40 small torch ops per call before). */

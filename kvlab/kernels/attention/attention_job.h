@@ -12,7 +12,7 @@
 #define MAX_D 256
 #define EMPTY (-1e30f) /* max of no scores (the build is -ffast-math: no infinities) */
 
-/* The stored formats (kvlab.kernels.segments.FORMATS, checked equal by a test). */
+/* The stored formats (kvlab.kernels.attention.segments.FORMATS, checked equal by a test). */
 enum {
   FMT_F32 = 0, FMT_BF16 = 1, FMT_TOKEN_CODES = 2, FMT_CHANNEL_CODES = 3, FMT_FP8 = 4, FMT_FP4 = 5,
   FMT_CODEBOOK = 6

@@ -204,7 +204,7 @@ void kvlab_layer_out(const void *activation, const void *mid, int bf16, int64_t 
 }
 
 /* A cache's writes and attention for one layer, for the whole layer in one call
- * (kvlab.kernels.cached_attention.CachedAttention): the tensors (blocks, H_kv, slots, D) the
+ * (kvlab.kernels.attention.cached.CachedAttention): the tensors (blocks, H_kv, slots, D) the
  * step's keys and values are written to exactly, in the model dtype (a contiguous store's
  * blocks are its rows, a paged store's its pool, a KIVI store's its exact ring), strides
  * in elements (the same for both); the decode attention jobs over what the cache holds
@@ -253,7 +253,7 @@ typedef struct {
 
 #define MAX_JOBS 4
 /* What every layer of a store reads in a decode step, written once a step
- * (kvlab.kernels.cached_attention.LayerAttentions): its jobs' bounds, and the work buffer
+ * (kvlab.kernels.attention.cached.LayerAttentions): its jobs' bounds, and the work buffer
  * their partial results go to (the layers run in turn). */
 typedef struct {
   JobBounds jobs[MAX_JOBS];
@@ -271,7 +271,7 @@ typedef struct {
 } RaggedHeads;
 
 /* How a store holds the step's rows when they are codes (NULL: exactly, in the model
- * dtype; kvlab.kernels.cached_attention.Encoding): the codec's C encoder (codes.c) by its
+ * dtype; kvlab.kernels.attention.cached.Encoding): the codec's C encoder (codes.c) by its
  * format, with that encoder's parameters (fp8: mantissa, bias, largest; fp4: mx,
  * tensor_scale and the scale byte's 256 values in `table`; codebook: norm, largest and the
  * count - 1 midpoints in `table`), and the n_parts parts a row is written to, keys' at

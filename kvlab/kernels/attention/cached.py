@@ -12,7 +12,7 @@ import operator
 
 import torch
 
-from kvlab.kernels.attention_c import (
+from kvlab.kernels.attention.backend_c import (
     CHUNK,
     MAX_HEAD_DIM,
     JobStruct,
@@ -23,9 +23,9 @@ from kvlab.kernels.attention_c import (
     kernel_available,
     store_applies,
 )  # fmt: skip
+from kvlab.kernels.attention.cached_pooling import WRITTEN, Pooling, PoolingStructs
+from kvlab.kernels.attention.segments import FORMATS, Stored
 from kvlab.kernels.build import INT, INT64, POINTER, kernel
-from kvlab.kernels.cached_pooling import WRITTEN, Pooling, PoolingStructs
-from kvlab.kernels.segments import FORMATS, Stored
 
 DATA_PTR = torch.Tensor.data_ptr
 
@@ -350,8 +350,18 @@ class LayerAttentions:
                 return None
             step = self.step_address
             cached = CachedAttention(
-                written, reads, batch, group, step, pooling, key, ragged, merge, select,
-                encoding, rotation,
+                written,
+                reads,
+                batch,
+                group,
+                step,
+                pooling,
+                key,
+                ragged,
+                merge,
+                select,
+                encoding,
+                rotation,
             )
             self.layers += [None] * (layer + 1 - len(self.layers))
             self.layers[layer] = cached

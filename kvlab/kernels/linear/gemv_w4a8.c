@@ -8,7 +8,7 @@
  *   y[m][n] = sum_g  (float)(sum_{k in g} code[n][k] * xq[k]) * (scale[g][n] * d)
  *                   + (offset[g][n] - 8 * scale[g][n]) * sum_{k in g} x[k],
  * the integer dot exact in int32 and the offset term on the unquantized x, so the result is
- * kvlab.kernels.w4a8.w4a8_reference's up to fp32 summation order. The codes never become
+ * kvlab.kernels.linear.w4a8.w4a8_reference's up to fp32 summation order. The codes never become
  * floats: AVX512-VNNI's vpdpbusd multiplies 64 of them (unsigned nibbles) by 64 int8
  * activations a step (AVX2: vpmaddubsw and vpmaddwd; else scalar code). A chunk's 16 words,
  * one an output, hold its 8 channels at nibbles j = 0..7 (channel 2j for j < 4, else
@@ -217,7 +217,7 @@ void kvlab_gemv_w4a8(const void *x, int x_bf16, int64_t x_stride, const uint8_t 
 
 /* Prefill rows of x (M, K, rows x_stride apart) as W8A8 and W4A8 quantize them (a scale
  * every G channels), for one product over the dequantized weight
- * (kvlab.kernels.w4a8.w4a8_dequantized, w8a8.w8a8_dequantized): out (M, K) = each group's
+ * (kvlab.kernels.linear.w4a8.w4a8_dequantized, w8a8.w8a8_dequantized): out (M, K) = each group's
  * codes times its d, in fp32, stored as fp32 or rounded to bf16 (out_bf16), and correction
  * (M, K/G) = the group's sum of x less the sum of those fp32 values. One pass over x where
  * torch's ops take a dozen; rows split across threads. */
