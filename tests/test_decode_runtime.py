@@ -67,7 +67,7 @@ def stored_case(name: str, seq: int = 300):
 
 
 CASES = ["fp32", "bf16", *(f"codes{b}" for b in BITS), "fp8", "fp8-bf16", "fp4", "codebook1",
-         "codebook3"]  # fmt: skip
+         "codebook2", "codebook3"]  # fmt: skip
 
 
 @needs_kernel

@@ -156,12 +156,30 @@ static int codes_in_eights(const Store *s, int D) {
  * codes): rows[i] points at slot + i as D floats, either into fp32 storage or into `tile`;
  * with `raw`, bf16 rows stay where they are (rows[i] then points at D bf16 values, read
  * only by the row walks' BF16 variants, see bf16_in_place). */
-/* A codebook row's codes d..d + 15 (bits each, LSB first: code d at bit d * bits of the
- * row), as 16 int32: the 2 * bits bytes that hold them, shifted apart. */
-#if defined(__AVX512F__)
-static inline __m512i codebook_16(const uint8_t *c, int d, int bits) {
+/* The little-endian word of a codebook row's codes from d (bits each, LSB first: code d at
+ * bit d * bits; d * bits a multiple of 8), its higher bits those of the codes after them
+ * (the callers mask each code): 8 bytes read in one load from within the row's
+ * `row_bytes`, shifted where they end at the row's end. A copy of fewer bytes into a
+ * zeroed word costs a store-to-load forwarding stall every 16 channels (3-bit rows decoded
+ * at half the 4-bit speed that way). */
+static inline uint64_t codebook_word(const uint8_t *c, int d, int bits, int row_bytes) {
+  const int at = d * bits / 8;
   uint64_t word = 0;
-  memcpy(&word, c + d * bits / 8, (size_t)(2 * bits)); /* 16 codes: 2 * bits bytes */
+  if (at + 8 <= row_bytes) {
+    memcpy(&word, c + at, 8);
+  } else if (row_bytes >= 8) {
+    memcpy(&word, c + row_bytes - 8, 8);
+    word >>= 8 * (at + 8 - row_bytes);
+  } else {
+    memcpy(&word, c + at, (size_t)(row_bytes - at));
+  }
+  return word;
+}
+
+#if defined(__AVX512F__)
+/* Sixteen codes of `word` as int32 lanes: 16 * bits <= 64 bits, so a code may straddle a
+ * 32-bit boundary; each lane shifts the whole word. */
+static inline __m512i codebook_16(uint64_t word, int bits) {
   const __m512i first = _mm512_setr_epi64(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits,
                                            6 * bits, 7 * bits);
   const __m512i lanes = _mm512_set1_epi64((long long)word);
@@ -171,20 +189,38 @@ static inline __m512i codebook_16(const uint8_t *c, int d, int bits) {
   const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
   return _mm512_and_si512(codes, _mm512_set1_epi32((1 << bits) - 1));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Eight codes of `word` (8 * bits <= 32 bits) looked up in a table of up to 16 values held
+ * as its halves `lo` (entries 0-7) and `hi` (8-15): a permute of each, picked by bit 3. */
+static inline __m256 codebook_8(uint32_t word, int bits, __m256 lo, __m256 hi) {
+  const __m256i shifts = _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits,
+                                           6 * bits, 7 * bits);
+  const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)word), shifts),
+                                         _mm256_set1_epi32((1 << bits) - 1));
+  const __m256 high = _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28));
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, codes),
+                          _mm256_permutevar8x32_ps(hi, codes), high);
+}
 #endif
 
 /* FMT_CODEBOOK: `bits` (1 to 4) a channel, LSB first along the row (code d at bit d * bits;
  * 4 bits: fp4's nibbles), indexing the table of 2^bits values in `zero`, times the scale of
- * its token and group of channels (`scale`, fp32 or bf16). */
-static void codebook_rows(const Store *s, int64_t block, int h, int64_t slot, int count,
-                          int D, float *restrict tile) {
+ * its token and group of channels (`scale`, fp32 or bf16): the table is scaled once a group
+ * and looked up by a permute, 16 channels a step (8 with AVX2); `bits` a constant. */
+static inline __attribute__((always_inline)) void codebook_rows_of(
+    const Store *s, int64_t block, int h, int64_t slot, int count, int D, float *restrict tile,
+    const int bits) {
   const float *table = (const float *)s->zero;
-  const int bits = s->bits, groups = D / s->group, mask = (1 << bits) - 1;
+  const int groups = D / s->group, mask = (1 << bits) - 1;
   const int64_t at = block * s->s_block + h * s->s_head + slot * s->s_slot;
-#if defined(__AVX512F__)
   float padded[16] = {0};
   memcpy(padded, table, sizeof(float) * (size_t)(1 << bits));
+#if defined(__AVX512F__)
   const __m512 values = _mm512_loadu_ps(padded);
+  const int row_bytes = D * bits / 8;
+#elif defined(__AVX2__) && defined(__FMA__)
+  const int row_bytes = D * bits / 8;
+  const __m256 values_lo = _mm256_loadu_ps(padded), values_hi = _mm256_loadu_ps(padded + 8);
 #endif
   for (int i = 0; i < count; i++) {
     const uint8_t *c = (const uint8_t *)s->data + at + i * s->s_slot;
@@ -192,20 +228,38 @@ static void codebook_rows(const Store *s, int64_t block, int h, int64_t slot, in
     float *out = tile + i * D;
     for (int g = 0; g < groups; g++) {
       const float a = value_at(s->scale, s->scale_bf16, z_at + g);
+      const int end = (g + 1) * s->group;
       int d = g * s->group;
 #if defined(__AVX512F__)
-      for (; d % 16 == 0 && d + 16 <= (g + 1) * s->group; d += 16)
-        _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_permutexvar_ps(codebook_16(c, d, bits),
-                                                                       values),
-                                                _mm512_set1_ps(a)));
+      const __m512 scaled = _mm512_mul_ps(values, _mm512_set1_ps(a));
+      for (; d % 8 == 0 && d + 16 <= end; d += 16) {
+        const __m512i codes = codebook_16(codebook_word(c, d, bits, row_bytes), bits);
+        _mm512_storeu_ps(out + d, _mm512_permutexvar_ps(codes, scaled));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      const __m256 lo = _mm256_mul_ps(values_lo, _mm256_set1_ps(a));
+      const __m256 hi = _mm256_mul_ps(values_hi, _mm256_set1_ps(a));
+      for (; d % 8 == 0 && d + 8 <= end; d += 8)
+        _mm256_storeu_ps(out + d,
+                         codebook_8((uint32_t)codebook_word(c, d, bits, row_bytes), bits, lo, hi));
 #endif
-      for (; d < (g + 1) * s->group; d++) {
+      for (; d < end; d++) {
         const int bit = d * bits, first = bit >> 3, shift = bit & 7;
         int word = c[first];
         if (shift + bits > 8) word |= c[first + 1] << 8;
         out[d] = table[(word >> shift) & mask] * a;
       }
     }
+  }
+}
+
+static void codebook_rows(const Store *s, int64_t block, int h, int64_t slot, int count, int D,
+                          float *restrict tile) {
+  switch (s->bits) { /* each width its own loop, its shifts and masks constants */
+    case 1: codebook_rows_of(s, block, h, slot, count, D, tile, 1); break;
+    case 2: codebook_rows_of(s, block, h, slot, count, D, tile, 2); break;
+    case 3: codebook_rows_of(s, block, h, slot, count, D, tile, 3); break;
+    default: codebook_rows_of(s, block, h, slot, count, D, tile, 4); break;
   }
 }
 
