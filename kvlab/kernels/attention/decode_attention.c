@@ -159,9 +159,8 @@ static int codes_in_eights(const Store *s, int D) {
 /* The little-endian word of a codebook row's codes from d (bits each, LSB first: code d at
  * bit d * bits; d * bits a multiple of 8), its higher bits those of the codes after them
  * (the callers mask each code): 8 bytes read in one load from within the row's
- * `row_bytes`, shifted where they end at the row's end. A copy of fewer bytes into a
- * zeroed word costs a store-to-load forwarding stall every 16 channels (3-bit rows decoded
- * at half the 4-bit speed that way). */
+ * `row_bytes`, shifted where they end at the row's end: a copy of fewer bytes into a
+ * zeroed word would stall store-to-load forwarding every 16 channels. */
 static inline uint64_t codebook_word(const uint8_t *c, int d, int bits, int row_bytes) {
   const int at = d * bits / 8;
   uint64_t word = 0;
