@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-_CHOSEN: dict[str, object] = {}
+_applied: tuple[int, str] | None = None  # what apply_threads last set, as torch holds it
 
 
 def allotted_threads(explicit: int = 0) -> tuple[int, str]:
@@ -32,12 +32,13 @@ def apply_threads(explicit: int = 0) -> tuple[int, str]:
     """Set torch's thread count from :func:`allotted_threads`; remembered for the record."""
     import torch
 
+    global _applied
     count, source = allotted_threads(explicit)
     torch.set_num_threads(count)
-    _CHOSEN.update(threads=count, source=source)
-    return count, source
+    _applied = count, source
+    return _applied
 
 
 def threads_source() -> str:
     """Where this process's thread count came from ("torch default" if never applied)."""
-    return str(_CHOSEN.get("source", "torch default"))
+    return _applied[1] if _applied else "torch default"
