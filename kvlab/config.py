@@ -365,20 +365,33 @@ def registered_names(registry: str) -> str:
     return ",".join(sorted(names[registry]()))
 
 
+#: option dicts any key may be set in (a preset's yaml lists only the options it changes):
+#: an unknown key then fails the options check, which names the field, the value and what
+#: is allowed, instead of Hydra's "not in struct"
+OPEN_OPTIONS = ("cache.options", "quant.options", "spec.cache_options", "spec.quant_options")
+
+
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore (conf/config.yaml extends ``run_schema``), a
-    ``cache`` group entry for every registered strategy that has no yaml of its own in
-    ``conf/cache/`` (so ``cache=<name>`` composes with its defaults: a strategy is one file),
+    """Put the schemas in Hydra's ConfigStore (conf/config.yaml extends ``run_schema``, its
+    option dicts open to any key: :data:`OPEN_OPTIONS`), a
+    ``cache`` / ``quant`` group entry for every registered strategy / quantizer that has no
+    yaml of its own in ``conf/cache/`` / ``conf/quant/`` (so ``cache=<name>`` composes with
+    its defaults: a method is one file),
     and the ``registered`` resolver, which a config reads registries with."""
     from omegaconf import OmegaConf
 
     from kvlab.cache import registered
+    from kvlab.quant import registered_quantizers
 
+    schema = OmegaConf.structured(RunConfig)
+    for path in OPEN_OPTIONS:
+        OmegaConf.set_struct(OmegaConf.select(schema, path), False)
     store = ConfigStore.instance()
-    store.store(name="run_schema", node=RunConfig)
-    with_yaml = {path.stem for path in (Path(CONF_DIR) / "cache").glob("*.yaml")}
-    for name in sorted(set(registered()) - with_yaml):
-        store.store(group="cache", name=name, node={"name": name, "options": {}})
+    store.store(name="run_schema", node=schema)
+    for group, names in (("cache", registered()), ("quant", registered_quantizers())):
+        with_yaml = {path.stem for path in (Path(CONF_DIR) / group).glob("*.yaml")}
+        for name in sorted(set(names) - with_yaml):
+            store.store(group=group, name=name, node={"name": name, "options": {}})
     if not OmegaConf.has_resolver("registered"):
         OmegaConf.register_new_resolver("registered", registered_names)
 

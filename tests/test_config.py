@@ -143,6 +143,16 @@ def test_composed_overrides_reach_the_run():
     assert (run.cache.name, run.workload.prompt_len, run.threads) == ("nocache", 256, 1)
 
 
+def test_any_option_of_a_preset_is_settable_without_a_plus():
+    """A preset's yaml lists only what it changes; the strategy's other options (a format
+    on the ring store, an option beside a swept preset) still set by name."""
+    run = composed("cache=sliding", "cache.options.kv_bits=8", "cache.options.kv_format=e4m3")
+    assert (run.cache.options["kv_bits"], run.cache.options["kv_format"]) == (8, "e4m3")
+    assert composed("cache=int4", "cache.options.rotate=hadamard").cache.options["rotate"] == (
+        "hadamard"
+    )
+
+
 def composed(*overrides: str) -> RunConfig:
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=list(overrides)))
@@ -153,6 +163,8 @@ def composed(*overrides: str) -> RunConfig:
     [
         (["+cache.options.nonexistent=1"], r"cache.options.nonexistent=1 is not an option; "
                                            r"allowed: .*block_size|cache.options.nonexistent"),
+        (["cache=paged", "cache.options.nonexistent=1"], r"cache.options.nonexistent=1 is not "
+                                                         r"an option; allowed: .*block_size"),
         (["quant=rtn", "+quant.options.nonexistent=1"], r"quant.options.nonexistent=1 is not"),
         (["eval=ppl", "+eval.ppl.nonexistent=1"], r"eval.ppl.nonexistent=1 is not an option"),
         (["cache=int4", "cache.options.bits=8"], r"cache.options.bits=8 contradicts cache=int4"),

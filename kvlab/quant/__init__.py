@@ -1,6 +1,6 @@
-"""Weight quantizers: one file each, registered by name (see ``base.py``)."""
+"""Weight quantizers: one file each, registered by name (see ``base.py``); every module of
+this folder is imported, so a new quantizer is its file alone."""
 
-from kvlab.quant import awq, bnb, gptq, rtn  # noqa: F401  (registers the quantizers)
 from kvlab.quant.base import (
     QuantOptions,
     held_tensors,
@@ -9,6 +9,9 @@ from kvlab.quant.base import (
     register_quantizer,
     registered_quantizers,
 )
+from kvlab.registry import import_folder
+
+import_folder(__name__)  # every quantizer file registers itself
 
 __all__ = [
     "QuantOptions",
