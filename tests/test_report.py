@@ -3,6 +3,7 @@ included; the sweep as one pandas table."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -11,12 +12,14 @@ from kvlab.tracking import write_record
 
 
 def fake_sweep(root):
+    """full, int4 and nocache at two prompt lengths (int4 at 0.3x full's bytes), one failed
+    point; nocache holds no KV and decodes far slower than the rest."""
     job = 0
-    for cache, kv in (("full", 1000), ("int4", 300)):
+    for cache, kv, itl in (("full", 1000, 30.0), ("int4", 300, 28.0), ("nocache", 0, 900.0)):
         for prompt_len in (256, 1024):
             metrics = {
                 "ttft_ms": prompt_len / 10,
-                "itl_ms_p50": 30.0 + prompt_len / 100,
+                "itl_ms_p50": itl + prompt_len / 100,
                 "kv_bytes": kv * prompt_len,
                 "wikitext2/ppl": 20.0 + (cache == "int4"),
             }
@@ -32,28 +35,67 @@ def fake_sweep(root):
     )
 
 
+def figure(path):
+    """A report PNG opened: its pixel size and the panels it says it draws."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.size, json.loads(image.text["kvlab"])
+
+
 def test_report_renders_tables_plots_and_failures(tmp_path):
     fake_sweep(tmp_path)
     report = write_report(tmp_path).read_text()
-    assert "5 points: 4 ok, 1 failed." in report
+    assert "7 points: 6 ok, 1 failed." in report
     assert "ValueError: boom" in report
+    assert "| int4 (KIVI int4: keys per channel" in report  # the long description, in the table
+    assert "| 300 KiB |" in report  # int4's KV bytes at 1024 tokens, in binary units
     for plot in (
-        "itl_vs_context.png",
-        "ttft_vs_prompt.png",
-        "kv_bytes.png",
+        "accuracy_vs_compression.png",
+        "latency_vs_context.png",
+        "kv_memory.png",
         "pareto_memory_accuracy.png",
     ):
-        assert (tmp_path / plot).stat().st_size > 1000
         assert f"]({plot})" in report
+        (width, height), _ = figure(tmp_path / plot)
+        assert width >= 500 and height >= 300
+
+
+def test_report_plots_show_each_strategy_once_with_short_labels_and_units(tmp_path):
+    fake_sweep(tmp_path)
+    write_report(tmp_path)
+    _, [accuracy] = figure(tmp_path / "accuracy_vs_compression.png")
+    assert accuracy["xlabel"] == "KV compression ratio vs full (prompt 1024)"
+    assert accuracy["series"] == ["full", "int4"]  # nocache holds nothing to compress
+    _, [itl, ttft] = figure(tmp_path / "latency_vs_context.png")
+    assert (itl["ylabel"], ttft["ylabel"]) == ("ITL p50 (ms)", "TTFT (ms)")
+    assert itl["series"] == ttft["series"] == ["full", "int4", "nocache"]
+    assert itl["outliers"] == ["nocache"] and ttft["outliers"] == []
+    _, [memory] = figure(tmp_path / "kv_memory.png")
+    assert memory["ylabel"] == "KV cache (KiB)"
+    _, pareto = figure(tmp_path / "pareto_memory_accuracy.png")
+    assert [p["title"] for p in pareto] == [
+        "Pareto front at prompt 256",
+        "Pareto front at prompt 1024",
+    ]
+    assert all(p["front"] == ["int4", "full"] and p["xlabel"] == "KV cache (KiB)" for p in pareto)
+
+
+def test_pareto_front_keeps_what_no_point_beats():
+    from kvlab.analysis.plots import pareto_front
+
+    points = [(1, 25.0, "a"), (2, 21.0, "b"), (3, 22.0, "c"), (4, 20.0, "d"), (4, 20.5, "e")]
+    assert [s for _, _, s in pareto_front(points, higher=False)] == ["a", "b", "d"]
+    assert [s for _, _, s in pareto_front(points, higher=True)] == ["a"]
 
 
 def test_results_frame_has_a_row_per_point(tmp_path):
     fake_sweep(tmp_path)
     frame = results_frame(tmp_path)
-    assert len(frame) == 5
+    assert len(frame) == 7
     ok = frame[frame["status"] == "ok"]
     kv_bytes = ok.groupby("cache.name")["kv_bytes"].max().to_dict()
-    assert kv_bytes == {"full": 1024000, "int4": 307200}
+    assert kv_bytes == {"full": 1024000, "int4": 307200, "nocache": 0}
     assert frame.loc[frame["status"] == "failed", "error"].tolist() == ["ValueError: boom"]
 
 

@@ -5,75 +5,37 @@ that prints a sweep's comparison table and writes its report when the sweep ends
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from kvlab.analysis.plots import Point, byte_unit, draw_all
 from kvlab.tracking import format_float, format_table, load_results, table_columns
 
-PLOTS = (
-    # (file, title, x column, y column, x label, y label)
-    (
-        "itl_vs_context.png",
-        "Decode: ITL vs prompt length",
-        "workload.prompt_len",
-        "itl_ms_p50",
-        "prompt length (tokens)",
-        "ITL p50 (ms)",
-    ),
-    (
-        "ttft_vs_prompt.png",
-        "Prefill: TTFT vs prompt length",
-        "workload.prompt_len",
-        "ttft_ms",
-        "prompt length (tokens)",
-        "TTFT (ms)",
-    ),
-    (
-        "kv_bytes.png",
-        "KV bytes vs prompt length",
-        "workload.prompt_len",
-        "kv_bytes",
-        "prompt length (tokens)",
-        "KV bytes",
-    ),
-    (
-        "pareto_memory_accuracy.png",
-        "Memory vs accuracy",
-        "kv_bytes",
-        "wikitext2/ppl",
-        "KV bytes",
-        "WikiText-2 perplexity",
-    ),
-    (
-        "pareto_total_memory_accuracy.png",
-        "Weights + KV vs accuracy",
-        "total_bytes",
-        "wikitext2/ppl",
-        "weight + KV bytes",
-        "WikiText-2 perplexity",
-    ),
+NO_KV_NOTE = (
+    "Strategies that hold no KV (`nocache`) are left out of the memory plots: their cost is "
+    "decode time, in the latency plot."
 )
 
 
-def series_label(row: dict[str, Any]) -> str:
+def series_label(row: dict[str, Any], storage: bool = True) -> str:
     """A point's series: its cache strategy and quantizer, each with the options it sets
-    away from their defaults (``int4[group_size=64] + rtn[bits=8]``)."""
+    away from their defaults (``int4[group_size=64] + rtn[bits=8]``), and with ``storage``
+    how the strategy stores K/V (the table's long form; legends take the short one)."""
     from kvlab.cache import registered
     from kvlab.quant import registered_quantizers
 
-    label = _with_options(row, "cache", registered())
+    label = _with_options(row, "cache", registered(), storage)
     quant = row.get("quant.name") or "none"
     return (
         label
         if quant == "none"
-        else f"{label} + {_with_options(row, 'quant', registered_quantizers())}"
+        else f"{label} + {_with_options(row, 'quant', registered_quantizers(), False)}"
     )
 
 
-def _with_options(row: dict[str, Any], group: str, known: dict[str, Any]) -> str:
+def _with_options(row: dict[str, Any], group: str, known: dict[str, Any], storage: bool) -> str:
     name, prefix = row.get(f"{group}.name"), f"{group}.options."
     options = {k.removeprefix(prefix): v for k, v in row.items() if k.startswith(prefix)}
     entry = known.get(name)
@@ -81,7 +43,7 @@ def _with_options(row: dict[str, Any], group: str, known: dict[str, Any]) -> str
     defaults = _field_defaults(options_type) if options_type else {}
     changed = {k: v for k, v in sorted(options.items()) if defaults.get(k, object()) != v}
     label = f"{name}" + (f"[{','.join(f'{k}={v}' for k, v in changed.items())}]" if changed else "")
-    return label + _storage(entry, options)
+    return label + (_storage(entry, options) if storage else "")
 
 
 def _storage(entry: Any, options: dict[str, Any]) -> str:
@@ -124,51 +86,31 @@ def _field_defaults(options_type: type) -> dict[str, Any]:
     return out
 
 
-def plot(rows: list[dict[str, Any]], spec: tuple, out_dir: Path) -> Path | None:
-    """One line (or scatter) per series; None when no row has both columns."""
-    name, title, x, y, xlabel, ylabel = spec
-    points = defaultdict(list)
-    for row in rows:
-        if row.get("status") == "ok" and row.get(x) is not None and row.get(y) is not None:
-            points[series_label(row)].append((row[x], row[y]))
-    if not points:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    scatter = x == "kv_bytes"  # a Pareto view: points, not curves
-    colors, markers = plt.get_cmap("tab10").colors, "os^Dv"  # 50 distinct series
-    for i, (label, xy) in enumerate(sorted(points.items())):
-        xs, ys = zip(*sorted(xy), strict=True)
-        style = dict(color=colors[i % 10], marker=markers[i // 10 % len(markers)])
-        ax.plot(xs, ys, linestyle="none" if scatter else "-", label=label, **style)
-    values = [v for xy in points.values() for _, v in xy if v > 0]
-    if values and max(values) / min(values) > 20:
-        ax.set_yscale("log")  # e.g. no-cache ITL next to cached ITL
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    path = out_dir / name
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
-
-
 def markdown_table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> str:
+    """The table, byte columns in MiB/GiB, each point's strategy described in full."""
     shown = [c for c in columns if any(r.get(c) is not None for r in rows)]
-    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    lines = ["| strategy | " + " | ".join(shown) + " |", "|" + "---|" * (len(shown) + 1)]
     for row in rows:
-        cells = [_cell(row.get(c)) for c in shown]
+        cells = [_describe(row)] + [_cell(c, row.get(c)) for c in shown]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _cell(value: Any) -> str:
+def _strategy(row: dict[str, Any]) -> str:
+    quant = row.get("quant.name") or "none"
+    return row.get("cache.name", "?") + ("" if quant == "none" else f" + {quant}")
+
+
+def _describe(row: dict[str, Any]) -> str:
+    return series_label(row) if row.get("cache.name") else "-"
+
+
+def _cell(column: str, value: Any) -> str:
     if value is None:
         return "-"
+    if column.endswith("_bytes") and isinstance(value, int | float) and value >= 1024:
+        size, unit = byte_unit(value)
+        return f"{value / size:.3g} {unit}"
     return format_float(value) if isinstance(value, float) else str(value)
 
 
@@ -178,9 +120,6 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Pa
     out = Path(out_dir) if out_dir else sweep_dir
     out.mkdir(parents=True, exist_ok=True)
     rows = load_results(sweep_dir)
-    for row in rows:  # the memory a point needs: its weights and its peak KV
-        if row.get("weight_bytes") is not None and row.get("kv_bytes") is not None:
-            row["total_bytes"] = row["weight_bytes"] + row["kv_bytes"]
     ok = [r for r in rows if r.get("status") == "ok"]
     failed = [r for r in rows if r.get("status") != "ok"]
     parts = [
@@ -191,10 +130,11 @@ def write_report(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Pa
         markdown_table(rows, table_columns(rows)),
         "",
     ]
-    for spec in PLOTS:
-        path = plot(ok, spec, out)
-        if path is not None:
-            parts += [f"## {spec[1]}", "", f"![{spec[1]}]({path.name})", ""]
+    points = [Point(series_label(r, storage=False), _strategy(r), r) for r in ok]
+    for title, path in draw_all(points, out):
+        parts += [f"## {title}", "", f"![{title}]({path.name})", ""]
+    if any(r.get("kv_bytes") == 0 for r in ok):
+        parts += [NO_KV_NOTE, ""]
     if failed:
         parts += ["## Failed points", ""]
         parts += [f"- `{Path(r['path']).name}`: {r.get('error')}" for r in failed]
