@@ -74,8 +74,7 @@ def measure_peaks(
 def _read_target(nbytes: int, device: torch.device) -> torch.Tensor:
     """fp32 ones of ``nbytes`` for the bandwidth read: on the CPU on huge pages where the OS
     gives them, as kvlab's weights are (:mod:`kvlab.kernels.huge_pages`; from 4 KiB pages a
-    streaming read was 0.67-0.80x as fast, Zen4), so the roof is what the weights' pages
-    allow."""
+    streaming read is slower), so the roof is what the weights' pages allow."""
     from kvlab.kernels import huge_pages
 
     return huge_pages.zeros([((nbytes // 4,), torch.float32)], device)[0].fill_(1.0)
@@ -193,8 +192,8 @@ def decode_roof(model: torch.nn.Module, refresh: bool = False) -> DecodeRoof:
     """Bytes a decode step reads from the model's own tensors: all it holds, except that
     only one row of the embedding table is read (unless a plain tied head reads it all).
     ``refresh``: measure the bandwidth now rather than take the cached one (benchmarks do:
-    a shared machine's read bandwidth moves; one Zen4 VM read 44 to 75 GB/s within
-    minutes, and a cached 40 GB/s from hours before made decode look nearer its roof)."""
+    a shared machine's read bandwidth moves within minutes, and a cached reading from hours
+    before would put decode nearer or farther from its roof than it is)."""
     from kvlab.engine.metrics import weight_bytes
 
     embedding = model.embed_tokens.weight

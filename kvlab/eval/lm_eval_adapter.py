@@ -163,8 +163,8 @@ def batch_limits(batch_size: int | str, max_batch_size: int = AUTO_ROWS) -> tupl
     """(rows, padded tokens; 0: no limit) per forward step. ``auto`` (``auto:N``, as lm-eval
     spells it): up to ``max_batch_size`` rows and ``AUTO_TOKENS`` padded tokens, which
     bounds the logits a step holds (the ``hf`` backend probes the largest batch that fits
-    its memory instead). 32 rows: HellaSwag on a 2-core Xeon scored 40.8 log-likelihoods/s
-    at 32, 37.6 at 64, 31.4 at 8 (experiments/accuracy/README.md)."""
+    its memory instead). 32 rows by default: more rows pad more and fewer leave the
+    products narrow (experiments/accuracy/README.md measures the choice)."""
     text = str(batch_size)
     if text.startswith("auto"):
         return int(max_batch_size), AUTO_TOKENS

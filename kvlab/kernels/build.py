@@ -2,7 +2,7 @@
 
 The sources (every ``*.c`` under this folder, with the ``*.h`` they include; each header's
 folder is on the include path) are compiled with the system C compiler for this CPU
-(``-march=native``: AVX2 on the AMD EPYCs here, AVX-512 on the Xeons) into one library
+(``-march=native``: whatever vector extensions it has) into one library
 under ``$KVLAB_CACHE/kernels``, keyed by the sources, the flags and the CPU (model,
 features), so a cache shared between machines never loads code built for another CPU.
 OpenMP comes from the libgomp torch has already loaded. Without a compiler the kernels are
@@ -123,7 +123,7 @@ POINTER, INT, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctyp
 def kernel(name: str, *argtypes) -> ctypes._CFuncPtr:
     """The library's function ``name`` with its argument types declared once: a call then
     passes Python ints and floats straight through, without building a ctypes object per
-    argument (a decode step makes ~200 kernel calls; that costs ~3 us each)."""
+    argument (a decode step makes hundreds of kernel calls)."""
     function = getattr(library(), name)
     function.argtypes, function.restype = list(argtypes), None
     return function

@@ -3,12 +3,10 @@ huge pages, asked for per mapping with ``madvise(MADV_HUGEPAGE)``).
 
 Decode reads every weight once a step, so its speed is a streaming read's; through 4 KiB
 pages that read pays a TLB miss every 4 KiB and its hardware prefetch stops at every page
-boundary. A streaming sum over 512 MiB on both threads read 41-43 GB/s from 4 KiB pages
-and 60-64 GB/s from 2 MiB ones; kvlab's one-row kernels over a step's 120 matrices took
-0.75-0.80x (fp32), 0.79x (bf16), 0.84-0.91x (int4) the time (Zen4,
-``experiments/engine_vs_llamacpp/harness/gemv_stack.c``). torch's allocator leaves a
+boundary (``experiments/engine_vs_llamacpp/harness/page_read.c`` and ``gemv_stack.c``
+measure both kinds of page). torch's allocator leaves a
 tensor on whatever pages malloc's mapping gets: on 4 KiB ones wherever THP is
-``madvise`` (the default of many distributions, and these machines'). So a loaded model's
+``madvise`` (the default of many distributions). So a loaded model's
 parameters and buffers move into one private mapping advised before its first touch
 (:func:`move_to_huge_pages`). Where the OS gives no huge pages the mapping is plain
 memory and nothing else changes; :func:`huge_bytes` says what it got (from

@@ -1,24 +1,19 @@
-"""A decoder layer's one-token decode step through ``decode_layer.c``: norm, QKV product and
-RoPE in one C call, attention through the cache strategy as ever, then output product,
-residual, norm and gate/up product in a second call, the SwiGLU activation in torch, down
-product and residual in a third. The op-by-op layer pays ~40 torch ops and wrapper calls
-a layer (~100 us of Python and dispatch on these CPUs: ~3 ms a step of a 30-layer model);
-the values are the same (the C code rounds as those ops round, see the C file).
+"""A decoder layer's one-token decode step through ``decode_layer.c``: norm, QKV product,
+q/k norms where the family has them, RoPE, then the cache's write and attention, output
+product, residual, norm, gate/up product, SwiGLU, down product and residual, in place of
+the op-by-op layer's forty-odd torch ops and wrapper calls a layer; the values are the same
+(the C code rounds as those ops round, see the C file).
 
-Where the cache writes the step's keys and values exactly and attends in place (keep_all
-over the contiguous, paged or KIVI store: ``full``, ``paged``, ``int8``/``int4``/``int2``;
-the window over its ring: ``sliding``; DeepSeek-V4's pooling layers on steps that pool no
-window, their raw buffers and CSA's top-k included: ``compressed``) it hands its writes
-and attention over as C (``KVCache.decode_attentions``), and the first two calls become
-one, the cache's writes and the attention kernel inside it: ~60 us of Python a layer (the
-store's indexed writes, segments, backend checks, job structs; ~150 us for a pooling
-layer) down to the two calls and the activation. Where torch's silu of the layer's shape
-runs serial and in whole vectors, a layer makes one call in all, its activation in C too:
-bf16 looked up in torch's own silu of every bf16 value (:func:`silu_table`; 0.93x the int4
-step of the two calls and torch's activation between, SmolLM2-135M, Zen4), fp32 through
-the vector exp torch's silu calls, taken from libtorch where a probe finds it gives
-torch's bits (:func:`fp32_activation`). A step whose layers all make one call runs them
-all in one call (:class:`FusedStep`): the cache hands every layer's attention over first.
+The cache hands each layer's write and attention over as data (``KVCache.decode_attentions``:
+the policy's planned reads over its store, and its stage where it computes between the
+projection and the attention), so every policy that plans its decode steps decodes here,
+the built-ins and a researcher's alike. The SwiGLU activation runs in C where torch's silu
+of the layer's shape runs serial and in whole vectors: bf16 looked up in torch's own silu
+of every bf16 value (:func:`silu_table`), fp32 through the vector exp torch's silu calls,
+taken from libtorch where a probe finds it gives torch's bits (:func:`fp32_activation`);
+else the activation runs in torch between two calls. A step whose layers all make one call
+runs them all in one call (:class:`FusedStep`): the cache hands every layer's attention
+over first.
 
 It serves layers whose four linears run a kvlab matrix-vector kernel at this row count
 (:class:`~kvlab.kernels.linear.DecodeLinear`, fp32 or bf16; ``Int8Linear`` and

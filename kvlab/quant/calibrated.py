@@ -4,7 +4,7 @@ the cache of the checkpoints they write, and the spawned process that runs GPTQM
 GPTQModel quantizes the model's own checkpoint on calibration windows and writes a
 checkpoint (:mod:`kvlab.quant.int4_checkpoint` reads it back into kvlab's layers). It runs
 in a separate process: GPTQModel leaves worker threads and global settings behind that
-slowed every later measurement of the sweep's process (ITL 18.9 ms -> 33.6 ms). Needs the
+slow every later measurement of the sweep's process. Needs the
 ``gptq`` extra for quantizing only: ``pip install 'kvlab[gptq]'``.
 """
 

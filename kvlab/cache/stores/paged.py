@@ -90,8 +90,8 @@ class PagedStore(Store):
         keys, values, extras = allocate_layers(s, [layout, layout, extras])
         self.extras = [[part.transpose(0, 1) for part in layer] for layer in extras]
         # head-major storage, seen block-major: a head's consecutive blocks are adjacent in
-        # memory, so decode streams them like a contiguous cache (block-major storage read
-        # 4 KiB runs a page apart, 1.3x slower on the AMD EPYC here)
+        # memory, so decode streams them like a contiguous cache (block-major storage would
+        # read short runs a page apart, which the hardware prefetchers do not follow)
         self.keys = [[part.transpose(0, 1) for part in layer] for layer in keys]
         self.values = [[part.transpose(0, 1) for part in layer] for layer in values]
         self.attentions = LayerAttentions()

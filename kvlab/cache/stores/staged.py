@@ -190,8 +190,8 @@ class StagedStore(ContiguousStore):
 
     def _encode_closed_in_c(self, where: StagedWrite) -> bool:
         """A decode step's closed groups, every layer's, encoded from the rings in one C
-        call (the same codes as :meth:`_encode_closed`: ~10 torch ops and two encodes a
-        layer, 0.14 ms a step amortized at int4, before); False where it does not apply
+        call (the same codes as :meth:`_encode_closed`, without its torch ops and two
+        encodes a layer); False where it does not apply
         (codecs other than KIVI's pair; a device or layout the call does not read, which
         :func:`encode_ring_groups` checks)."""
         keys, values = self.key_codec, self.value_codec
@@ -246,8 +246,8 @@ class StagedStore(ContiguousStore):
     def context(self, where: StagedWrite, layer, k, v, slots: int):
         """[codes | ring | new] keys and values of a multi-token step (:meth:`held`'s
         columns); a fresh step's are its own exact k, v, so it attends as plain causal
-        attention does (SDPA's causal path, ~0.6x the time of its masked path over the
-        ring's columns too: a first prefill of 1024 tokens, Zen4)."""
+        attention does (SDPA's causal path, which skips the masked path's work over the
+        ring's empty columns)."""
         if where.fresh:
             keys, values = k, v
         else:

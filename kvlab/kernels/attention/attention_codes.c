@@ -12,10 +12,9 @@
  * floats (shift, mask, convert) and multiplied in registers; the zero terms are one dot
  * product per run (keys) and one sum per value group. On AVX-512, channel-code keys are
  * scored sixteen rows at a time with the rows across the lanes (rows16_scores), which
- * drops the horizontal sums: 0.88x / 0.92x the attention time at 8 / 4 bits and 4096
- * tokens, 0.95x / 0.97x whole int8 / int4 decode steps (Zen4). The dequantize-into-L1 path of
- * decode_attention.c spent ~100 instructions a row on what this does in ~40, and was
- * compute-bound at ~4 GB/s (int4, 4096 tokens, AVX-512).
+ * drops the horizontal sums. The dequantize-into-L1 path of decode_attention.c spends
+ * more than twice the instructions a row on the same work, and is compute-bound where
+ * this path is bound by memory.
  *
  * Codes are planar uint32 words (see decode_attention.c): channel k * W + j is bits
  * k * bits.. of word j, W = D * bits / 32. A vector of LANES consecutive channels c0.. is

@@ -23,11 +23,9 @@ def chunk_tokens(span: int, pairs: int, threads: int | None = None) -> int:
     job over ``span`` slots of ``pairs`` (row, KV head) pairs: the longest of
     :data:`LONG_CHUNKS` that leaves each pair MIN_CHUNKS chunks and each thread MIN_CHUNKS
     work items, else :data:`CHUNK`. A chunk costs a fixed share (its setup, its partials'
-    merge, a cold start of the rows it streams), so long spans take longer ones: at 4096
-    tokens on 2 threads this rule took 0.85-0.89x the attention time of chunks of 256 for
-    int4 codes, 0.86x for int8, and 0.87-0.88x for fp32 rows (full, paged) while the
-    memory was not contended (1.02x while it was); at 1024 tokens it keeps 256
-    (``bench_cache_split.py --caches int4,int4@/4``, in one process, Zen4)."""
+    merge, a cold start of the rows it streams), so long spans take longer ones while every
+    thread keeps work enough (``bench_cache_split.py --caches int4,int4@/4`` compares this
+    rule with chunks of 256 in one process)."""
     threads = torch.get_num_threads() if threads is None else threads
     for chunk in LONG_CHUNKS:
         chunks = span // chunk

@@ -6,11 +6,10 @@
  * materialised. Integer codes (keys in channel or token codes, values in token codes) are
  * read without dequantizing where the CPU's vectors fit them: attention_codes.c folds
  * their scales into the query, the codes in registers and the softmax weights instead.
- * bf16 rows are read in place and widened in registers on AVX-512 (bf16_in_place): 0.75x /
- * 0.82x the attention time at 4096 / 1024 tokens against widening them into the buffer,
- * 0.92x / 0.97x a bf16 decode step (Zen4); against a bf16 model's query (bf16 values) they
- * meet it by vdpbf16ps where the CPU has AVX512-BF16 (key_scores_dot). Everything is
- * computed in fp32.
+ * bf16 rows are read in place and widened in registers on AVX-512 (bf16_in_place), which
+ * saves the copy into the buffer; against a bf16 model's query (bf16 values) they meet it
+ * by vdpbf16ps where the CPU has AVX512-BF16 (key_scores_dot). Everything is computed in
+ * fp32.
  *
  * Addressing. Logical token t of row b (lo[b] <= t < hi[b]) sits at slot u = t % ring
  * (ring > 0) or u = t; its block is table[b * table_stride + u / block_size] and its slot
@@ -405,9 +404,8 @@ static void load_rows(const Store *s, int64_t block, int h, int64_t slot, int co
 
 /* Whether every logical token of the job is a block of its own (a table of single slots,
  * as a top-k of pooled entries per head, Segment.per_head): then next_run's runs are one
- * token long, and the row walks below take a row per table entry instead: 0.91-0.93x the
- * time over a top-512 of 1024 fp32 entries per head (scripts/bench_attention_builds.py
- * --cases topk --tokens 1024, Zen4). */
+ * token long, and the row walks below take a row per table entry instead of paying a
+ * run's setup for each token (scripts/bench_attention_builds.py --cases topk measures it). */
 static inline int single_slots(const Job *job) {
   return job->block_size == 1 && job->ring == 0 && job->k.format != FMT_CHANNEL_CODES &&
          job->v.format != FMT_CHANNEL_CODES;
@@ -438,11 +436,8 @@ static int fill_rows(const Job *job, const Store *s, int b, int h, int64_t t, in
 
 /* Bytes from `p` on, a cache line at a time, into L2 (locality 2: prefetcht1), not L1: an
  * L1 prefetch holds one of the core's few L1 miss buffers until its line arrives, so a
- * chunk's burst of them stalled the loads behind it (the prefetch instruction itself took
- * 87% of the profile's samples in kvlab_prefetch_rows, fp32 rows). Into L2 the same
- * prefetches cost 0.85x / 0.79x the attention time on fp32 rows at 4096 / 1024 tokens,
- * 0.63x on a paged pool, 0.65x on a top-k table, 0.83x on 8-bit codes, 0.94x on 4-bit ones
- * (scripts/bench_attention_builds.py, Zen4); 0.90-0.98x whole decode steps at 4096. */
+ * chunk's burst of them stalls the loads behind it (a profile shows the prefetch
+ * instructions themselves taking the samples). */
 static inline void prefetch_bytes(const char *p, int64_t bytes) {
   for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(p + byte, 0, 2);
 }
@@ -450,8 +445,7 @@ static inline void prefetch_bytes(const char *p, int64_t bytes) {
 /* Ask for the rows of logical tokens t.. (< end) of a store, with their scales, ahead of
  * their use: the K pass prefetches its chunk's value rows and its next run of keys, so the
  * V pass and the next run find them in cache instead of waiting on memory (the codes
- * paths are compute-heavy enough that the hardware prefetcher alone left them ~1.7x
- * slower from memory than from cache). */
+ * paths are compute-heavy enough that the hardware prefetcher alone falls behind). */
 void kvlab_prefetch_rows(const Job *job, const Store *s, int b, int h, int64_t t,
                          int64_t end) {
   const int D = job->D;
@@ -775,9 +769,8 @@ static int bf16_in_place(const Store *s, int G, int D, int values) {
 #if defined(__AVX512F__)
 /* exp(x) for x <= 0 (Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial
  * in r, times 2^k by scalef, which underflows to 0 as glibc's does): at most 1.24 ulp over
- * [-104, 0] against a double exp. A chunk's softmax pass over 1024 scores takes 0.5x the
- * time it took through libmvec's 16-lane expf, whose range checks this domain never
- * needs; int4 KV attention 0.97x (harness int4_attention.c, Zen4). */
+ * [-104, 0] against a double exp. It replaces libmvec's 16-lane expf, whose range checks
+ * this domain never needs (harness int4_attention.c compares them). */
 static inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.f)); /* exp(-104) is 0 in fp32 */
   const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
@@ -850,8 +843,8 @@ static void attend_chunk(const Job *job, int b, int h, int c) {
   } else {
     for (int64_t t = t0; t < t1;) {
       const int run = fill_rows(job, &job->k, b, h, t, t1, tile, rows, raw_keys);
-      /* prefetches spread between eight rows' scores at a time: one burst per run stalled
-         the scores behind it (spread: 0.84x / 0.90x the time at 1k / 4k fp32 tokens) */
+      /* prefetches spread between eight rows' scores at a time: one burst per run stalls
+         the scores behind it */
       for (int j = 0; j < run; j += 8) {
         const int m = run - j < 8 ? run - j : 8;
         const int64_t ahead = t + run + j, ahead_end = ahead + m < t1 ? ahead + m : t1;

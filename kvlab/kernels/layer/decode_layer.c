@@ -1,7 +1,7 @@
 /* A pre-norm decoder layer's decode step (Llama: RMSNorm, RoPE, SwiGLU; Touvron et al.,
  * arXiv 2302.13971) as three calls around attention and the SwiGLU activation, instead of
- * the ~40 torch ops and kernel calls of the op-by-op layer: a decode step of a 30-layer
- * model paid ~3 ms of Python and dispatch for them on these CPUs, more than its attention.
+ * the forty-odd torch ops and kernel calls of the op-by-op layer, whose Python and dispatch
+ * cost a small model's decode step more than its attention.
  * The products are kvlab_gemv's, the norms kvlab_rms_norm's; rotation and residual adds are
  * rounded as torch rounds them in the model's dtype (fp32 or bf16), so the layer's outputs
  * are the op-by-op layer's (built without fast-math: build.py's EXACT; ISO C contracts no

@@ -2,9 +2,9 @@
 ``gemv_int8.c`` for int8 weights, :func:`int8_linear`).
 
 A decode step multiplies one row per sequence by every weight matrix: memory-bound, so its
-speed is the bandwidth the kernel reads weights at. On the AMD EPYC here MKL's sgemv
-reads ~9 GB/s and oneDNN's packed kernel ~10; kvlab's kernel ~15-17 (the machine streams
-~23). :class:`DecodeLinear` keeps the layer's own weight (ties stay tied, no copy) and uses
+speed is the bandwidth the kernel reads weights at, where MKL's sgemv and oneDNN's packed
+kernel stay well below a streaming read (experiments/engine_vs_llamacpp/).
+:class:`DecodeLinear` keeps the layer's own weight (ties stay tied, no copy) and uses
 the kernel for up to ``MAX_ROWS`` rows, and for prefill the kernel the plan names for
 many rows (:func:`wide_linear`: ``F.linear`` or oneDNN's matmul, :mod:`kvlab.kernels.plan`);
 :class:`PrepackedLinear` holds a bf16 weight in oneDNN's blocked layout.
@@ -19,9 +19,9 @@ from torch import nn
 
 from kvlab.kernels.build import INT, INT64, POINTER, kernel
 
-# rows up to which the kernel beats MKL: SmolLM2-135M's decode linears (30 layers + head),
-# one process, AMD EPYC 2 threads, 2026-12-01: M=1 44 ms vs MKL 73, M=8 61 vs 151,
-# M=16 103 vs 170, M=32 166 vs 214 (before row blocks of constant size: M=8 81 ms)
+# rows up to which the kernel reads each weight once for every row at the memory's rate;
+# beyond, a product is compute-bound and a matmul library's blocking wins
+# (scripts/bench_verify_step.py times both)
 MAX_ROWS = 32
 
 

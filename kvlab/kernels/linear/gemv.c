@@ -2,16 +2,12 @@
  * rows of a decode or verification step, fp32 or bf16 weights and activations, fp32 accumulation.
  * Decode is memory-bound: the kernel streams each weight row from memory once for all M rows, tiles
  * of weight rows split across threads (see "tiles"), the next tile prefetched into L2 while one is
- * read (into L1, each prefetch held one of the core's few L1 miss buffers until its line came: over
- * the default model's matrices the L2 hint took 0.84x / 0.76x the time at 5 rows of fp32 / bf16 and
- * 0.85x at one fp32 row, on a Zen4; the int8 and int4 kernels prefetch the same way). Every tile
- * size is a compile-time constant, so the accumulators stay in registers (a runtime row count kept
- * them in memory: 2x slower at M = 8). Where the CPU has AVX512-BF16, bf16 weights and rows are
- * multiplied by vdpbf16ps without widening. One row of x walks the weight rows one after another
- * instead (row_dot) where the kernel plan says so (in_order). Measured on a Xeon (AVX-512, 2
- * threads, SmolLM2-135M's 121 fp32 linears, scripts/bench_verify_step.py): 1 row 19-20 ms as MKL's
- * sgemv, 5 rows 21.6 ms against MKL's 38.5 (one weight row at a time, before tiles: 23.8 and 32.2
- * ms).
+ * read (into L1, each prefetch would hold one of the core's few L1 miss buffers until its line
+ * came; the int8 and int4 kernels prefetch the same way). Every tile size is a compile-time
+ * constant, so the accumulators stay in registers (a runtime row count keeps them in memory).
+ * Where the CPU has AVX512-BF16, bf16 weights and rows are multiplied by vdpbf16ps without
+ * widening. One row of x walks the weight rows one after another instead (row_dot) where the
+ * kernel plan says so (in_order). scripts/bench_verify_step.py times it against MKL's sgemv.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,8 +22,8 @@ static inline const void *row_at(const void *p, int bf16, int64_t index) {
 
 /* The generic path: a tile of R consecutive weight rows against M rows of x, R * M
  * accumulators in registers, so every weight vector loaded from memory serves M rows and
- * R memory streams run at once (one stream at a time read ~20 GB/s where MKL's sgemv, which
- * streams several, read ~27). Widest vectors the CPU has: 16 lanes on AVX-512, 8 on AVX2.
+ * R memory streams run at once (where the hardware prefetchers do not keep one stream
+ * ahead, several at once read faster). Widest vectors the CPU has: 16 lanes on AVX-512, 8 on AVX2.
  * Tile sizes keep accumulators, weight vectors and one x vector within the register file
  * (32 zmm / 16 ymm): AVX-512 R = 4 with M <= 6 (8 chains when M = 1); AVX2 R = 4 for
  * M <= 2, R = 2 for M <= 5. More rows of x are taken in chunks, re-reading the tile's
@@ -136,10 +132,9 @@ static inline __attribute__((always_inline)) int64_t tile_dots_bf16(
 #endif
 
 /* Weight row w . x over K channels, four chains. One row after another is one memory stream
- * per thread, which the hardware prefetchers follow without help: over the default model's
- * 121 fp32 matrices (Zen4, 2 threads, a C harness) it read 36-42 GB/s, as fast as a
- * streaming sum, where tiles of 4 rows read side by side with software prefetches into L1
- * read 31-33 (into L2 the tiles come close). */
+ * per thread, which the hardware prefetchers follow without help: where they do, it reads
+ * as fast as a streaming sum (experiments/engine_vs_llamacpp/harness/gemv_stack.c compares
+ * the walks). */
 static inline __attribute__((always_inline)) float row_dot(const void *w, const int WB,
                                                            const void *x, const int XB,
                                                            int64_t K) {

@@ -127,10 +127,9 @@ static inline __attribute__((always_inline)) void tile(const Int4 *w, int64_t b,
  * (exact, -8..7); vdpbf16ps multiplies those 32 codes by the broadcast pair x[2i], x[2i + 1]
  * in one instruction (products exact, fp32 accumulation). A chunk: one load, three shifts,
  * four lookups, four products. A group adds scale * dot + offset * sum x. U chains a row
- * (4 for one row, 2 for two, one from three on) keep U * M vdpbf16ps in flight. (Zen4,
- * against a byte per channel pair widened to words and masked, one row: 0.53x the time of
- * a 3072 x 576 product and 0.84x of a 576 x 1536 one in cache, 0.83-0.86x over a step's
- * 120 matrices from memory.) */
+ * (4 for one row, 2 for two, one from three on) keep U * M vdpbf16ps in flight. (A byte per
+ * channel pair widened to words and masked takes more instructions a code than the table
+ * lookup.) */
 static inline __attribute__((always_inline)) void tile_bf16(const Int4 *w, int64_t b,
                                                             int64_t m0, const int M,
                                                             float *out) {

@@ -5,12 +5,8 @@
  * is memory-bound: weight rows are streamed four at a time (four memory streams, the next
  * four prefetched), each code widened once for up to CODE_ROWS rows of x, output rows split
  * across threads; x (fp32 or bf16) is widened to fp32 once by each thread. One
- * row of x walks the rows one after another instead where that was timed faster
- * (in_order, as the kernel plan says; on a Zen4, int8 decode steps 0.92-0.98x as long in
- * three runs of four), in blocks (rows_in_order).
- * Xeon (AVX-512), 2 threads, the default model's MLP shapes: one row 14.5 -> 20-21 GB/s
- * with the prefetch, five rows 7 -> 15.5-17 GB/s with the chunks (PyTorch's
- * _weight_int8pack_mm: 13 and 6.5).
+ * row of x walks the rows one after another instead (in_order, as the kernel plan says), in
+ * blocks (rows_in_order).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -117,8 +113,8 @@ static inline __attribute__((always_inline)) void dot_codes_rows(const int8_t *w
 
 #if defined(KVLAB_BF16_DOT)
 /* Row w of K codes . x, x's bf16 values as they are, by vdpbf16ps, 32 products an
- * instruction where widening codes to fp32 took a convert and an FMA every 16 (a Zen4
- * core's vector pipes are the bound: 1.10x the codes a second in L2). A code c (two's
+ * instruction where widening codes to fp32 takes a convert and an FMA every 16 (from cache
+ * the core's vector pipes are the bound). A code c (two's
  * complement, sign bit c7) is (128 + (c & 127)) - 128 (1 + c7): both terms are exact bf16
  * values made by one vpternlogd each from the code sign-extended to 16 bits, and each
  * meets the same pair of x's values, so each product is exact and the sums are fp32 sums
@@ -147,9 +143,8 @@ static float dot_codes_bf16(const int8_t *w, int64_t K, const uint16_t *x) {
 /* One row of x (xf, widened) against this thread's share of the weight rows, one after
  * another (one memory stream a thread), in blocks of ROW_BLOCK rows: the block's dot
  * products first, in a loop of nothing else, then its scales, biases and stores. With each
- * row's scale, bias and store after its dot product, a 576-code row's loop shared the core
- * with their branches and reloads: 0.79x the time over a step's 120 int8 matrices (Zen4, 2
- * threads, a C harness; 32 GB/s where fp32 rows read 46). */
+ * row's scale, bias and store after its dot product, a short row's loop shares the core
+ * with their branches and reloads. */
 #define ROW_BLOCK 16
 static void rows_in_order(const int8_t *q, const float *xf, const uint16_t *xb,
                           const void *scale, int scale_bf16, const void *bias, int bias_bf16,
@@ -210,9 +205,8 @@ static void tiles(const int8_t *q, const float *xf, const void *scale, int scale
 /* x: (M, K) with row stride x_stride, fp32 or bf16; q: (N, K) int8 contiguous; scale: (N,)
  * and bias (N,) or NULL, fp32 or bf16; y: (M, N) contiguous, fp32 or bf16. Each thread
  * widens x into a buffer on its own stack: one malloc'd buffer widened by the calling
- * thread and read by the others took 4.4-4.7 ms over a step's int8 matrices against
- * 3.1-3.3 wherever another parallel region ran between them, as attention's do in a decode
- * step (Zen4, 2 threads, a C harness; back to back, 3.2 either way). */
+ * thread and read by the others is slow to reach them wherever another parallel region
+ * ran between, as attention's do in a decode step. */
 #define STACK_FLOATS 8192 /* a widened x of up to 32 KB on each thread's stack */
 void kvlab_gemv_int8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, const void *bias, int bias_bf16,

@@ -15,9 +15,9 @@
  * llama.cpp's trick: no int16 saturation as |q|, |xq| <= 127), else in scalar code. Output
  * rows split across threads; one row of x walks the weight rows one after another where the
  * int8 weights' order says so (rows_in_order), else weight rows go four at a time, the next
- * four prefetched into L2. A scale a group costs a conversion and an FMA a 64 codes more:
- * whole decode steps took 1.02-1.09x a scale a row's (Zen4, in turns); its activation
- * buffers start on cache lines (unaligned, the two loads a 64 codes split lines: 1.07x). */
+ * four prefetched into L2. A scale a group costs a conversion and an FMA a 64 codes more
+ * (experiments/weight_quant/ measures it); its activation buffers start on cache lines, so
+ * the two loads a 64 codes never split one. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -238,11 +238,9 @@ static void tiles(const int8_t *q, const Row *x, const void *scale, int scale_bf
 /* x: (M, K) with row stride x_stride, fp32 or bf16, quantized in spans of AG channels (AG =
  * K: a scale a row; else AG % 4 == 0 and K % AG == 0, the caller checks); q: (N, K) int8
  * contiguous, |q| <= 127; scale: (N,) and bias (N,) or NULL, fp32 or bf16; y: (M, N)
- * contiguous, fp32 or bf16. One row walks the weight rows in order where int8 weights were
- * timed faster so (in_order: the layer's kernel plan). Over a step's 120 matrices (harness
- * gemv_stack.c, Zen4, 2 threads) that reads 42-43 GB/s a scale a row, as fast as the int8
- * kernel; the tiles read 28 (22 with their prefetches into L1, as they were, which took
- * 5.4 ms a step where the weight-only int8 kernel took 2.4). */
+ * contiguous, fp32 or bf16. One row walks the weight rows in order as the int8 weights do
+ * (in_order: the layer's kernel plan); harness gemv_stack.c compares it with the tiles and
+ * the weight-only int8 kernel. */
 void kvlab_gemv_w8a8(const void *x, int x_bf16, int64_t x_stride, const int8_t *q,
                      const void *scale, int scale_bf16, int64_t AG, const void *bias,
                      int bias_bf16, void *y, int y_bf16, int64_t M, int64_t N, int64_t K,

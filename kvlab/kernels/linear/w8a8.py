@@ -101,8 +101,8 @@ def w8a8_dequantized(
     """:func:`w8a8_reference`'s grouped product through one matmul in ``scale``'s dtype
     (prefill rows, or where the kernel does not serve): x quantized per group, each code
     times its step (:func:`fake_quantized`), times the codes times their scales
-    (dequantized per call: N x K products, where scaling the output would take M x N, 0.5x
-    a bf16 matmul's time at 1024 rows). In x's dtype."""
+    (dequantized per call: N x K products, where scaling the output would take M x N, a
+    cost small beside the matmul at prefill widths). In x's dtype."""
     dtype = scale.dtype
     quantized, _ = fake_quantized(x, group, dtype)
     return F.linear(quantized, codes.to(dtype) * scale[:, None]).to(x.dtype)
