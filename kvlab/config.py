@@ -31,9 +31,14 @@ class ModelConfig:
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto: CUDA when present
     huge_pages: bool = True  # CPU weights and KV on 2 MiB pages where the OS gives them
+    backend: str = "auto"  # native (kvlab's decoder), hf (transformers' class), auto: native
+    # where kvlab's decoder knows the architecture
 
     def __post_init__(self) -> None:
+        from kvlab.models.loading import BACKENDS
+
         _require(bool(self.source), "model.source", self.source, "a non-empty model name or path")
+        _require(self.backend in BACKENDS, "model.backend", self.backend, ", ".join(BACKENDS))
         _require(self.dtype in DTYPES, "model.dtype", self.dtype, ", ".join(DTYPES))
         _require(self.device in DEVICES, "model.device", self.device, ", ".join(DEVICES))
 
@@ -303,11 +308,15 @@ def check_context(cfg: RunConfig) -> None:
     from kvlab.cache import registered
     from kvlab.cache.base import cache_options
     from kvlab.eval import eval_options
-    from kvlab.models.loading import max_context, trained_window
+    from kvlab.models.loading import backend_refusal, max_context, trained_window
 
     limit, window = max_context(cfg.model.source), trained_window(cfg.model.source)
     strategy = registered()[cfg.cache.name]
-    span = strategy.position_span(cache_options(cfg.cache.name, cfg.cache.options))
+    options = cache_options(cfg.cache.name, cfg.cache.options)
+    refused = backend_refusal(cfg.model.source, cfg.model.backend, cfg.cache.name, options)
+    if refused:
+        raise ValueError(refused)
+    span = strategy.position_span(options)
     demands = []
     if cfg.workload.serving is not None:
         serving = cfg.workload.serving
@@ -322,7 +331,6 @@ def check_context(cfg: RunConfig) -> None:
     if cfg.spec.enabled and demands:
         from kvlab.engine.generate import check_rollback
 
-        options = cache_options(cfg.cache.name, cfg.cache.options)
         check_rollback(strategy, options, demands[0][1], cfg.spec)
         if cfg.spec.drafts_with_a_model:  # the draft's own cache rolls back too
             spec = cfg.spec

@@ -60,7 +60,9 @@ def load_run_model(
     in full precision take the plan's kernels afterwards (quantized layers take theirs as
     they are built), then the CPU weights move onto huge pages (``model.huge_pages``)."""
     dtype = resolve_dtype(model_cfg.dtype, device)
-    model, tokenizer = load_model(model_cfg.source, dtype, device, cpu_prepack=False, plan=plan)
+    model, tokenizer = load_model(
+        model_cfg.source, dtype, device, cpu_prepack=False, plan=plan, backend=model_cfg.backend
+    )
     quantize_(model, quant.name, quant.options)
     prepack_linears(model)
     if model_cfg.huge_pages:
@@ -189,6 +191,7 @@ def _model_facts(model: Decoder) -> dict[str, Any]:
     """What every workload's metrics say of the model: its weight bytes, device and dtype."""
     weight = model.embed_tokens.weight
     return {
+        "model/backend": model.backend,
         "weight_bytes": weight_bytes(model),
         "weight_huge_page_bytes": model.huge_page_bytes,
         "device": str(weight.device),

@@ -35,8 +35,13 @@ def compile_choice(
     """``{"compile": bool, "reason": str, ...}`` for ``engine.compile=setting``;
     ``new_cache(static=...)`` builds the run's cache, ``steps`` is the run's decode steps per
     generation; ``autotune``: time an ``auto`` choice (see the module docstring)."""
+    hf = getattr(model, "backend", "native") == "hf"  # its cache rides a keyword argument
+    if hf and setting not in (None, "auto", False):
+        raise ValueError(f"engine.compile={setting} with model.backend=hf; allowed: auto, false")
     if setting is not None and setting != "auto":
         return {"compile": bool(setting), "reason": f"engine.compile={setting}"}
+    if hf:
+        return {"compile": False, "reason": "model.backend=hf: eager (not compiled yet)"}
     if serving:
         return {"compile": False, "reason": "serving: the batch changes shape every few steps"}
     if steps < MIN_STEPS:

@@ -119,6 +119,8 @@ def fits_one_call(x: torch.Tensor) -> bool:
 class Decoder(nn.Module):
     """The whole model: ``forward(ids, positions, cache, ...)`` → logits."""
 
+    backend = "native"  # kvlab's decoder (``model.backend``; hf: models.hf_backend)
+
     def __init__(self, cfg: DecoderConfig):
         super().__init__()
         self.config = cfg

@@ -145,14 +145,51 @@ def read_hf_config(source: str) -> dict[str, Any]:
     return json.loads((checkpoint / "config.json").read_text())
 
 
+BACKENDS = ("auto", "native", "hf")
+
+
+def resolve_backend(source: str, backend: str = "auto") -> str:
+    """``native`` (kvlab's decoder) or ``hf`` (transformers' own class,
+    :mod:`kvlab.models.hf_backend`) for ``source``, from its config alone: ``auto`` takes
+    the native decoder where it knows the architecture, transformers' class otherwise."""
+    if backend not in BACKENDS:
+        raise ValueError(f"model.backend={backend!r} is invalid; allowed: {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    if source in REGISTERED_MODELS:
+        return "native"
+    try:
+        DecoderConfig.from_hf(read_hf_config(source))
+    except ValueError:
+        return "hf"
+    return "native"
+
+
+def backend_refusal(source: str, backend: str, cache_name: str, cache_options: Any) -> str | None:
+    """Why ``source`` cannot run under ``backend`` with this cache strategy, from its config
+    alone, or None (the native decoder refuses what it does not know when it reads it)."""
+    if resolve_backend(source, backend) != "hf":
+        return None
+    from kvlab.models.hf_backend import refusal
+
+    checkpoint = resolve_checkpoint(source)
+    if isinstance(checkpoint, str):
+        from huggingface_hub import hf_hub_download
+
+        checkpoint = Path(hf_hub_download(checkpoint, "config.json")).parent
+    return refusal(checkpoint, cache_name, cache_options)
+
+
 def load_model(
     source: str,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     cpu_prepack: bool = True,
     plan: KernelPlan | None = None,
+    backend: str = "auto",
 ) -> tuple[Decoder, Any]:
-    """Model and tokenizer (None when the checkpoint ships none) for ``source``.
+    """Model and tokenizer (None when the checkpoint ships none) for ``source``, through
+    ``backend`` (:func:`resolve_backend`; the model's ``backend`` attribute says which ran).
 
     ``plan``: the kernel plan the model holds (``model.kernel_plan``; default: this
     machine's defaults, :mod:`kvlab.kernels.plan`); ``cpu_prepack``: its linear layers on
@@ -164,6 +201,14 @@ def load_model(
         from huggingface_hub import snapshot_download
 
         checkpoint = Path(snapshot_download(checkpoint, allow_patterns=["*.json", "*.safetensors"]))
+    if resolve_backend(source, backend) == "hf":
+        from kvlab.models.hf_backend import load_hf_model
+
+        model, tokenizer = load_hf_model(checkpoint, dtype, device)
+        model.kernel_plan = plan or default_plan()
+        if cpu_prepack:
+            prepack_linears(model)
+        return model, tokenizer
     hf_config = json.loads((checkpoint / "config.json").read_text())
     cfg = DecoderConfig.from_hf(hf_config)
     int4 = (hf_config.get("quantization_config") or {}).get("quant_method") in ("gptq", "awq")

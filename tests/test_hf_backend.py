@@ -1,0 +1,231 @@
+"""``model.backend=hf``: transformers' own model classes inside kvlab's engine, on tiny random
+models transformers builds from configs (no download). ``full`` gives transformers' own
+``generate`` tokens and logits; every strategy's exact setting equals recomputation; the
+native and hf backends agree where both run; what the backend cannot serve is refused
+before any weight loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvlab.cache import build_cache, registered
+from kvlab.cache.base import cache_options
+from kvlab.engine import Engine, GenerationConfig
+
+BASE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=None,  # generation runs its whole length on both sides
+)
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+HF_FAMILIES = {
+    "llama": {},
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(head_dim=16, **MOE, decoder_sparse_step=1, mlp_only_layers=[]),
+    "phi3": {},
+    "smollm3": dict(no_rope_layers=[1, 0]),  # layer 1 attends without RoPE
+    "mistral": dict(head_dim=16, sliding_window=None),
+    "deepseek_v3": dict(  # MLA: keys 16 wide (8 without RoPE + 8 with), values 8
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+    ),
+}
+REFUSED = {  # model_type, config, the reason's words
+    "gemma3_text": (
+        dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        "sliding_attention",
+    ),
+    "gpt_oss": (
+        dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+        "sliding_attention",
+    ),
+    "mistral": (dict(head_dim=16, sliding_window=64), "sliding_attention"),
+}
+TOLERANCE = 1e-5
+
+
+def tiny_causal_lm(model_type: str, extra: dict):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.AutoConfig.for_model(model_type, **(BASE | extra))
+    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # random, non-trivial norms and biases so every weight matters
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_families")
+    for family, extra in HF_FAMILIES.items():
+        tiny_causal_lm(family, extra).save_pretrained(root / family)
+    return root
+
+
+def load(path, backend="hf"):
+    from kvlab import load_model
+
+    model, _ = load_model(str(path), backend=backend)
+    return model
+
+
+def reference(path):
+    """transformers' own model on the same checkpoint, its own attention and cache."""
+    import transformers as tf
+
+    return tf.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+
+
+def prompt(length=13, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, BASE["vocab_size"], (length,), generator=gen).tolist()
+
+
+def generated(model, name, tokens, steps, options=None, chunk=0):
+    engine = Engine(model, build_cache(name, model.cache_spec(), options))
+    seen = []
+    cfg = GenerationConfig(steps, stop_on_eos=False, prefill_chunk=chunk)
+    run = engine.generate([tokens], cfg, on_logits=lambda logits, rows: seen.append(logits.clone()))
+    return torch.cat(seen), run.tokens[0]
+
+
+@pytest.mark.parametrize("family", sorted(HF_FAMILIES))
+def test_full_gives_transformers_generate_tokens_and_logits(family, hf_checkpoints):
+    path = hf_checkpoints / family
+    model, hf = load(path), reference(path)
+    tokens = prompt()
+    logits, ours = generated(model, "full", tokens, steps=10, chunk=5)
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([tokens]),
+            max_new_tokens=10,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+    theirs = out.sequences[0, len(tokens) :].tolist()
+    assert ours == theirs
+    assert (logits - torch.cat(out.logits)).abs().max() <= TOLERANCE
+    assert model.config.model_type == family and model.backend == "hf"
+
+
+def servable(model, name, options):
+    from kvlab.models.hf_backend import strategy_refusal
+
+    return strategy_refusal(model.config, name, cache_options(name, options)) is None
+
+
+@pytest.mark.parametrize("name", sorted(registered()))
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "smollm3"])
+def test_exact_setting_of_every_strategy_equals_recomputation(family, name, hf_checkpoints):
+    """MLA (values narrower than keys), MoE, layers without RoPE: every strategy's exact
+    setting equals a full causal pass over the tokens so far; the strategies that re-rotate
+    keys are refused where the model's RoPE is not the plain rotation."""
+    model = load(hf_checkpoints / family)
+    options = registered()[name].tests.exact
+    if not servable(model, name, options):
+        assert not model.config.plain_rope
+        return
+    tokens = prompt()
+    logits, ours = generated(model, name, tokens, steps=6, options=options)
+    for i in range(len(ours)):
+        seen = tokens + ours[:i]
+        cache = build_cache("nocache", model.cache_spec())
+        with torch.inference_mode():
+            scratch = model(torch.tensor([seen]), torch.arange(len(seen))[None], cache)[:, -1]
+        assert (logits[i] - scratch[0]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["int4", "paged", "sliding", "evict", "quest"])
+def test_lossy_strategies_run_and_hold_their_tensors_bytes(name, hf_checkpoints):
+    model = load(hf_checkpoints / "qwen3_moe")
+    cache = build_cache(name, model.cache_spec(), registered()[name].tests.lossy)
+    run = iter(Engine(model, cache).stream([prompt(40)], GenerationConfig(8, stop_on_eos=False)))
+    next(run)  # after prefill, the row held
+    report = cache.memory()
+    assert report.held_bytes == sum(t.numel() * t.element_size() for t in cache.tensors())
+    assert 0 < report.used_bytes <= report.held_bytes
+    assert len(list(run)) == 7
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_native_and_hf_backends_agree(family, hf_checkpoints):
+    path = hf_checkpoints / family
+    tokens = prompt()
+    native, native_tokens = generated(load(path, "native"), "full", tokens, steps=8)
+    hf, hf_tokens = generated(load(path, "hf"), "full", tokens, steps=8)
+    assert native_tokens == hf_tokens
+    assert (native - hf).abs().max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_what_the_backend_cannot_serve_is_refused_before_loading(model_type, tmp_path):
+    extra, words = REFUSED[model_type]
+    tiny_causal_lm(model_type, extra).config.save_pretrained(tmp_path)  # a config, no weights
+    with pytest.raises(ValueError, match=rf"model.backend=hf: .*{words}"):
+        load(tmp_path)
+
+
+def test_a_strategy_that_re_rotates_keys_is_refused_where_rope_is_not_plain(hf_checkpoints):
+    from kvlab.models.hf_backend import strategy_refusal
+
+    model = load(hf_checkpoints / "deepseek_v3")
+    refusal = strategy_refusal(model.config, "compressed", cache_options("compressed", {}))
+    assert "re-rotates keys" in refusal and "deepseek_v3" in refusal
+    assert strategy_refusal(load(hf_checkpoints / "qwen3").config, "compressed", None) is None
+
+
+def test_a_run_through_the_cli_config_records_the_backend(smollm2, tmp_path):
+    """``kvlab model.source=<a Qwen3-MoE checkpoint>``: auto picks transformers' class, a
+    quantizer and a lossy strategy apply, perplexity runs through the cache, and the
+    result says which backend ran; a strategy the model cannot serve fails before loading."""
+    from kvlab.run import compose_run_config, run_point
+
+    tokenizer = smollm2[1]
+    extra = HF_FAMILIES["qwen3_moe"] | {"vocab_size": len(tokenizer), "eos_token_id": 2}
+    tiny_causal_lm("qwen3_moe", extra).save_pretrained(tmp_path / "moe")
+    tokenizer.save_pretrained(tmp_path / "moe")
+    overrides = [
+        f"model.source={tmp_path / 'moe'}",
+        "cache=int4",
+        "cache.options.group_size=16",  # the tiny heads are 16 wide
+        "quant=rtn",
+        "workload.prompt_len=48",
+        "workload.new_tokens=8",
+        "eval=ppl",
+        "eval.ppl.seqlen=64",
+        "eval.ppl.max_windows=1",
+        "eval.ppl.chunk=16",
+    ]
+    record = run_point(compose_run_config(overrides), tmp_path / "run")
+    assert record["status"] == "ok", record.get("error")
+    metrics = record["metrics"]
+    assert metrics["model/backend"] == "hf" and metrics["kv_bytes"] > 0
+    assert 1 < metrics["wikitext2/ppl"] < float("inf")
+
+    tiny_causal_lm("deepseek_v3", HF_FAMILIES["deepseek_v3"]).save_pretrained(tmp_path / "mla")
+    refused = [f"model.source={tmp_path / 'mla'}", "cache=compressed", "workload.prompt_len=16"]
+    record = run_point(compose_run_config(refused), tmp_path / "refused")
+    assert record["status"] == "failed" and "re-rotates keys" in record["error"]
