@@ -308,9 +308,16 @@ def check_context(cfg: RunConfig) -> None:
     from kvlab.cache import registered
     from kvlab.cache.base import cache_options
     from kvlab.eval import eval_options
-    from kvlab.models.loading import backend_refusal, max_context, trained_window
+    from kvlab.models.loading import (
+        backend_refusal,
+        max_context,
+        resolve_backend,
+        trained_window,
+    )
 
     limit, window = max_context(cfg.model.source), trained_window(cfg.model.source)
+    if resolve_backend(cfg.model.source, cfg.model.backend) == "hf":
+        window = None  # transformers' classes keep each layer's window (cache/layered.py)
     strategy = registered()[cfg.cache.name]
     options = cache_options(cfg.cache.name, cfg.cache.options)
     refused = backend_refusal(cfg.model.source, cfg.model.backend, cfg.cache.name, options)

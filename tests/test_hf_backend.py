@@ -33,6 +33,13 @@ HF_FAMILIES = {
     "phi3": {},
     "smollm3": dict(no_rope_layers=[1, 0]),  # layer 1 attends without RoPE
     "mistral": dict(head_dim=16, sliding_window=None),
+    "gemma3_text": dict(  # a trained window beside a global layer, each with its own RoPE
+        head_dim=16,
+        query_pre_attn_scalar=24,  # scores scaled otherwise than by the head width
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "qwen2": dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
     "deepseek_v3": dict(  # MLA: keys 16 wide (8 without RoPE + 8 with), values 8
         num_key_value_heads=4,
         q_lora_rank=32,
@@ -50,15 +57,14 @@ HF_FAMILIES = {
     ),
 }
 REFUSED = {  # model_type, config, the reason's words
-    "gemma3_text": (
-        dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-        "sliding_attention",
-    ),
     "gpt_oss": (
         dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
-        "sliding_attention",
+        "attention sinks",
     ),
-    "mistral": (dict(head_dim=16, sliding_window=64), "sliding_attention"),
+    "qwen3_next": (
+        dict(head_dim=16, layer_types=["linear_attention", "full_attention"]),
+        "linear_attention",
+    ),
 }
 TOLERANCE = 1e-5
 
@@ -98,7 +104,7 @@ def reference(path):
     return tf.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
 
 
-def prompt(length=13, seed=3):
+def prompt(length=21, seed=3):
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, BASE["vocab_size"], (length,), generator=gen).tolist()
 
@@ -138,11 +144,12 @@ def servable(model, name, options):
 
 
 @pytest.mark.parametrize("name", sorted(registered()))
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "smollm3"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "smollm3", "gemma3_text"])
 def test_exact_setting_of_every_strategy_equals_recomputation(family, name, hf_checkpoints):
-    """MLA (values narrower than keys), MoE, layers without RoPE: every strategy's exact
-    setting equals a full causal pass over the tokens so far; the strategies that re-rotate
-    keys are refused where the model's RoPE is not the plain rotation."""
+    """MLA (values narrower than keys), MoE, layers without RoPE, a trained window beside a
+    global layer (past the window: the prompt is longer): every strategy's exact setting
+    equals a full causal pass over the tokens so far; the strategies that re-rotate keys are
+    refused where the model's RoPE is not the plain rotation."""
     model = load(hf_checkpoints / family)
     options = registered()[name].tests.exact
     if not servable(model, name, options):
@@ -172,6 +179,7 @@ def test_lossy_strategies_run_and_hold_their_tensors_bytes(name, hf_checkpoints)
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
 def test_native_and_hf_backends_agree(family, hf_checkpoints):
+    """Where both run (a model attending over the whole context), the same logits."""
     path = hf_checkpoints / family
     tokens = prompt()
     native, native_tokens = generated(load(path, "native"), "full", tokens, steps=8)
@@ -229,3 +237,21 @@ def test_a_run_through_the_cli_config_records_the_backend(smollm2, tmp_path):
     refused = [f"model.source={tmp_path / 'mla'}", "cache=compressed", "workload.prompt_len=16"]
     record = run_point(compose_run_config(refused), tmp_path / "refused")
     assert record["status"] == "failed" and "re-rotates keys" in record["error"]
+
+
+def test_a_windowed_model_holds_a_ring_of_its_window_beside_the_full_layers(hf_checkpoints):
+    """Gemma-3's sliding layer keeps 8 tokens whatever the context, its global layer the
+    run's strategy: the cache holds less than the layer count times the context, and says
+    what each group holds; ``auto`` picks transformers' class for a model with windows."""
+    from kvlab.cache.layered import LayeredCache
+    from kvlab.models.loading import resolve_backend
+
+    path = hf_checkpoints / "gemma3_text"
+    assert resolve_backend(str(path)) == "hf"
+    assert resolve_backend(str(hf_checkpoints / "llama")) == "native"
+    model = load(path)
+    cache = build_cache("full", model.cache_spec())
+    assert isinstance(cache, LayeredCache)
+    cache.allocate(1, 64)
+    groups = cache.group_bytes()
+    assert groups["full"] > 4 * groups["window=8"] > 0  # 64 slots against a ring of 8

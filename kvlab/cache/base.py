@@ -36,6 +36,9 @@ class CacheSpec:
     device: torch.device
     model_id: str = ""  # the model's fingerprint: what a learned strategy was fitted to
     huge_pages: bool = False  # CPU stores allocate on 2 MiB pages (kernels.huge_pages)
+    # each layer's trained sliding window (None: the whole context); () where none has one.
+    # A model with windows gets one cache per group of layers (cache/layered.py)
+    layer_windows: tuple[int | None, ...] = ()
 
 
 @dataclass
@@ -490,8 +493,17 @@ def build_cache(
 ) -> KVCache:
     """Instantiate strategy ``name`` with its options checked by its ``Options`` dataclass;
     ``static``: for a compiled engine (fixed shapes from step to step)."""
-    cls = strategy(name)
-    return cls(spec, cache_options(name, options), static=static)
+    return instantiate(strategy(name), spec, cache_options(name, options), static)
+
+
+def instantiate(cls: type[KVCache], spec: CacheSpec, options, static: bool = False) -> KVCache:
+    """``cls`` over ``spec``; over a model with trained sliding windows, one cache per group
+    of layers (:class:`kvlab.cache.layered.LayeredCache`)."""
+    if cls.stores_past and any(window is not None for window in spec.layer_windows):
+        from kvlab.cache.layered import LayeredCache
+
+        return LayeredCache(cls.name, spec, options, static)
+    return cls(spec, options, static=static)
 
 
 def cache_factory(
@@ -503,7 +515,7 @@ def cache_factory(
     cls = strategy(name)
     checked = cache_options(name, options)
     cls.prepare(model, checked)
-    return lambda static=False: cls(model.cache_spec(), checked, static=static)
+    return lambda static=False: instantiate(cls, model.cache_spec(), checked, static)
 
 
 def sdpa(

@@ -11,11 +11,13 @@ from collections.abc import Iterable
 import torch
 
 from kvlab.cache.base import KVCache, TestSettings, register, sdpa
+from kvlab.cache.masks import visible
 
 
 @register("nocache")
 class NoCache(KVCache):
-    """Causal attention over the current step's tokens only; holds no tensors."""
+    """Causal attention over the current step's tokens only (within each layer's trained
+    window, where the model has one); holds no tensors."""
 
     stores_past = False
     tests = TestSettings(rollback_exact=None)  # nothing to roll back: it feeds again
@@ -25,7 +27,11 @@ class NoCache(KVCache):
         return {}
 
     def attend(self, step, layer, q, k, v, k_raw):
-        return sdpa(q, k, v, causal=True)  # right padding never precedes a real token
+        window = self.spec.layer_windows[layer] if self.spec.layer_windows else None
+        if window is None:
+            return sdpa(q, k, v, causal=True)  # right padding never precedes a real token
+        positions = step.info.positions  # a layer trained with a window sees only it
+        return sdpa(q, k, v, mask=visible(positions, positions, window))
 
     def end(self, step) -> None:
         return None  # nothing is stored, so lengths stay 0

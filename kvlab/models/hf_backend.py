@@ -54,7 +54,9 @@ class HFDecoderFacts:
     max_position_embeddings: int
     plain_rope: bool  # RoPE is the half-split rotation of whole heads at ``inv_freq``
     eos_token_ids: tuple[int, ...] = ()
-    sliding_window: int | None = None  # windowed layers are refused, so none applies
+    layer_windows: tuple[int | None, ...] = ()  # each layer's trained window (None: none)
+    sliding_window: int | None = None  # the engine's whole-model window: the cache applies
+    # each layer's own (layer_windows)
 
 
 def _eos_ids(config: Any) -> tuple[int, ...]:
@@ -75,12 +77,12 @@ def hf_refusal(config: Any) -> str | None:
         layer_types, _ = get_layer_types_and_kwargs(config)
     except (AttributeError, TypeError, ValueError) as exc:
         return f"model_type={model_type!r}: its layer types cannot be read ({exc})"
-    other = sorted(set(layer_types) - {"full_attention"})
+    other = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
     if other:
         return (
-            f"model_type={model_type!r} has layers of type {other} (trained sliding windows, "
-            "recurrent, chunked or shared-KV layers), which the hf backend does not serve yet; "
-            "allowed: models whose every layer is full_attention"
+            f"model_type={model_type!r} has layers of type {other} (recurrent, chunked or "
+            "shared-KV layers), which the hf backend does not serve yet; allowed: models "
+            "whose layers are full_attention or sliding_attention"
         )
     for field, why in (
         ("attn_logit_softcapping", "attention logit soft-capping"),
@@ -132,10 +134,22 @@ def _plain_rope(config: Any, key_dim: int) -> bool:
     if any(flag == 0 for flag in getattr(config, "no_rope_layers", None) or []):
         return False
     params = getattr(config, "rope_parameters", None) or {}
+    if any(isinstance(value, dict) for value in params.values()):
+        return False  # one RoPE per layer type (Gemma 3's local and global tables)
     if params.get("rope_type", "default") not in ("default", "linear", "llama3"):
         return False  # scaled by length (dynamic), or with an attention factor (yarn, longrope)
     factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     return factor in (None, 1.0) and key_dim % 2 == 0
+
+
+def _layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Each layer's trained sliding window, as transformers' own caches read it; () where
+    no layer has one."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    _, kwargs = get_layer_types_and_kwargs(config)
+    windows = tuple(k.get("sliding_window") for k in kwargs)
+    return windows if any(w is not None for w in windows) else ()
 
 
 def facts_of(config: Any) -> HFDecoderFacts:
@@ -154,6 +168,7 @@ def facts_of(config: Any) -> HFDecoderFacts:
         max_position_embeddings=config.max_position_embeddings,
         plain_rope=_plain_rope(config, key_dim),
         eos_token_ids=_eos_ids(config),
+        layer_windows=_layer_windows(config),
     )
 
 
@@ -240,6 +255,7 @@ class HFDecoder(nn.Module):
             weight.device,
             self.fingerprint(),
             self.huge_pages,
+            c.layer_windows,
         )
 
     def fingerprint(self) -> str:

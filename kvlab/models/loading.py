@@ -151,18 +151,22 @@ BACKENDS = ("auto", "native", "hf")
 def resolve_backend(source: str, backend: str = "auto") -> str:
     """``native`` (kvlab's decoder) or ``hf`` (transformers' own class,
     :mod:`kvlab.models.hf_backend`) for ``source``, from its config alone: ``auto`` takes
-    the native decoder where it knows the architecture, transformers' class otherwise."""
+    the native decoder where it knows the architecture and the model attends over the whole
+    context, transformers' class otherwise."""
     if backend not in BACKENDS:
         raise ValueError(f"model.backend={backend!r} is invalid; allowed: {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
     if source in REGISTERED_MODELS:
         return "native"
+    config = read_hf_config(source)
     try:
-        DecoderConfig.from_hf(read_hf_config(source))
+        DecoderConfig.from_hf(config)
     except ValueError:
         return "hf"
-    return "native"
+    # kvlab's decoder attends over the whole context; transformers' classes keep the
+    # windows a model was trained with (one cache per group of layers)
+    return "hf" if DecoderConfig.sliding_window_of(config) else "native"
 
 
 def backend_refusal(source: str, backend: str, cache_name: str, cache_options: Any) -> str | None:
