@@ -190,21 +190,24 @@ def test_eval_contexts_past_the_model_are_refused_before_loading(overrides, mess
         check_context(cfg)
 
 
-def test_models_trained_with_a_sliding_window_are_refused_past_it(tmp_path):
+def test_models_trained_with_a_sliding_window_are_refused_past_it_natively(tmp_path):
     """kvlab's decoder attends over the whole context: past a trained window that would be
-    another model than the checkpoint, so such runs fail before loading (never a warning)."""
+    another model than the checkpoint, so such runs fail before loading (never a warning);
+    ``auto`` runs such a model through transformers' class, which keeps its window."""
     import json
 
     config = dict(model_type="mistral", sliding_window=16, max_position_embeddings=512,
                   vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
-    model = ModelConfig(source=str(tmp_path))
+    model = ModelConfig(source=str(tmp_path), backend="native")
     inside = RunConfig(model=model, workload=WorkloadConfig(prompt_len=8, new_tokens=8))
     check_context(inside)
     past = RunConfig(model=model, workload=WorkloadConfig(prompt_len=16, new_tokens=8))
     with pytest.raises(ValueError, match="24 tokens exceeds the 16-token sliding window"):
         check_context(past)
+    auto = ModelConfig(source=str(tmp_path))
+    check_context(RunConfig(model=auto, workload=WorkloadConfig(prompt_len=16, new_tokens=8)))
 
 
 @pytest.mark.parametrize(
