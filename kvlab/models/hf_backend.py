@@ -25,7 +25,6 @@ scorer) where the model's RoPE is not the plain rotation of whole heads that the
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvlab.cache.base import CacheSpec, KVCache, Step, StepInfo
+from kvlab.cache.base import KVCache, Step
+from kvlab.models.llama import CachedDecoder
 from kvlab.models.rope import RotaryTables
 
 ATTENTION = "kvlab"
@@ -221,7 +221,7 @@ def register_attention() -> None:
     AttentionInterface.register(ATTENTION, kvlab_attention)
 
 
-class HFDecoder(nn.Module):
+class HFDecoder(CachedDecoder):
     """A transformers causal LM behind the native decoder's interface: ``forward(ids,
     positions, cache, ...)`` → logits, ``cache_spec()``, ``embed_tokens``, ``config``. Holds
     the model's transformer (``model``) and its head (``lm_head``) as its own children, so
@@ -244,51 +244,13 @@ class HFDecoder(nn.Module):
         self.huge_page_bytes = 0
         self.kernel_plan = None
 
-    def cache_spec(self) -> CacheSpec:
-        c, weight = self.config, self.embed_tokens.weight
-        return CacheSpec(
-            c.num_layers,
-            c.num_heads,
-            c.num_kv_heads,
-            c.head_dim,
-            weight.dtype,
-            weight.device,
-            self.fingerprint(),
-            self.huge_pages,
-            c.layer_windows,
-        )
-
-    def fingerprint(self) -> str:
-        """The model's config and a sample of its embeddings at bf16 (see the native one)."""
-        if getattr(self, "_fingerprint", None) is None:
-            digest = hashlib.sha256(self.hf_config.to_json_string(use_diff=False).encode())
-            sample = self.embed_tokens.weight[:8].detach().to("cpu", torch.bfloat16).float()
-            digest.update(sample.numpy().tobytes())
-            self._fingerprint = digest.hexdigest()[:16]
-        return self._fingerprint
+    def config_digest(self) -> bytes:
+        return self.hf_config.to_json_string(use_diff=False).encode()
 
     def decode_paths(self):
         from collections import Counter
 
         return Counter()  # transformers' layers: the op-by-op path, counted by none
-
-    def forward(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        num_new: list[int] | None = None,
-        logit_index: torch.Tensor | None = None,
-        layers: Any = None,
-        context_end: list[bool] | None = None,
-    ) -> torch.Tensor:
-        """As :meth:`kvlab.models.llama.Decoder.forward`."""
-        batch, steps = ids.shape
-        rope = RotaryTables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
-        step = cache.plan(StepInfo(positions, num_new or [steps] * batch, rope, ids, context_end))
-        logits = (layers or self.logits)(ids, rope, cache, step, logit_index)
-        cache.end(step)
-        return logits
 
     def logits(
         self,

@@ -116,38 +116,14 @@ def fits_one_call(x: torch.Tensor) -> bool:
     return x.shape[1] == 1 and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-class Decoder(nn.Module):
-    """The whole model: ``forward(ids, positions, cache, ...)`` → logits."""
+class CachedDecoder(nn.Module):
+    """What the engine calls on a model, whatever runs its layers (kvlab's :class:`Decoder`,
+    or transformers' class in :mod:`kvlab.models.hf_backend`): ``forward`` plans the step on
+    the cache, runs :meth:`logits`, ends the step; ``cache_spec``; ``fingerprint``. A
+    subclass has ``config`` (the shapes), ``embed_tokens``, ``inv_freq``, ``huge_pages``."""
 
-    backend = "native"  # kvlab's decoder (``model.backend``; hf: models.hf_backend)
-
-    def __init__(self, cfg: DecoderConfig):
-        super().__init__()
-        self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
-        self.huge_pages = False  # weights on huge pages, its caches too (kernels.huge_pages)
-        self.huge_page_bytes = 0
-        self.fused_step: FusedStep | None = None  # a decode step's layers in one C call
-        self.step_in_one_call = True  # False: layer by layer (for benchmarks side by side)
-        self.kernel_plan = None  # the kernels its layers run (kvlab.kernels.plan), set on load
-        self.one_call_steps = 0  # decode steps whose layers ran in one C call (FusedStep)
-
-    def decode_paths(self) -> Counter[str]:
-        """The layer steps of every decode step so far, by the path each took: ``one_call``
-        (the step's layers in one C call), ``c_attention`` (the layer's C call with the
-        cache's attention inside), ``cache_attends`` (the layer's C calls, the cache's
-        attention in Python between them), ``op_by_op`` (torch ops, the reference). A
-        compiled step counts in none."""
-        paths = Counter({"one_call": self.one_call_steps * len(self.layers)})
-        for layer in self.layers:
-            paths.update(layer.decode_paths)
-        return +paths
+    def config_digest(self) -> bytes:
+        raise NotImplementedError
 
     def cache_spec(self) -> CacheSpec:
         """Shapes, dtype and device a cache strategy needs to serve this model."""
@@ -161,6 +137,7 @@ class Decoder(nn.Module):
             weight.device,
             self.fingerprint(),
             self.huge_pages,
+            getattr(c, "layer_windows", ()),
         )
 
     def fingerprint(self) -> str:
@@ -168,7 +145,7 @@ class Decoder(nn.Module):
         embeddings at bf16 precision (the same for the model at any dtype or weight
         quantization, which leaves embeddings alone; different for other weights)."""
         if getattr(self, "_fingerprint", None) is None:
-            digest = hashlib.sha256(repr(sorted(vars(self.config).items())).encode())
+            digest = hashlib.sha256(self.config_digest())
             sample = self.embed_tokens.weight[:8].detach().to("cpu", torch.bfloat16).float()
             digest.update(sample.numpy().tobytes())
             self._fingerprint = digest.hexdigest()[:16]
@@ -201,6 +178,43 @@ class Decoder(nn.Module):
         logits = (layers or self.logits)(ids, rope, cache, step, logit_index)
         cache.end(step)
         return logits
+
+
+class Decoder(CachedDecoder):
+    """The whole model: ``forward(ids, positions, cache, ...)`` → logits."""
+
+    backend = "native"  # kvlab's decoder (``model.backend``; hf: models.hf_backend)
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", inverse_frequencies(cfg), persistent=False)
+        self.huge_pages = False  # weights on huge pages, its caches too (kernels.huge_pages)
+        self.huge_page_bytes = 0
+        self.fused_step: FusedStep | None = None  # a decode step's layers in one C call
+        self.step_in_one_call = True  # False: layer by layer (for benchmarks side by side)
+        self.kernel_plan = None  # the kernels its layers run (kvlab.kernels.plan), set on load
+        self.one_call_steps = 0  # decode steps whose layers ran in one C call (FusedStep)
+
+    def decode_paths(self) -> Counter[str]:
+        """The layer steps of every decode step so far, by the path each took: ``one_call``
+        (the step's layers in one C call), ``c_attention`` (the layer's C call with the
+        cache's attention inside), ``cache_attends`` (the layer's C calls, the cache's
+        attention in Python between them), ``op_by_op`` (torch ops, the reference). A
+        compiled step counts in none."""
+        paths = Counter({"one_call": self.one_call_steps * len(self.layers)})
+        for layer in self.layers:
+            paths.update(layer.decode_paths)
+        return +paths
+
+    def config_digest(self) -> bytes:
+        return repr(sorted(vars(self.config).items())).encode()
 
     def logits(
         self,
