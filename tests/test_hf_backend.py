@@ -207,8 +207,9 @@ def test_a_strategy_that_re_rotates_keys_is_refused_where_rope_is_not_plain(hf_c
 
 def test_a_run_through_the_cli_config_records_the_backend(smollm2, tmp_path):
     """``kvlab model.source=<a Qwen3-MoE checkpoint>``: auto picks transformers' class, a
-    quantizer and a lossy strategy apply, perplexity runs through the cache, and the
-    result says which backend ran; a strategy the model cannot serve fails before loading."""
+    quantizer and a lossy strategy apply, perplexity runs through the cache, an int4 copy
+    of the model drafts for it over a paged cache, and the result says which backend ran;
+    a strategy the model cannot serve fails before loading."""
     from kvlab.run import compose_run_config, run_point
 
     tokenizer = smollm2[1]
@@ -232,6 +233,10 @@ def test_a_run_through_the_cli_config_records_the_backend(smollm2, tmp_path):
     metrics = record["metrics"]
     assert metrics["model/backend"] == "hf" and metrics["kv_bytes"] > 0
     assert 1 < metrics["wikitext2/ppl"] < float("inf")
+    speculating = [overrides[0], "cache=paged", "workload.prompt_len=48", "spec=self"]
+    record = run_point(compose_run_config(speculating), tmp_path / "spec")
+    assert record["status"] == "ok", record.get("error")
+    assert record["metrics"]["spec/drafted"] > 0
 
     tiny_causal_lm("deepseek_v3", HF_FAMILIES["deepseek_v3"]).save_pretrained(tmp_path / "mla")
     refused = [f"model.source={tmp_path / 'mla'}", "cache=compressed", "workload.prompt_len=16"]
@@ -255,3 +260,20 @@ def test_a_windowed_model_holds_a_ring_of_its_window_beside_the_full_layers(hf_c
     cache.allocate(1, 64)
     groups = cache.group_bytes()
     assert groups["full"] > 4 * groups["window=8"] > 0  # 64 slots against a ring of 8
+
+
+def test_a_windowed_model_scores_lm_eval_items_and_refuses_speculation(smollm2, tmp_path):
+    """lm-eval's items (a context's endings continue copies of its rows: fork and join)
+    run over Gemma-3's per-group cache; rolling rows back is refused with the reason."""
+    from kvlab.run import compose_run_config, measure
+
+    tokenizer = smollm2[1]
+    extra = HF_FAMILIES["gemma3_text"] | {"vocab_size": len(tokenizer), "eos_token_id": 2}
+    tiny_causal_lm("gemma3_text", extra).save_pretrained(tmp_path / "gemma")
+    tokenizer.save_pretrained(tmp_path / "gemma")
+    source = [f"model.source={tmp_path / 'gemma'}", "workload.prompt_len=48"]
+    lm_eval = ["eval=lm_eval", "eval.lm_eval.limit=2", "eval.lm_eval.tasks=[hellaswag_local]"]
+    metrics = measure(compose_run_config(source + lm_eval), tmp_path)
+    assert metrics["hellaswag/items"] == 2 and metrics["model/backend"] == "hf"
+    with pytest.raises(ValueError, match="trained sliding windows .* cannot roll"):
+        measure(compose_run_config(source + ["spec=ngram"]), tmp_path)

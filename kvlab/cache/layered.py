@@ -46,7 +46,15 @@ class LayeredCache(KVCache):
     """Strategy ``name`` over the layers whose ``spec.layer_windows`` entry is None, a ring
     of each trained window over the others; the engine and the model see one cache."""
 
+    name = "layered"  # an instance bears the run's strategy's name
     serves = False
+
+    @classmethod
+    def speculation_refusal(cls, options: CacheOptions, tokens: int, depth: int) -> str | None:
+        return (
+            "a model with trained sliding windows (one cache per group of layers) cannot roll "
+            "its rows back yet"
+        )
 
     def __init__(self, name: str, spec: CacheSpec, options: CacheOptions, static: bool = False):
         from kvlab.cache.base import build_cache, strategy
@@ -115,6 +123,10 @@ class LayeredCache(KVCache):
 
     def spawn(self) -> KVCache:
         return LayeredCache(self.name, self.model_spec, self.options, self.static)
+
+    def join(self, other: KVCache) -> None:
+        for mine, theirs in zip(self.caches, other.caches, strict=True):
+            mine.join(theirs)
 
     def serve(self, budget_bytes: int, max_tokens: int) -> None:
         raise ValueError(
