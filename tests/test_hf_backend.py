@@ -277,3 +277,24 @@ def test_a_windowed_model_scores_lm_eval_items_and_refuses_speculation(smollm2, 
     assert metrics["hellaswag/items"] == 2 and metrics["model/backend"] == "hf"
     with pytest.raises(ValueError, match="trained sliding windows .* cannot roll"):
         measure(compose_run_config(source + ["spec=ngram"]), tmp_path)
+
+
+@pytest.mark.parametrize("name", ["full", "paged", "int4", "sliding", "gqa_shared"])
+def test_the_memory_model_predicts_a_windowed_models_bytes_group_by_group(name, hf_checkpoints):
+    """`kvlab memory` reads each layer's window from the config: its prediction for
+    Gemma-3's window ring beside the global layer's strategy equals the tensors held."""
+    import json
+
+    from kvlab.analysis.memory import Architecture, kv_bytes
+
+    path = hf_checkpoints / "gemma3_text"
+    model = load(path)
+    arch = Architecture.from_config(json.loads((path / "config.json").read_text()))
+    assert arch.layer_windows == model.cache_spec().layer_windows == (8, None)
+    options = registered()[name].tests.lossy
+    cache = build_cache(name, model.cache_spec(), options)
+    batch = [prompt(11), prompt(17, seed=4), prompt(3, seed=5)]
+    held = Engine(model, cache).generate(batch, GenerationConfig(6, stop_on_eos=False))
+    planned = kv_bytes(arch, name, options, context=17 + 6, batch=3, dtype=torch.float32)
+    assert "window=8" in planned
+    assert held.stats.kv_peak.held_bytes == sum(planned.values())

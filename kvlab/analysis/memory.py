@@ -16,6 +16,7 @@ import torch
 
 from kvlab.cache import registered
 from kvlab.cache.base import CacheSpec
+from kvlab.cache.layered import window_options
 
 REFERENCE_DIR = Path(__file__).with_name("reference_configs")
 GIB = 2**30
@@ -56,6 +57,7 @@ class Architecture:
     index_dim: int = 0  # DSA / CSA indexer key per token (per compressed entry for CSA)
     ratios: tuple[int, ...] = ()  # V4: per-layer compression ratio (0: window only)
     window: int = 0
+    layer_windows: tuple[int | None, ...] = ()  # GQA: each layer's trained window, if any
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -77,7 +79,23 @@ class Architecture:
         head_dim = cfg.get("head_dim") or hidden // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
         qkv_bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
-        return cls("gqa", layers, kv_heads, head_dim, qkv_bias=qkv_bias, **common)
+        return cls("gqa", layers, kv_heads, head_dim, qkv_bias=qkv_bias,
+                   layer_windows=layer_windows_of(cfg), **common)  # fmt: skip
+
+
+def layer_windows_of(cfg: dict[str, Any]) -> tuple[int | None, ...]:
+    """Each layer's trained sliding window as transformers reads it from ``cfg`` (the model
+    keeps a ring of it, :mod:`kvlab.cache.layered`); () where no layer has one or the model
+    type is unknown to transformers."""
+    from transformers import AutoConfig
+
+    from kvlab.models.hf_backend import _layer_windows
+
+    fields = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        return _layer_windows(AutoConfig.for_model(cfg.get("model_type", ""), **fields))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return ()
 
 
 # ---- weights -------------------------------------------------------------------------------
@@ -197,10 +215,25 @@ def kv_bytes(
     """Bytes per component a cache holds for ``batch`` sequences of ``context`` tokens."""
     if arch.kind == "gqa":
         strategy = registered()[cache]
-        spec = CacheSpec(
-            arch.layers, arch.heads, arch.kv_heads, arch.head_dim, dtype, torch.device("meta")
-        )
-        return strategy.planned_bytes(spec, strategy.Options(**(options or {})), batch, context)
+        checked = strategy.Options(**(options or {}))
+        windows = arch.layer_windows if strategy.stores_past else ()
+        groups: dict[int | None, int] = {}
+        for window in windows or (None,) * arch.layers:
+            groups[window] = groups.get(window, 0) + 1
+        out: dict[str, int] = {}
+        for window, layers in groups.items():
+            spec = CacheSpec(
+                layers, arch.heads, arch.kv_heads, arch.head_dim, dtype, torch.device("meta")
+            )
+            if window is None:
+                part = strategy.planned_bytes(spec, checked, batch, context)
+            else:  # a ring of the window in the run's codec (cache/layered.py)
+                ring = registered()["sliding"]
+                ring_options = ring.Options(**window_options(checked, window))
+                part = {f"window={window}": sum(
+                    ring.planned_bytes(spec, ring_options, batch, context).values())}  # fmt: skip
+            out |= part
+        return out
     if cache not in ("full", "native"):
         raise ValueError(
             f"cache={cache!r}: kvlab models only the native cache of {arch.kind} models; "
