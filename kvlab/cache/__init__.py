@@ -13,12 +13,11 @@ from kvlab.cache.base import (
     MemoryReport,
     NoRoom,
     StepInfo,
-    build_cache,
-    cache_factory,
     register,
     registered,
     sdpa,
 )
+from kvlab.cache.build import build_cache, cache_factory
 from kvlab.registry import import_folder
 
 import_folder("kvlab.cache.policies")  # presets a policy's own file declares

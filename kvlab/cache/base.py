@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -486,36 +486,6 @@ def cache_options(name: str, options: dict[str, Any] | None = None) -> CacheOpti
     from kvlab.registry import checked_options
 
     return checked_options(strategy(name).Options, options, "cache.options")
-
-
-def build_cache(
-    name: str, spec: CacheSpec, options: dict[str, Any] | None = None, static: bool = False
-) -> KVCache:
-    """Instantiate strategy ``name`` with its options checked by its ``Options`` dataclass;
-    ``static``: for a compiled engine (fixed shapes from step to step)."""
-    return instantiate(strategy(name), spec, cache_options(name, options), static)
-
-
-def instantiate(cls: type[KVCache], spec: CacheSpec, options, static: bool = False) -> KVCache:
-    """``cls`` over ``spec``; over a model with trained sliding windows, one cache per group
-    of layers (:class:`kvlab.cache.layered.LayeredCache`)."""
-    if cls.stores_past and any(window is not None for window in spec.layer_windows):
-        from kvlab.cache.layered import LayeredCache
-
-        return LayeredCache(cls.name, spec, options, static)
-    return cls(spec, options, static=static)
-
-
-def cache_factory(
-    name: str, model: torch.nn.Module, options: dict[str, Any] | None = None
-) -> Callable[..., KVCache]:
-    """A function that builds fresh caches of strategy ``name`` for ``model`` (``static=True``
-    for a compiled engine), after the strategy has fitted what it learns from the model
-    (:meth:`KVCache.prepare`)."""
-    cls = strategy(name)
-    checked = cache_options(name, options)
-    cls.prepare(model, checked)
-    return lambda static=False: instantiate(cls, model.cache_spec(), checked, static)
 
 
 def sdpa(

@@ -20,7 +20,16 @@ from typing import Any
 
 import torch
 
-from kvlab.cache.base import CacheOptions, CacheSpec, KVCache, MemoryReport, Step, StepInfo
+from kvlab.cache.base import (
+    CacheOptions,
+    CacheSpec,
+    KVCache,
+    MemoryReport,
+    Step,
+    StepInfo,
+    cache_options,
+    strategy,
+)
 
 #: codec options a window's ring takes from the run's strategy (per-token codes)
 CODEC_FIELDS = ("kv_bits", "kv_group_size", "kv_format", "rotate", "kv_tensor_scale")
@@ -57,8 +66,6 @@ class LayeredCache(KVCache):
         )
 
     def __init__(self, name: str, spec: CacheSpec, options: CacheOptions, static: bool = False):
-        from kvlab.cache.base import build_cache, strategy
-
         self.name = name
         self.stores_past = strategy(name).stores_past
         self.tests = strategy(name).tests
@@ -72,7 +79,8 @@ class LayeredCache(KVCache):
             if window is None:
                 cache = strategy(name)(part, options, static=static)
             else:
-                cache = build_cache("sliding", part, window_options(options, window), static)
+                ring = cache_options("sliding", window_options(options, window))
+                cache = strategy("sliding")(part, ring, static=static)
             for local, layer in enumerate(layers):
                 self.where[layer] = (len(self.groups), local)
             self.groups.append((layers, cache))

@@ -276,14 +276,10 @@ class HFDecoder(CachedDecoder):
         return self.lm_head(x).float()
 
 
-def load_hf_model(
-    checkpoint: Path, dtype: torch.dtype, device: str | torch.device
-) -> tuple[HFDecoder, Any]:
-    """transformers' model class for ``checkpoint`` with kvlab's attention, and its
-    tokenizer (None when the checkpoint ships none); refuses what it cannot serve."""
+def load_hf_model(checkpoint: Path, dtype: torch.dtype, device: str | torch.device) -> HFDecoder:
+    """transformers' model class for ``checkpoint`` with kvlab's attention; refuses what it
+    cannot serve."""
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kvlab.models.loading import _load_tokenizer
 
     config = AutoConfig.from_pretrained(checkpoint)
     reason = hf_refusal(config)
@@ -308,4 +304,4 @@ def load_hf_model(
         )
     model = HFDecoder(causal_lm, facts)
     model.checkpoint_dir = checkpoint
-    return model, _load_tokenizer(checkpoint)
+    return model

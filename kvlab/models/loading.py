@@ -208,11 +208,11 @@ def load_model(
     if resolve_backend(source, backend) == "hf":
         from kvlab.models.hf_backend import load_hf_model
 
-        model, tokenizer = load_hf_model(checkpoint, dtype, device)
+        model = load_hf_model(checkpoint, dtype, device)
         model.kernel_plan = plan or default_plan()
         if cpu_prepack:
             prepack_linears(model)
-        return model, tokenizer
+        return model, _load_tokenizer(checkpoint)
     hf_config = json.loads((checkpoint / "config.json").read_text())
     cfg = DecoderConfig.from_hf(hf_config)
     int4 = (hf_config.get("quantization_config") or {}).get("quant_method") in ("gptq", "awq")

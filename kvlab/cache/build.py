@@ -1,0 +1,40 @@
+"""Building a strategy's cache: its options checked, and, over a model with trained sliding
+windows, one cache per group of layers (:mod:`kvlab.cache.layered`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kvlab.cache.base import CacheSpec, KVCache, cache_options, strategy
+from kvlab.cache.layered import LayeredCache
+
+
+def build_cache(
+    name: str, spec: CacheSpec, options: dict[str, Any] | None = None, static: bool = False
+) -> KVCache:
+    """Instantiate strategy ``name`` with its options checked by its ``Options`` dataclass;
+    ``static``: for a compiled engine (fixed shapes from step to step)."""
+    return instantiate(strategy(name), spec, cache_options(name, options), static)
+
+
+def instantiate(cls: type[KVCache], spec: CacheSpec, options, static: bool = False) -> KVCache:
+    """``cls`` over ``spec``; over a model with trained sliding windows, one cache per group
+    of layers (:class:`kvlab.cache.layered.LayeredCache`)."""
+    if cls.stores_past and any(window is not None for window in spec.layer_windows):
+        return LayeredCache(cls.name, spec, options, static)
+    return cls(spec, options, static=static)
+
+
+def cache_factory(
+    name: str, model: torch.nn.Module, options: dict[str, Any] | None = None
+) -> Callable[..., KVCache]:
+    """A function that builds fresh caches of strategy ``name`` for ``model`` (``static=True``
+    for a compiled engine), after the strategy has fitted what it learns from the model
+    (:meth:`KVCache.prepare`)."""
+    cls = strategy(name)
+    checked = cache_options(name, options)
+    cls.prepare(model, checked)
+    return lambda static=False: instantiate(cls, model.cache_spec(), checked, static)
