@@ -24,7 +24,6 @@ from kvlab.cache.base import (
     CacheOptions,
     CacheSpec,
     KVCache,
-    MemoryReport,
     Step,
     StepInfo,
     cache_options,
@@ -163,10 +162,6 @@ class LayeredCache(KVCache):
 
     def used_bytes(self) -> int:
         return sum(cache.used_bytes() for cache in self.caches)
-
-    def memory(self) -> MemoryReport:
-        held = sum(t.numel() * t.element_size() for t in self.tensors())
-        return MemoryReport(held, self.used_bytes(), sum(self.lengths))
 
     def group_bytes(self) -> dict[str, int]:
         """Bytes each group holds: ``full`` (the run's strategy) and ``window=W`` rings."""
