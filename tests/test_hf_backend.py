@@ -262,9 +262,10 @@ def test_a_windowed_model_holds_a_ring_of_its_window_beside_the_full_layers(hf_c
     assert groups["full"] > 4 * groups["window=8"] > 0  # 64 slots against a ring of 8
 
 
-def test_a_windowed_model_scores_lm_eval_items_and_refuses_speculation(smollm2, tmp_path):
-    """lm-eval's items (a context's endings continue copies of its rows: fork and join)
-    run over Gemma-3's per-group cache; rolling rows back is refused with the reason."""
+def test_a_windowed_model_scores_lm_eval_items_serves_and_refuses_speculation(smollm2, tmp_path):
+    """lm-eval's items (a context's endings continue copies of its rows: fork and join) and a
+    serving trace run over Gemma-3's per-group cache; rolling rows back is refused with the
+    reason."""
     from kvlab.run import compose_run_config, measure
 
     tokenizer = smollm2[1]
@@ -277,6 +278,20 @@ def test_a_windowed_model_scores_lm_eval_items_and_refuses_speculation(smollm2, 
     assert metrics["hellaswag/items"] == 2 and metrics["model/backend"] == "hf"
     with pytest.raises(ValueError, match="trained sliding windows .* cannot roll"):
         measure(compose_run_config(source + ["spec=ngram"]), tmp_path)
+    serving = [
+        source[0],
+        "workload=serving",
+        "cache=paged",
+        "workload.serving.num_requests=6",
+        "workload.serving.prompt_len.kind=fixed",
+        "workload.serving.prompt_len.value=40",
+        "workload.serving.output_len.kind=fixed",
+        "workload.serving.output_len.value=8",
+        "workload.serving.kv_budget_gib=0.001",
+        "workload.serving.chunk=16",
+    ]
+    metrics = measure(compose_run_config(serving), tmp_path)
+    assert metrics["completed"] == 6 and metrics["output_throughput"] > 0
 
 
 @pytest.mark.parametrize("name", ["full", "paged", "int4", "sliding", "gqa_shared"])
@@ -298,3 +313,30 @@ def test_the_memory_model_predicts_a_windowed_models_bytes_group_by_group(name, 
     planned = kv_bytes(arch, name, options, context=17 + 6, batch=3, dtype=torch.float32)
     assert "window=8" in planned
     assert held.stats.kv_peak.held_bytes == sum(planned.values())
+
+
+@pytest.mark.parametrize("name", ["full", "paged", "int4", "sliding"])
+def test_a_windowed_model_serves_each_request_what_it_generates_alone(name, hf_checkpoints):
+    """Continuous batching over Gemma-3's per-group cache (each group serving its share of
+    one budget): joining, leaving and chunked prefill change nothing but timing."""
+    from kvlab.config import ServingConfig
+    from kvlab.engine.clock import FakeClock
+    from kvlab.serving.server import serve
+    from tests.test_scheduler import trace
+
+    model = load(hf_checkpoints / "gemma3_text")
+    options = registered()[name].tests.lossy
+    requests = trace(BASE["vocab_size"])
+    capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    probe = build_cache(name, model.cache_spec(), options)
+    probe.serve(2**24, capacity)
+    budget = 3 * probe.request_bytes(capacity)  # a few at a time
+    cache = build_cache(name, model.cache_spec(), options)
+    result = serve(
+        model, cache, requests, ServingConfig(kv_budget_bytes=budget, chunk=4), FakeClock()
+    )
+    alone = Engine(model, build_cache(name, model.cache_spec(), options))
+    for seq, request in zip(result.seqs, requests, strict=True):
+        cfg = GenerationConfig(request.max_new_tokens, stop_on_eos=False, prefill_chunk=4)
+        assert seq.output == alone.generate([list(request.prompt)], cfg).tokens[0], seq.index
+    assert max(n for _, _, n in result.timeline) >= 2  # requests did run together

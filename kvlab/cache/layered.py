@@ -8,8 +8,8 @@ group's memory is its own tensors', so a model of mostly windowed layers holds f
 than its layer count times the context.
 
 :class:`LayeredCache` keeps the engine's contract by passing every call to its groups;
-the model sees one cache. Not yet: serving (rows joining a running batch under one budget
-shared by the groups) and prefix reuse."""
+the model sees one cache; serving gives each group the share of the budget its rows
+reserve. Not yet: prefix reuse, speculation (the rings' rollback margin)."""
 
 from __future__ import annotations
 
@@ -55,7 +55,6 @@ class LayeredCache(KVCache):
     of each trained window over the others; the engine and the model see one cache."""
 
     name = "layered"  # an instance bears the run's strategy's name
-    serves = False
 
     @classmethod
     def speculation_refusal(cls, options: CacheOptions, tokens: int, depth: int) -> str | None:
@@ -67,6 +66,7 @@ class LayeredCache(KVCache):
     def __init__(self, name: str, spec: CacheSpec, options: CacheOptions, static: bool = False):
         self.name = name
         self.stores_past = strategy(name).stores_past
+        self.serves = strategy(name).serves
         self.tests = strategy(name).tests
         groups: dict[int | None, list[int]] = {}
         for layer, window in enumerate(spec.layer_windows):
@@ -128,18 +128,37 @@ class LayeredCache(KVCache):
         new.groups = [(layers, cache.fork(rows)) for layers, cache in self.groups]
         return new
 
-    def spawn(self) -> KVCache:
-        return LayeredCache(self.name, self.model_spec, self.options, self.static)
-
     def join(self, other: KVCache) -> None:
         for mine, theirs in zip(self.caches, other.caches, strict=True):
             mine.join(theirs)
 
+    # ---- serving: each group serves its share of one budget -----------------------------
     def serve(self, budget_bytes: int, max_tokens: int) -> None:
-        raise ValueError(
-            f"cache={self.name} on a model with trained sliding windows cannot serve yet (its "
-            "groups of layers would share one budget); allowed: offline generation and evals"
-        )
+        """Each group serves the budget's share its rows reserve (its memory-model line for
+        one row at ``max_tokens``), so a request fits every group or none."""
+        self.budget_bytes, self.capacity, self.row_tokens = budget_bytes, max_tokens, max_tokens
+        rows = [_row_bytes(cache, max_tokens) for cache in self.caches]
+        for cache, row in zip(self.caches, rows, strict=True):
+            cache.serve(budget_bytes * row // max(1, sum(rows)), max_tokens)
+
+    def spawn(self) -> KVCache:
+        new = object.__new__(type(self))
+        vars(new).update(vars(self))
+        new.groups = [(layers, cache.spawn()) for layers, cache in self.groups]
+        return new
+
+    def request_bytes(self, tokens: int) -> int:
+        return sum(cache.request_bytes(tokens) for cache in self.caches)
+
+    def free_bytes(self, *spawned: KVCache) -> int:
+        """The least free share, over each group's share of what a request reserves there,
+        in bytes of the whole: a request fits where every group has room for its part."""
+        room = []
+        for g, cache in enumerate(self.caches):
+            row = max(1, cache.request_bytes(self.capacity))
+            free = cache.free_bytes(*(other.caches[g] for other in spawned))
+            room.append(free / row)
+        return int(min(room) * sum(c.request_bytes(self.capacity) for c in self.caches))
 
     # ---- one forward step ----------------------------------------------------------------
     def plan(self, info: StepInfo) -> Step:
@@ -171,3 +190,8 @@ class LayeredCache(KVCache):
             key = "full" if window is None else f"window={window}"
             out[key] = sum(t.numel() * t.element_size() for t in cache.tensors())
         return out
+
+
+def _row_bytes(cache: KVCache, tokens: int) -> int:
+    """Bytes one row of ``tokens`` tokens takes in ``cache`` (its memory-model line)."""
+    return sum(type(cache).planned_bytes(cache.model_spec, cache.options, 1, tokens).values())
