@@ -13,14 +13,15 @@ mask function of its name gets ``attention_mask=None``): the strategy's position
 mask. Linear layers are the model's ``nn.Linear``, so weight quantizers and the kernel plan
 apply to them as to the native decoder's.
 
-Served here: decoder-only models whose every layer attends over the whole context with
-softmax attention — Llama, Qwen3 and Qwen3-MoE, Phi-3, SmolLM3 (its layers without RoPE
-included), Mistral without a window, DeepSeek-V3's MLA (its decompressed keys and values
-stored, values zero-padded to the keys' width). Refused before any weight loads, with the
-reason: trained sliding windows and attention sinks (Gemma 2/3, gpt-oss, Mistral v0.1's
-window), recurrent or shared-KV layers, logit soft-capping; and the strategies that
-re-rotate keys (``compressed``, ``sliding positions=cache``, the ``expected_attention``
-scorer) where the model's RoPE is not the plain rotation of whole heads that they invert.
+Served here: decoder-only models whose layers attend with softmax attention, over the
+whole context or a trained sliding window — Llama, Qwen2/3 and Qwen3-MoE, Phi-3, SmolLM3 (its
+layers without RoPE included), Mistral, Gemma 3 (a window's layers keep a ring of it:
+:mod:`kvlab.cache.layered`), DeepSeek-V3's MLA (its decompressed keys and values stored,
+values zero-padded to the keys' width). Refused before any weight loads, with the reason:
+attention sinks (gpt-oss), recurrent, chunked or shared-KV layers, logit soft-capping; and
+the strategies that re-rotate keys (``compressed``, ``sliding positions=cache``, the
+``expected_attention`` scorer) where the model's RoPE is not the plain rotation of whole
+heads that they invert.
 """
 
 from __future__ import annotations
