@@ -316,11 +316,12 @@ def check_context(cfg: RunConfig) -> None:
     )
 
     limit, window = max_context(cfg.model.source), trained_window(cfg.model.source)
-    if resolve_backend(cfg.model.source, cfg.model.backend) == "hf":
+    backend = resolve_backend(cfg.model.source, cfg.model.backend)
+    if backend == "hf":
         window = None  # transformers' classes keep each layer's window (cache/layered.py)
     strategy = registered()[cfg.cache.name]
     options = cache_options(cfg.cache.name, cfg.cache.options)
-    refused = backend_refusal(cfg.model.source, cfg.model.backend, cfg.cache.name, options)
+    refused = backend_refusal(cfg.model.source, backend, cfg.cache.name, options)
     if refused:
         raise ValueError(refused)
     span = strategy.position_span(options)

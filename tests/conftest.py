@@ -22,6 +22,16 @@ os.environ["KVLAB_CACHE"] = os.environ.get("KVLAB_TEST_CACHE") or str(
 import pytest
 import torch
 
+TINY = dict(  # the shape of every tiny random model transformers builds for the tests
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
 FAMILIES = ("llama", "llama3_scaled", "llama2_linear", "mistral", "qwen2", "qwen3", "smollm")
 
 
@@ -29,16 +39,7 @@ def tiny_hf_model(family: str):
     """A small random HF model of ``family`` (fp32, eval mode)."""
     import transformers as tf
 
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-    )
+    common = dict(TINY)
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if family == "llama3_scaled":
         rope = {

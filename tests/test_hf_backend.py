@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY
 
 from kvlab.cache import build_cache, registered
 from kvlab.cache.base import cache_options
 from kvlab.engine import Engine, GenerationConfig
 
-BASE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
+BASE = TINY | dict(  # conftest's tiny shape, with token ids inside its vocabulary
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=None,  # generation runs its whole length on both sides
@@ -319,24 +313,7 @@ def test_the_memory_model_predicts_a_windowed_models_bytes_group_by_group(name, 
 def test_a_windowed_model_serves_each_request_what_it_generates_alone(name, hf_checkpoints):
     """Continuous batching over Gemma-3's per-group cache (each group serving its share of
     one budget): joining, leaving and chunked prefill change nothing but timing."""
-    from kvlab.config import ServingConfig
-    from kvlab.engine.clock import FakeClock
-    from kvlab.serving.server import serve
-    from tests.test_scheduler import trace
+    from tests.test_scheduler import check_serving_equals_alone
 
     model = load(hf_checkpoints / "gemma3_text")
-    options = registered()[name].tests.lossy
-    requests = trace(BASE["vocab_size"])
-    capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    probe = build_cache(name, model.cache_spec(), options)
-    probe.serve(2**24, capacity)
-    budget = 3 * probe.request_bytes(capacity)  # a few at a time
-    cache = build_cache(name, model.cache_spec(), options)
-    result = serve(
-        model, cache, requests, ServingConfig(kv_budget_bytes=budget, chunk=4), FakeClock()
-    )
-    alone = Engine(model, build_cache(name, model.cache_spec(), options))
-    for seq, request in zip(result.seqs, requests, strict=True):
-        cfg = GenerationConfig(request.max_new_tokens, stop_on_eos=False, prefill_chunk=4)
-        assert seq.output == alone.generate([list(request.prompt)], cfg).tokens[0], seq.index
-    assert max(n for _, _, n in result.timeline) >= 2  # requests did run together
+    check_serving_equals_alone(model, name, registered()[name].tests.lossy)

@@ -40,14 +40,20 @@ def row_bytes(model, name, options, capacity: int) -> int:
 )
 def test_every_request_gets_what_it_generates_alone(name, options, tiny_llama):
     """Batching, chunked prefill, joining and leaving change nothing but timing (greedy)."""
-    requests = trace(tiny_llama.config.vocab_size)
+    check_serving_equals_alone(tiny_llama, name, options)
+
+
+def check_serving_equals_alone(model, name: str, options: dict) -> None:
+    """A trace served under a budget of a few rows gives every request what it generates
+    alone, and requests did run together."""
+    requests = trace(model.config.vocab_size)
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    budget = 3 * row_bytes(tiny_llama, name, options, capacity)  # a few at a time
-    cache = build_cache(name, tiny_llama.cache_spec(), options)
+    budget = 3 * row_bytes(model, name, options, capacity)  # a few at a time
+    cache = build_cache(name, model.cache_spec(), options)
     result = serve(
-        tiny_llama, cache, requests, ServingConfig(kv_budget_bytes=budget, chunk=4), FakeClock()
+        model, cache, requests, ServingConfig(kv_budget_bytes=budget, chunk=4), FakeClock()
     )
-    alone = Engine(tiny_llama, build_cache(name, tiny_llama.cache_spec(), options))
+    alone = Engine(model, build_cache(name, model.cache_spec(), options))
     for seq, request in zip(result.seqs, requests, strict=True):
         cfg = GenerationConfig(request.max_new_tokens, stop_on_eos=False, prefill_chunk=4)
         assert seq.output == alone.generate([list(request.prompt)], cfg).tokens[0], seq.index

@@ -89,11 +89,11 @@ def layer_windows_of(cfg: dict[str, Any]) -> tuple[int | None, ...]:
     type is unknown to transformers."""
     from transformers import AutoConfig
 
-    from kvlab.models.hf_backend import _layer_windows
+    from kvlab.models.hf_backend import layer_windows
 
     fields = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
-        return _layer_windows(AutoConfig.for_model(cfg.get("model_type", ""), **fields))
+        return layer_windows(AutoConfig.for_model(cfg.get("model_type", ""), **fields))
     except (ValueError, KeyError, TypeError, AttributeError):
         return ()
 

@@ -67,7 +67,6 @@ class LayeredCache(KVCache):
         self.name = name
         self.stores_past = strategy(name).stores_past
         self.serves = strategy(name).serves
-        self.tests = strategy(name).tests
         groups: dict[int | None, list[int]] = {}
         for layer, window in enumerate(spec.layer_windows):
             groups.setdefault(window, []).append(layer)

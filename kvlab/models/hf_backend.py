@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from kvlab.cache.base import KVCache, Step
-from kvlab.models.llama import CachedDecoder
+from kvlab.models.llama import CachedDecoder, logit_rows
 from kvlab.models.rope import RotaryTables
 
 ATTENTION = "kvlab"
@@ -143,7 +143,7 @@ def _plain_rope(config: Any, key_dim: int) -> bool:
     return factor in (None, 1.0) and key_dim % 2 == 0
 
 
-def _layer_windows(config: Any) -> tuple[int | None, ...]:
+def layer_windows(config: Any) -> tuple[int | None, ...]:
     """Each layer's trained sliding window, as transformers' own caches read it; () where
     no layer has one."""
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -169,7 +169,7 @@ def facts_of(config: Any) -> HFDecoderFacts:
         max_position_embeddings=config.max_position_embeddings,
         plain_rope=_plain_rope(config, key_dim),
         eos_token_ids=_eos_ids(config),
-        layer_windows=_layer_windows(config),
+        layer_windows=layer_windows(config),
     )
 
 
@@ -270,11 +270,7 @@ class HFDecoder(CachedDecoder):
             use_cache=False,
             kvlab=(cache, step, unrotate),
         ).last_hidden_state
-        if logit_index is not None and logit_index.dtype == torch.bool:
-            x = x[logit_index]
-        elif logit_index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logit_index]
-        return self.lm_head(x).float()
+        return self.lm_head(logit_rows(x, logit_index)).float()
 
 
 def load_hf_model(checkpoint: Path, dtype: torch.dtype, device: str | torch.device) -> HFDecoder:

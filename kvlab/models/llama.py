@@ -116,6 +116,17 @@ def fits_one_call(x: torch.Tensor) -> bool:
     return x.shape[1] == 1 and x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+def logit_rows(x: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
+    """The positions of x (B, T, hidden) the vocabulary is projected at: all (None), one a
+    row (``logit_index`` (B,): (B, hidden)), or the marked ones row by row (a boolean
+    (B, T): (N, hidden))."""
+    if logit_index is None:
+        return x
+    if logit_index.dtype == torch.bool:
+        return x[logit_index]
+    return x[torch.arange(x.shape[0], device=x.device), logit_index]
+
+
 class CachedDecoder(nn.Module):
     """What the engine calls on a model, whatever runs its layers (kvlab's :class:`Decoder`,
     or transformers' class in :mod:`kvlab.models.hf_backend`): ``forward`` plans the step on
@@ -237,8 +248,4 @@ class Decoder(CachedDecoder):
         else:
             for layer in self.layers:
                 x = layer(x, rope, cache, step)
-        if logit_index is not None and logit_index.dtype == torch.bool:
-            x = x[logit_index]  # (N, hidden): the marked positions, row by row
-        elif logit_index is not None:
-            x = x[torch.arange(x.shape[0], device=x.device), logit_index]  # (B, hidden)
-        return self.lm_head(self.norm(x)).float()
+        return self.lm_head(self.norm(logit_rows(x, logit_index))).float()

@@ -170,9 +170,10 @@ def resolve_backend(source: str, backend: str = "auto") -> str:
 
 
 def backend_refusal(source: str, backend: str, cache_name: str, cache_options: Any) -> str | None:
-    """Why ``source`` cannot run under ``backend`` with this cache strategy, from its config
-    alone, or None (the native decoder refuses what it does not know when it reads it)."""
-    if resolve_backend(source, backend) != "hf":
+    """Why ``source`` cannot run under ``backend`` (resolved: native or hf) with this cache
+    strategy, from its config alone, or None (the native decoder refuses what it does not
+    know when it reads it)."""
+    if backend != "hf":
         return None
     from kvlab.models.hf_backend import refusal
 
