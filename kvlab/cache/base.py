@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
+from kvlab.kernels.attention.sinks import current_sinks, sdpa_with_sinks
 from kvlab.models.rope import RotaryTables
 
 _REGISTRY: dict[str, type[KVCache]] = {}
@@ -39,6 +40,9 @@ class CacheSpec:
     # each layer's trained sliding window (None: the whole context); () where none has one.
     # A model with windows gets one cache per group of layers (cache/layered.py)
     layer_windows: tuple[int | None, ...] = ()
+    # tokens a step may roll back (speculation's drafts): a trained window's ring keeps as
+    # many slots more, so a rejected draft leaves it what decoding would have kept
+    rollback: int = 0
 
 
 @dataclass
@@ -188,6 +192,14 @@ class KVCache(ABC):
         """The most positions RoPE ever sees with these options, whatever the sequence
         length; None when positions grow with the sequence (the usual case)."""
         return None
+
+    @classmethod
+    def rerotates_keys(cls, options: CacheOptions) -> bool:
+        """Whether the strategy turns keys by RoPE's frequencies itself (stored keys moved
+        to other positions, keys rebuilt from their unrotated form, rotations averaged):
+        it then needs the model's RoPE to be the plain rotation of whole heads at fixed
+        frequencies, which it inverts (``model.backend=hf`` refuses it otherwise)."""
+        return False
 
     @classmethod
     def planned_bytes(
@@ -502,7 +514,12 @@ def sdpa(
     1/sqrt(D) of q (v may be narrower than q and k). Grouped-query heads
     are folded into the query axis when there is one query per row and no causal mask, so
     decode reads each KV head once without copies; otherwise SDPA's own GQA path is used.
+    Attention sinks set for the layer (:mod:`kvlab.kernels.attention.sinks`) join the
+    softmax.
     """
+    sinks = current_sinks()
+    if sinks is not None:
+        return sdpa_with_sinks(q, k, v, mask, causal, scale, sinks)
     batch, heads, steps, dim = q.shape
     group = heads // k.shape[1]
     if group > 1 and steps == 1 and not causal:

@@ -17,11 +17,11 @@ Served here: decoder-only models whose layers attend with softmax attention, ove
 whole context or a trained sliding window — Llama, Qwen2/3 and Qwen3-MoE, Phi-3, SmolLM3 (its
 layers without RoPE included), Mistral, Gemma 3 (a window's layers keep a ring of it:
 :mod:`kvlab.cache.layered`), DeepSeek-V3's MLA (its decompressed keys and values stored,
-values zero-padded to the keys' width). Refused before any weight loads, with the reason:
-attention sinks (gpt-oss), recurrent, chunked or shared-KV layers, logit soft-capping; and
-the strategies that re-rotate keys (``compressed``, ``sliding positions=cache``, the
-``expected_attention`` scorer) where the model's RoPE is not the plain rotation of whole
-heads that they invert.
+values zero-padded to the keys' width), gpt-oss (its learned attention sinks, ``s_aux``, set
+for each layer's attention: :mod:`kvlab.kernels.attention.sinks`). Refused before any
+weight loads, with the reason: recurrent, chunked or shared-KV layers, logit soft-capping;
+and the strategies that re-rotate keys (``KVCache.rerotates_keys``) where the model's RoPE
+is not the plain rotation of whole heads that they invert.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from kvlab.cache.base import KVCache, Step
+from kvlab.kernels.attention.sinks import attention_sinks
 from kvlab.models.llama import CachedDecoder, logit_rows
 from kvlab.models.rope import RotaryTables
 
@@ -92,24 +93,16 @@ def hf_refusal(config: Any) -> str | None:
     ):
         if getattr(config, field, None):
             return f"model_type={model_type!r} uses {why} ({field}), which kvlab's attention lacks"
-    if model_type == "gpt_oss" or getattr(config, "sinks", None):
-        return f"model_type={model_type!r} has attention sinks, which the hf backend lacks yet"
     return None
 
 
 def strategy_refusal(facts: HFDecoderFacts, name: str, options: Any) -> str | None:
-    """Why cache strategy ``name`` with ``options`` cannot serve this model, or None: the
-    strategies that re-rotate keys by RoPE's frequencies (pooled entries re-rotated at their
-    window's position, positions within the cache, the expected-attention scorer's averaged
-    rotation) need the plain rotation of whole heads, which they invert."""
-    if facts.plain_rope:
-        return None
-    rerotates = (
-        name == "compressed"
-        or getattr(options, "positions", None) == "cache"
-        or getattr(options, "scorer", None) == "expected_attention"
-    )
-    if not rerotates:
+    """Why cache strategy ``name`` with ``options`` cannot serve this model, or None: a
+    strategy that re-rotates keys by RoPE's frequencies (``KVCache.rerotates_keys``) needs
+    the plain rotation of whole heads, which it inverts."""
+    from kvlab.cache import registered
+
+    if facts.plain_rope or not registered()[name].rerotates_keys(options):
         return None
     return (
         f"cache={name} re-rotates keys by RoPE's frequencies, and model_type="
@@ -194,12 +187,14 @@ def kvlab_attention(
     scaling: float,
     dropout: float = 0.0,
     kvlab: tuple[KVCache, Step, RotaryTables | None] | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention call, answered by the step's cache: q (B, H, T, Dk), k
     (B, H_kv, T, Dk), v (B, H_kv, T, Dv) after the model's norms and RoPE; returns
     (B, T, H, Dv). kvlab's attention scales scores by ``Dk ** -0.5``, so the query takes the
-    model's own ``scaling`` relative to that (1 for most models: no multiply)."""
+    model's own ``scaling`` relative to that (1 for most models: no multiply). ``s_aux``:
+    the layer's learned attention sinks (H,) (gpt-oss), in every softmax of the call."""
     if kvlab is None:
         raise RuntimeError(
             "attn_implementation='kvlab' runs inside kvlab's engine only (no cache was passed)"
@@ -212,7 +207,8 @@ def kvlab_attention(
     if value_dim < key_dim:  # MLA: values narrower than keys, stored at the keys' width
         value = nn.functional.pad(value, (0, key_dim - value_dim))
     k_raw = key if unrotate is None else unrotate.rotate_heads_first(key)
-    out = cache.attend(step, module.layer_idx, query, key, value, k_raw)
+    with attention_sinks(s_aux):
+        out = cache.attend(step, module.layer_idx, query, key, value, k_raw)
     return out[..., :value_dim].transpose(1, 2).contiguous(), None
 
 

@@ -30,6 +30,7 @@ from kvlab.kernels.attention.segments import (
     reference_attention,
     unpack_nibbles,
 )
+from kvlab.kernels.attention.sinks import current_sinks, sink_logits
 
 BACKENDS = ("auto", "c", "gpu", "flex", "triton", "reference")
 _pinned = ["auto"]
@@ -63,21 +64,30 @@ def c_kernel_allowed() -> bool:
 
 def decode_attention(segments: list[Segment], scale: float, out_dtype: torch.dtype):
     """Attention output (B, H_kv, G, D) in ``out_dtype`` of every segment's queries over its
-    visible tokens, one softmax across all segments."""
+    visible tokens, one softmax across all segments, the layer's attention sinks in it where
+    it has them (:mod:`.sinks`)."""
     backends = segment_backends(segments)
+    sinks = current_sinks()
+    if sinks is not None:
+        sinks = sink_logits(sinks, *segments[0].q.shape[:3])
     if backends[0] == "c":
-        return c_attention(segments, scale, out_dtype)
+        return c_attention(segments, scale, out_dtype, sinks)
     if backends[0] == "reference":
-        return reference_attention(segments, scale).to(out_dtype)
+        return reference_attention(segments, scale, sinks).to(out_dtype)
     if segments[0].q.is_cuda:
-        return _per_segment(segments, backends, scale).to(out_dtype)
-    return _per_segment_untraced(segments, backends, scale).to(out_dtype)
+        return _per_segment(segments, backends, scale, sinks).to(out_dtype)
+    return _per_segment_untraced(segments, backends, scale, sinks).to(out_dtype)
 
 
-def _per_segment(segments: list[Segment], backends: list[str], scale: float) -> torch.Tensor:
-    """Each segment by its backend, merged by log-sum-exp: (B, H_kv, G, D) in fp32."""
+def _per_segment(
+    segments: list[Segment], backends: list[str], scale: float, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """Each segment by its backend, merged by log-sum-exp: (B, H_kv, G, D) in fp32; sinks
+    (B, H_kv, G) merge in as one more part, of output 0."""
     partial = {"flex": flex_partial, "triton": triton_partial}
     parts = [partial[name](s, scale) for name, s in zip(backends, segments, strict=True)]
+    if sinks is not None:
+        parts.append((torch.zeros_like(parts[0][0]), sinks.to(parts[0][1].device)))
     return merge_segments(parts)
 
 

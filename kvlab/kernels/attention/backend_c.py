@@ -34,12 +34,15 @@ def chunk_tokens(span: int, pairs: int, threads: int | None = None) -> int:
     return CHUNK
 
 
-def c_attention(segments: list[Segment], scale: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """(B, H_kv, G, D) in ``out_dtype``: one softmax over every segment, in one C call."""
+def c_attention(
+    segments: list[Segment], scale: float, out_dtype: torch.dtype, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """(B, H_kv, G, D) in ``out_dtype``: one softmax over every segment, ``sinks`` (B, H_kv,
+    G) in it where given, in one C call."""
     bf16 = out_dtype == torch.bfloat16
     if torch.compiler.is_compiling():
-        return torch.ops.kvlab.decode_attention(*_flatten(segments), scale, bf16)
-    return _attend([_item(s) for s in segments], scale, bf16)  # eager: no dispatcher trip
+        return torch.ops.kvlab.decode_attention(*_flatten(segments), scale, bf16, sinks)
+    return _attend([_item(s) for s in segments], scale, bf16, sinks)  # eager: no dispatcher
 
 
 def _item(s: Segment) -> tuple:
@@ -166,31 +169,36 @@ def _decode_attention_op(
     k_zero: list[torch.Tensor | None], v_data: list[torch.Tensor],
     v_scale: list[torch.Tensor | None], v_zero: list[torch.Tensor | None],
     tables: list[torch.Tensor], los: list[torch.Tensor], his: list[torch.Tensor],
-    config: list[int], scale: float, bf16: bool,
+    config: list[int], scale: float, bf16: bool, sinks: torch.Tensor | None,
 ) -> torch.Tensor:  # fmt: skip
     """The C kernel over flattened segments (see :func:`_flatten`): (B, H_kv, G, D)."""
     return _decode_attention_impl(
         qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, config,
-        scale, bf16,
+        scale, bf16, sinks,
     )  # fmt: skip
 
 
 @_decode_attention_op.register_fake
-def _(qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, config, scale, bf16):
+def _(qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, config, scale, bf16,
+      sinks):  # fmt: skip
     return qs[0].new_empty(qs[0].shape, dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
 def _decode_attention_impl(
-    qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, config, scale, bf16
-) -> torch.Tensor:
+    qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, config, scale, bf16,
+    sinks,
+) -> torch.Tensor:  # fmt: skip
     """The custom op's flat lists back as per-segment items, then :func:`_attend`."""
     configs = [config[i : i + 7] for i in range(0, len(config), 7)]
     fields = (qs, k_data, k_scale, k_zero, v_data, v_scale, v_zero, tables, los, his, configs)
-    return _attend(list(zip(*fields, strict=True)), scale, bf16)
+    return _attend(list(zip(*fields, strict=True)), scale, bf16, sinks)
 
 
-def _attend(items: list[tuple], scale: float, bf16: bool) -> torch.Tensor:
-    """One C call: every segment's partials into one buffer, then their merge."""
+def _attend(
+    items: list[tuple], scale: float, bf16: bool, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One C call: every segment's partials into one buffer, then their merge (with
+    ``sinks`` (B, H_kv, G), where given, in its softmax)."""
     batch, heads, group, dim = items[0][0].shape
     spans = [job_span(item[7].shape[1], item[1].shape[2], item[10][6]) for item in items]
     sizes = [chunk_tokens(span, batch * heads) for span in spans]
@@ -203,9 +211,12 @@ def _attend(items: list[tuple], scale: float, bf16: bool) -> torch.Tensor:
         fill_job(job, item, query.data_ptr(), scale, (size, n_chunks, offset, total), work, rows)
         offset += n_chunks
     out = torch.empty(batch, heads, group, dim, dtype=torch.bfloat16 if bf16 else torch.float32)
-    kernel("kvlab_decode_attention", POINTER, INT, POINTER, INT)(
-        ctypes.addressof(jobs), len(items), out.data_ptr(), int(bf16)
-    )
+    if sinks is not None:
+        sinks = sinks.float().contiguous()
+    kernel("kvlab_decode_attention", POINTER, INT, POINTER, INT, POINTER)(
+        ctypes.addressof(jobs), len(items), out.data_ptr(), int(bf16),
+        None if sinks is None else sinks.data_ptr(),
+    )  # fmt: skip
     return out
 
 

@@ -869,14 +869,21 @@ static void attend_chunk(const Job *job, int b, int h, int c) {
 }
 
 /* Merge P partials of (row, KV head) r per query head into its attention output (G, D),
- * fp32 or bf16 (out_bf16); a row with nothing visible gets zeros. */
+ * fp32 or bf16 (out_bf16); a row with nothing visible gets zeros. `sinks` (B, H, G), where
+ * not NULL: one more logit per query head in the softmax, of value 0 (learned attention
+ * sinks, sinks.py). */
 static void combine_row(const float *m, const float *l, const float *o, int64_t r, int64_t P,
-                        int64_t G, int64_t D, void *out, int out_bf16) {
+                        int64_t G, int64_t D, void *out, int out_bf16, const float *sinks) {
   for (int64_t g = 0; g < G; g++) {
     float top = EMPTY, den = 0.f, acc[MAX_D];
     for (int64_t p = 0; p < P; p++) {
       const float mp = m[(r * P + p) * G + g];
       top = mp > top ? mp : top;
+    }
+    if (sinks) {
+      const float sink = sinks[r * G + g];
+      top = sink > top ? sink : top;
+      den = expf(sink - top);
     }
     for (int64_t d = 0; d < D; d++) acc[d] = 0.f;
     if (top > 0.5f * EMPTY) {
@@ -908,7 +915,8 @@ static void combine_row(const float *m, const float *l, const float *o, int64_t 
  * partial_total slots per (row, head)), then their merge into `out`, in one parallel
  * region: the chunks of all jobs are one pool of work (a pooling layer's per-head jobs
  * have a few chunks each, too few to share two threads job by job), then the rows. */
-static void decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16) {
+static void decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16,
+                             const float *sinks) {
   int64_t starts[n_jobs + 1]; /* job j's chunks are items starts[j] .. starts[j + 1] - 1 */
   starts[0] = 0;
   for (int j = 0; j < n_jobs; j++)
@@ -928,10 +936,11 @@ static void decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf1
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < BH; r++)
       combine_row(first->m, first->l, first->o, r, first->partial_total, first->G, first->D,
-                  out, out_bf16);
+                  out, out_bf16, sinks);
   }
 }
 
-void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16) {
-  TIMED(TIMER_ATTENTION, decode_attention(jobs, n_jobs, out, out_bf16));
+void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16,
+                            const float *sinks) {
+  TIMED(TIMER_ATTENTION, decode_attention(jobs, n_jobs, out, out_bf16, sinks));
 }

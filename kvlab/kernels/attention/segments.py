@@ -171,9 +171,12 @@ def per_head_index(table, lo, hi, heads: int) -> tuple[torch.Tensor, torch.Tenso
     return table, lo.repeat_interleave(heads), hi.repeat_interleave(heads)
 
 
-def reference_attention(segments: list[Segment], scale: float) -> torch.Tensor:
+def reference_attention(
+    segments: list[Segment], scale: float, sinks: torch.Tensor | None = None
+) -> torch.Tensor:
     """The same attention with torch ops, in fp32: every addressable token of each segment
-    decoded, invisible ones masked. (B, H_kv, G, D)."""
+    decoded, invisible ones masked; ``sinks`` (B, H_kv, G), where given, one more column of
+    the softmax, of value 0. (B, H_kv, G, D)."""
     scores, values = [], []
     for s in segments:
         slots = torch.arange(s.capacity, device=s.q.device)  # logical token index t
@@ -186,6 +189,8 @@ def reference_attention(segments: list[Segment], scale: float) -> torch.Tensor:
         logits = (s.q.float() @ keys.transpose(-1, -2)) * scale  # (B, H, G, L)
         scores.append(logits.masked_fill(~visible[:, None, None], float("-inf")))
         values.append(vals)
+    if sinks is not None:
+        scores.append(sinks[..., None].float())
     probs = torch.cat(scores, dim=-1).softmax(dim=-1).nan_to_num(0.0)
     out, start = 0.0, 0
     for vals in values:

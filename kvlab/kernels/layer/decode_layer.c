@@ -372,7 +372,8 @@ typedef struct {
   float qk_eps;
 } LayerPlan;
 
-void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16);
+void kvlab_decode_attention(const Job *jobs, int n_jobs, void *out, int out_bf16,
+                            const float *sinks);
 void kvlab_top_k_entries(const void *q, int q_bf16, int64_t R, int64_t H, int64_t G, int64_t D,
                          const void *keys, int k_bf16, int64_t s_row, int64_t s_head,
                          int64_t s_slot, const int64_t *seen, const int64_t *base,
@@ -576,7 +577,7 @@ static void attend_cached(const CachedAttention *c, const LayerPlan *p, const vo
   if (s)
     kvlab_top_k_entries(c->queries, 0, M * kv, kv, heads / kv, dim, s->keys, s->bf16, s->s_row,
                         s->s_head, s->s_slot, s->seen, s->base, s->top_k, s->table);
-  kvlab_decode_attention(c->jobs, (int)c->n_jobs, out, bf16);
+  kvlab_decode_attention(c->jobs, (int)c->n_jobs, out, bf16, NULL);
   if (c->rotation) kvlab_rotate_rows(out, bf16, M * heads, dim, c->rotation_t, out);
 }
 
