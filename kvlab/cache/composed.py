@@ -106,6 +106,10 @@ class ComposedCache(KVCache):
         return cls.Policy.position_span(options)
 
     @classmethod
+    def rerotates_keys(cls, options) -> bool:
+        return cls.Policy.rerotates_keys(options)
+
+    @classmethod
     def speculation_refusal(cls, options, tokens: int, depth: int) -> str | None:
         """The policy's reason, else the store's (in the codec's form)."""
         store = store_for(cls.Store, options)  # options know whether their codec is staged

@@ -78,6 +78,12 @@ class Policy:
         return None
 
     @classmethod
+    def rerotates_keys(cls, options: Any) -> bool:
+        """See :meth:`KVCache.rerotates_keys` (False: keys attended as the model rotated
+        them)."""
+        return False
+
+    @classmethod
     def speculation_refusal(cls, options: Any, tokens: int, depth: int) -> str | None:
         """Why speculation could not run over rows of up to ``tokens`` tokens (None: it
         can): a verification step that is not what decoding computes, or a rollback by

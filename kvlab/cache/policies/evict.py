@@ -20,6 +20,7 @@ import torch
 from kvlab.cache.base import DecodeReads, Step, row_bounds, sdpa
 from kvlab.cache.evict import rollback, select
 from kvlab.cache.evict.decoding import DecodingCompression
+from kvlab.cache.evict.scorers import scorers
 from kvlab.cache.policies.base import Policy, check_room
 from kvlab.cache.rows import decode_output, grouped
 from kvlab.cache.stores.ragged import RaggedStore
@@ -56,6 +57,10 @@ class Evict(Policy):
 
     def store_kwargs(self) -> dict[str, Any]:  # decode-time repacks: room for an interval
         return {"room": self.options.interval if self.options.when == "decode" else None}
+
+    @classmethod
+    def rerotates_keys(cls, options) -> bool:
+        return scorers()[options.scorer].rerotates
 
     @classmethod
     def speculation_refusal(cls, options, tokens: int, depth: int) -> str | None:

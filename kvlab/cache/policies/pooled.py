@@ -46,6 +46,10 @@ class Pooled(Policy):
     holds_tensors = True
 
     @classmethod
+    def rerotates_keys(cls, options) -> bool:
+        return True  # an entry's key is rotated again at its window's position
+
+    @classmethod
     def prepare(cls, model, options, strategy) -> None:
         calibration.prepare(model, options, strategy)  # the calibrated gate's compressor
 

@@ -54,6 +54,10 @@ class Window(Policy):
         return options.sinks + options.window if options.positions == "cache" else None
 
     @classmethod
+    def rerotates_keys(cls, options) -> bool:
+        return options.positions == "cache"  # stored keys turned to their slot's position
+
+    @classmethod
     def check(cls, options) -> None:
         """positions='cache' turns stored keys by RoPE again: no margin, no rotation."""
         if options.positions == "cache" and (options.rollback or options.rotate != "none"):

@@ -86,26 +86,31 @@ class ScorerEntry:
     """``fn(obs) -> (B, H_kv, L)`` scores; ``queries``: how many recent queries it needs
     (0: none, -1: every query of the step); ``sinks``: first tokens it keeps by default;
     ``kvpress``: the kvpress press whose kept sets it equals (the class name; the test
-    suite compares them on a fixture kvpress made, tests/fixtures)."""
+    suite compares them on a fixture kvpress made, tests/fixtures); ``rerotates``: it
+    turns keys by RoPE's frequencies itself (``KVCache.rerotates_keys``)."""
 
     fn: Scorer
     queries: int | str = 0
     sinks: int = 0
     kvpress: str | None = None
+    rerotates: bool = False
 
 
 _SCORERS: dict[str, ScorerEntry] = {}
 
 
-def register_scorer(name: str, queries: int | str = 0, sinks: int = 0, kvpress: str | None = None):
+def register_scorer(
+    name: str, queries: int | str = 0, sinks: int = 0, kvpress: str | None = None,
+    rerotates: bool = False,
+):  # fmt: skip
     """Function decorator: register a scorer under ``name`` (``cache.options.scorer``).
     ``queries``: 0 (none), "window" (the last ``window`` queries), "last" (the last one),
-    "all" (every observed query); ``kvpress``: see :class:`ScorerEntry`."""
+    "all" (every observed query); ``kvpress``, ``rerotates``: see :class:`ScorerEntry`."""
 
     def wrap(fn: Scorer) -> Scorer:
         if name in _SCORERS:
             raise ValueError(f"scorer {name!r} is registered twice")
-        _SCORERS[name] = ScorerEntry(fn, queries, sinks, kvpress)
+        _SCORERS[name] = ScorerEntry(fn, queries, sinks, kvpress, rerotates)
         return fn
 
     return wrap

@@ -44,7 +44,7 @@ def query_statistics(obs: Observation, sinks: int) -> tuple[torch.Tensor, torch.
     return mean, centred.transpose(-1, -2) @ centred / total[..., None]
 
 
-@register_scorer("expected_attention", queries="all", sinks=4)
+@register_scorer("expected_attention", queries="all", sinks=4, rerotates=True)
 def expected_attention(obs: Observation):
     sinks = obs.options.kept_sinks
     mean, cov = query_statistics(obs, sinks)
