@@ -114,7 +114,8 @@ def _measure(cfg: RunConfig, out_dir: Path | None) -> dict[str, Any]:
     plan = make_plan(cfg.engine.kernel_settings())  # before the model: the same every run
     model, tokenizer = load_run_model(cfg.model, cfg.quant, device, plan)
 
-    new_cache = cache_factory(cfg.cache.name, model, cfg.cache.options)  # workload and evals
+    rollback = cfg.spec.num_speculative_tokens if cfg.spec.enabled else 0
+    new_cache = cache_factory(cfg.cache.name, model, cfg.cache.options, rollback)  # and evals
 
     serving = cfg.workload.serving is not None
     choice = compile_choice(cfg.engine.compile, model, new_cache, cfg.workload.new_tokens,
@@ -166,7 +167,7 @@ def build_draft(cfg: RunConfig, model: Decoder) -> ModelDraft | None:
             f"and model={cfg.model.source!r} one of {model.config.vocab_size}; allowed: a "
             "draft with the model's tokenizer"
         )
-    new_cache = cache_factory(spec.cache, draft, spec.cache_options)
+    new_cache = cache_factory(spec.cache, draft, spec.cache_options, spec.num_speculative_tokens)
     choice = compile_choice(cfg.engine.compile, draft, new_cache, cfg.workload.new_tokens,
                             serving=False, autotune=cfg.engine.autotune)  # fmt: skip
     return ModelDraft(draft, new_cache(static=choice["compile"]), choice)

@@ -3,6 +3,7 @@ windows, one cache per group of layers (:mod:`kvlab.cache.layered`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -29,12 +30,18 @@ def instantiate(cls: type[KVCache], spec: CacheSpec, options, static: bool = Fal
 
 
 def cache_factory(
-    name: str, model: torch.nn.Module, options: dict[str, Any] | None = None
+    name: str, model: torch.nn.Module, options: dict[str, Any] | None = None, rollback: int = 0
 ) -> Callable[..., KVCache]:
     """A function that builds fresh caches of strategy ``name`` for ``model`` (``static=True``
     for a compiled engine), after the strategy has fitted what it learns from the model
-    (:meth:`KVCache.prepare`)."""
+    (:meth:`KVCache.prepare`); ``rollback``: the drafts a speculative step may reject
+    (``CacheSpec.rollback``)."""
     cls = strategy(name)
     checked = cache_options(name, options)
     cls.prepare(model, checked)
-    return lambda static=False: instantiate(cls, model.cache_spec(), checked, static)
+
+    def new_cache(static: bool = False) -> KVCache:
+        spec = dataclasses.replace(model.cache_spec(), rollback=rollback)
+        return instantiate(cls, spec, checked, static)
+
+    return new_cache

@@ -9,7 +9,8 @@ than its layer count times the context.
 
 :class:`LayeredCache` keeps the engine's contract by passing every call to its groups;
 the model sees one cache; serving gives each group the share of the budget its rows
-reserve. Not yet: prefix reuse, speculation (the rings' rollback margin)."""
+reserve; speculation rolls every group back (a window's ring keeps ``spec.rollback`` slots
+more than its window, the drafts a step may reject). Not yet: prefix reuse."""
 
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ class LayeredStep(Step):
     steps: list[Step] = field(default_factory=list, kw_only=True)
 
 
-def window_options(options: CacheOptions, window: int) -> dict[str, Any]:
-    """A trained window's ring (no sinks, original positions) in the run's per-token codec."""
+def window_options(options: CacheOptions, window: int, rollback: int = 0) -> dict[str, Any]:
+    """A trained window's ring (no sinks, original positions) in the run's per-token codec,
+    with ``rollback`` slots more (or the run's own rollback margin, where larger)."""
     ring = {"sinks": 0, "window": window, "positions": "original"}
-    ring["rollback"] = getattr(options, "rollback", 0) or 0
+    ring["rollback"] = max(getattr(options, "rollback", 0) or 0, rollback)
     if getattr(options, "kv_bits", None) is not None and hasattr(options, "kv_format"):
         ring |= {f: getattr(options, f) for f in CODEC_FIELDS if hasattr(options, f)}
     return ring
@@ -56,12 +58,23 @@ class LayeredCache(KVCache):
 
     name = "layered"  # an instance bears the run's strategy's name
 
-    @classmethod
-    def speculation_refusal(cls, options: CacheOptions, tokens: int, depth: int) -> str | None:
-        return (
-            "a model with trained sliding windows (one cache per group of layers) cannot roll "
-            "its rows back yet"
-        )
+    def speculation_refusal(self, options: CacheOptions, tokens: int, depth: int) -> str | None:
+        """Why this cache's groups cannot roll rows of up to ``tokens`` tokens back by
+        ``depth`` drafts: the run's strategy's own reason, or a window's ring built without
+        the margin (``CacheSpec.rollback``, which the CLI sets to the drafts per step)."""
+        for layers, cache in self.groups:
+            why = cache.speculation_refusal(cache.options, tokens, depth)
+            window = self.spec.layer_windows[layers[0]]
+            if why and window is not None:
+                return (
+                    f"the ring of the layers trained with a {window}-token window keeps "
+                    f"{cache.options.rollback} slots beyond it, and a step rolls back up to "
+                    f"{depth}; allowed: a cache built with CacheSpec.rollback >= {depth} (the "
+                    "CLI builds it so from spec.num_speculative_tokens)"
+                )
+            if why:
+                return why
+        return None
 
     def __init__(self, name: str, spec: CacheSpec, options: CacheOptions, static: bool = False):
         self.name = name
@@ -77,7 +90,7 @@ class LayeredCache(KVCache):
             if window is None:
                 cache = strategy(name)(part, options, static=static)
             else:
-                ring = cache_options("sliding", window_options(options, window))
+                ring = cache_options("sliding", window_options(options, window, spec.rollback))
                 cache = strategy("sliding")(part, ring, static=static)
             for local, layer in enumerate(layers):
                 self.where[layer] = (len(self.groups), local)

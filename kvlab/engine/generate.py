@@ -107,11 +107,12 @@ class Generation:
 
 
 def check_rollback(
-    strategy: type[KVCache], options, longest: int, spec: SpecConfig, field: str = "cache"
-) -> None:
+    strategy: type[KVCache] | KVCache, options, longest: int, spec: SpecConfig,
+    field: str = "cache",
+) -> None:  # fmt: skip
     """Refuse, before anything runs, speculation over a strategy (the run's ``cache``, or
-    the draft's ``spec.cache``) whose rows of up to ``longest`` tokens cannot roll back the
-    drafts a step rejects."""
+    the draft's ``spec.cache``; a built cache, which may hold one per group of layers) whose
+    rows of up to ``longest`` tokens cannot roll back the drafts a step rejects."""
     k = spec.num_speculative_tokens
     reason = strategy.speculation_refusal(options, longest, k)
     if reason:
@@ -126,7 +127,7 @@ def check_rollback(
 def speculation_draft(engine: Engine, spec: SpecConfig, longest: int) -> Any:
     """What drafts for ``spec`` (the engine's model draft, or prompt lookup), once the
     engine's cache and the draft's are known to roll back rows of ``longest`` tokens."""
-    check_rollback(type(engine.cache), engine.cache.options, longest, spec)
+    check_rollback(engine.cache, engine.cache.options, longest, spec)
     draft = engine.draft
     if spec.method == "ngram" and draft is None:
         draft = PromptLookup(spec.max_ngram, spec.min_ngram)

@@ -47,7 +47,7 @@ class ModelDraft:
         """A new generation of rows up to ``tokens`` long: refuse, before anything runs, a
         draft cache that cannot roll back rejected drafts; forget an earlier generation's
         rows (its request indices are this one's too)."""
-        check_rollback(type(self.cache), self.cache.options, tokens, spec, "spec.cache")
+        check_rollback(self.cache, self.cache.options, tokens, spec, "spec.cache")
         self.rows = []
 
     def propose(self, seqs: list[Sequence], limits: list[int], room: int) -> list[list[int]]:
