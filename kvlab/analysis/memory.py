@@ -41,7 +41,10 @@ def load_config(source: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Architecture:
-    """What the memory model needs of a config. ``kind``: gqa | mla | compressed."""
+    """What the memory model needs of a config. ``kind``: gqa | mla | compressed. An MLA
+    model's ``kv_heads`` x ``head_dim`` are the decompressed keys and values as kvlab's
+    strategies store them (``model.backend=hf``: one head per query head, the keys' width
+    and the values' padded to it); ``latent_dim`` is what MLA's own cache holds."""
 
     kind: str
     layers: int
@@ -74,7 +77,8 @@ class Architecture:
                       tied=cfg.get("tie_word_embeddings", False))  # fmt: skip
         if "kv_lora_rank" in cfg:
             latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
-            return cls("mla", layers, 1, latent, latent_dim=latent,
+            stored = max(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"])
+            return cls("mla", layers, heads, stored, latent_dim=latent,
                        index_dim=cfg.get("index_head_dim", 0), extra=cfg, **common)  # fmt: skip
         head_dim = cfg.get("head_dim") or hidden // heads
         kv_heads = cfg.get("num_key_value_heads") or heads
@@ -212,8 +216,10 @@ def kv_bytes(
     arch: Architecture, cache: str = "full", options: dict[str, Any] | None = None,
     context: int = 4096, batch: int = 1, dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, int]:  # fmt: skip
-    """Bytes per component a cache holds for ``batch`` sequences of ``context`` tokens."""
-    if arch.kind == "gqa":
+    """Bytes per component a cache holds for ``batch`` sequences of ``context`` tokens:
+    ``native`` is the model's own cache (MLA's latent, V4's compressed entries); a kvlab
+    strategy over an MLA model holds its decompressed keys and values (``model.backend=hf``)."""
+    if arch.kind == "gqa" or (arch.kind == "mla" and cache != "native"):
         strategy = registered()[cache]
         checked = strategy.Options(**(options or {}))
         windows = arch.layer_windows if strategy.stores_past else ()
@@ -276,7 +282,9 @@ def memory_rows(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:  # fmt: skip
     """(weight rows per quantizer, KV rows per cache strategy) for ``source``."""
     arch = Architecture.from_config(load_config(source))
-    if arch.kind != "gqa":
+    if arch.kind == "mla":  # MLA's own latent beside the strategies over what hf stores
+        caches = ["native", *(c for c in caches if c != "native")]
+    elif arch.kind != "gqa":
         caches = ["native"]
     weight_rows = []
     for quant in quants:
