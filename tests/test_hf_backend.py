@@ -49,12 +49,11 @@ HF_FAMILIES = {
         moe_intermediate_size=32,
         first_k_dense_replace=1,
     ),
+    "gpt_oss": dict(  # learned attention sinks, a 128-token window shrunk to 8, MoE
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8
+    ),
 }
 REFUSED = {  # model_type, config, the reason's words
-    "gpt_oss": (
-        dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
-        "attention sinks",
-    ),
     "qwen3_next": (
         dict(head_dim=16, layer_types=["linear_attention", "full_attention"]),
         "linear_attention",
@@ -73,6 +72,8 @@ def tiny_causal_lm(model_type: str, extra: dict):
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
+            if name.endswith("sinks"):  # sinks that take a real share of each softmax
+                param.copy_(torch.randn_like(param))
     return model.eval()
 
 
@@ -92,10 +93,11 @@ def load(path, backend="hf"):
 
 
 def reference(path):
-    """transformers' own model on the same checkpoint, its own attention and cache."""
+    """transformers' own model on the same checkpoint, its own attention (SDPA where the
+    family has it, else eager) and cache."""
     import transformers as tf
 
-    return tf.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa").eval()
+    return tf.AutoModelForCausalLM.from_pretrained(path).eval()
 
 
 def prompt(length=21, seed=3):
@@ -138,7 +140,9 @@ def servable(model, name, options):
 
 
 @pytest.mark.parametrize("name", sorted(registered()))
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "smollm3", "gemma3_text"])
+@pytest.mark.parametrize(
+    "family", ["deepseek_v3", "qwen3_moe", "smollm3", "gemma3_text", "gpt_oss"]
+)
 def test_exact_setting_of_every_strategy_equals_recomputation(family, name, hf_checkpoints):
     """MLA (values narrower than keys), MoE, layers without RoPE, a trained window beside a
     global layer (past the window: the prompt is longer): every strategy's exact setting
@@ -256,10 +260,38 @@ def test_a_windowed_model_holds_a_ring_of_its_window_beside_the_full_layers(hf_c
     assert groups["full"] > 4 * groups["window=8"] > 0  # 64 slots against a ring of 8
 
 
-def test_a_windowed_model_scores_lm_eval_items_serves_and_refuses_speculation(smollm2, tmp_path):
-    """lm-eval's items (a context's endings continue copies of its rows: fork and join) and a
-    serving trace run over Gemma-3's per-group cache; rolling rows back is refused with the
-    reason."""
+@pytest.mark.parametrize("name", ["full", "paged", "int4", "quest", "sliding"])
+def test_speculation_over_a_windowed_model_gives_plain_decodings_tokens(name, hf_checkpoints):
+    """Gemma-3's window rings keep CacheSpec.rollback slots beyond the window (the prompts
+    and drafts run past it), so rejected drafts roll every group back to what plain decoding
+    keeps: greedy speculation gives its tokens, one row or a batch. A ring built without the
+    margin is refused with the reason."""
+    import dataclasses
+
+    from test_speculative import EXACT, NGRAM, repetitive_prompts
+
+    from kvlab.speculative import SpecConfig
+
+    model = load(hf_checkpoints / "gemma3_text")
+    prompts = repetitive_prompts(BASE["vocab_size"])
+
+    def run(spec, rollback):
+        cache_spec = dataclasses.replace(model.cache_spec(), rollback=rollback)
+        engine = Engine(model, build_cache(name, cache_spec, EXACT[name]))
+        return engine.generate(prompts, GenerationConfig(12, stop_on_eos=False, spec=spec))
+
+    plain = run(SpecConfig(), 0)
+    speculative = run(NGRAM, NGRAM.num_speculative_tokens)
+    assert speculative.tokens == plain.tokens and speculative.stats.drafted > 0
+    assert speculative.stats.accepted < speculative.stats.drafted  # some drafts rolled back
+    with pytest.raises(ValueError, match="8-token window keeps 0 slots beyond it"):
+        run(NGRAM, 0)
+
+
+def test_a_windowed_model_scores_lm_eval_items_serves_and_speculates(smollm2, tmp_path):
+    """lm-eval's items (a context's endings continue copies of its rows: fork and join), a
+    serving trace and speculative decoding (its rings built with the drafts' margin) run
+    over Gemma-3's per-group cache from the CLI's config."""
     from kvlab.run import compose_run_config, measure
 
     tokenizer = smollm2[1]
@@ -270,8 +302,8 @@ def test_a_windowed_model_scores_lm_eval_items_serves_and_refuses_speculation(sm
     lm_eval = ["eval=lm_eval", "eval.lm_eval.limit=2", "eval.lm_eval.tasks=[hellaswag_local]"]
     metrics = measure(compose_run_config(source + lm_eval), tmp_path)
     assert metrics["hellaswag/items"] == 2 and metrics["model/backend"] == "hf"
-    with pytest.raises(ValueError, match="trained sliding windows .* cannot roll"):
-        measure(compose_run_config(source + ["spec=ngram"]), tmp_path)
+    metrics = measure(compose_run_config(source + ["spec=ngram", "cache=paged"]), tmp_path)
+    assert metrics["spec/drafted"] > 0 and metrics["new_tokens"] > 0
     serving = [
         source[0],
         "workload=serving",
@@ -317,3 +349,72 @@ def test_a_windowed_model_serves_each_request_what_it_generates_alone(name, hf_c
 
     model = load(hf_checkpoints / "gemma3_text")
     check_serving_equals_alone(model, name, registered()[name].tests.lossy)
+
+
+@pytest.mark.slow
+def test_the_cli_sweeps_strategies_speculation_and_serving_over_a_tiny_gemma3(smollm2, tmp_path):
+    """``kvlab -m model.source=<tiny gemma3> cache=full,int4,paged,evict,quest`` with and
+    without ``spec=ngram``, and under ``workload=serving``: every point runs (eviction's
+    default budget drops nothing of these short rows, so its drafts roll back) but serving
+    eviction, which cannot join a running batch: recorded as failed with the reason while
+    the sweep goes on."""
+    import subprocess
+    import sys
+
+    from kvlab.tracking import load_results
+
+    tokenizer = smollm2[1]
+    extra = HF_FAMILIES["gemma3_text"] | {  # heads as wide as int4's default group
+        "vocab_size": len(tokenizer), "eos_token_id": 2, "head_dim": 32,
+    }  # fmt: skip
+    tiny_causal_lm("gemma3_text", extra).save_pretrained(tmp_path / "gemma")
+    tokenizer.save_pretrained(tmp_path / "gemma")
+    caches = "cache=full,int4,paged,evict,quest"
+    common = [f"model.source={tmp_path / 'gemma'}", caches]
+    sweeps = {
+        "offline": ["spec=none,ngram", "workload.prompt_len=24", "workload.new_tokens=6"],
+        "serving": ["workload=serving", "workload.serving.num_requests=4",
+                    "workload.serving.prompt_len.kind=fixed",
+                    "workload.serving.prompt_len.value=24",
+                    "workload.serving.output_len.kind=fixed",
+                    "workload.serving.output_len.value=4"],
+    }  # fmt: skip
+    for name, args in sweeps.items():
+        sweep = tmp_path / name
+        command = [sys.executable, "-m", "kvlab.cli", "-m", *common, *args,
+                   f"hydra.sweep.dir={sweep}"]  # fmt: skip
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        rows = load_results(sweep)
+        assert len(rows) == (10 if name == "offline" else 5)
+        for row in rows:
+            if name == "serving" and row["cache.name"] == "evict":
+                assert row["status"] == "failed" and "joining a running batch" in row["error"]
+            else:
+                assert row["status"] == "ok" and row["model/backend"] == "hf", row
+
+
+@pytest.mark.parametrize("name", ["full", "int4", "sliding"])
+def test_the_memory_model_shows_mlas_latent_beside_the_decompressed_cache(name, hf_checkpoints):
+    """DeepSeek-V3 under hf stores its decompressed keys and values: the memory model's line
+    for a strategy equals the tensors held, and its ``native`` line is the latent MLA's own
+    cache would hold instead, far smaller."""
+    import json
+
+    from kvlab.analysis.memory import Architecture, kv_bytes
+
+    path = hf_checkpoints / "deepseek_v3"
+    model = load(path)
+    config = json.loads((path / "config.json").read_text())
+    arch = Architecture.from_config(config)
+    options = registered()[name].tests.lossy
+    cache = build_cache(name, model.cache_spec(), options)
+    held = Engine(model, cache).generate([prompt(11), prompt(17, seed=4)],
+                                         GenerationConfig(6, stop_on_eos=False))  # fmt: skip
+    planned = kv_bytes(arch, name, options, context=17 + 6, batch=2, dtype=torch.float32)
+    assert held.stats.kv_peak.held_bytes == sum(planned.values())
+    latent = kv_bytes(arch, "native", context=23, batch=2, dtype=torch.float32)
+    per_token = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+    assert latent["latent"] == config["num_hidden_layers"] * 23 * per_token * 4 * 2
+    full = kv_bytes(arch, "full", context=23, batch=2, dtype=torch.float32)
+    assert sum(full.values()) > 4 * latent["latent"]  # 4 heads x (16 + 16) against 24 wide
