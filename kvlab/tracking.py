@@ -120,7 +120,7 @@ def environment() -> dict[str, Any]:
         "kvlab_commit": _git_commit(),
         "threads": torch.get_num_threads(),
         "threads_source": threads_source(),  # threads=, OMP_NUM_THREADS, SLURM, affinity
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # AVX2, AVX512, ...
         "cpu_kernels": _cpu_kernels(),
         "transparent_huge_pages": huge_pages.mode(),  # the OS's; kvlab advises its own maps
@@ -166,7 +166,8 @@ def _git_commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name, as a benchmark's header states it."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():

@@ -11,7 +11,6 @@ on its own backend, and hf ``full`` against transformers itself. Not a test: rea
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 
 import torch
@@ -24,6 +23,7 @@ from kvlab.engine import Engine, GenerationConfig
 from kvlab.engine.timing import percentile
 from kvlab.models import resolve_checkpoint
 from kvlab.quiet import quiet_third_party
+from kvlab.tracking import cpu_model
 from kvlab.workload import text_windows
 
 STRATEGIES = [
@@ -64,7 +64,7 @@ def main() -> None:
     text = wikitext2_test_text()
     cfg = GenerationConfig(args.new_tokens, stop_on_eos=False, prefill_chunk=512)
     print(
-        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"{cpu_model()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}, fp32, {args.new_tokens} new tokens, {args.rounds} rounds"
     )
     for length in map(int, args.prompt_lens.split(",")):

@@ -7,7 +7,7 @@ many WikiText-2 tokens; llama.cpp: ``tg<new> @ d<depth>``), TTFT of a prompt of 
 streaming-read bandwidth (``kvlab.analysis.roofline``). Not a test: read the ratios.
 
     bash scripts/peer_llamacpp.sh                      # once: llama-bench + GGUF files
-    python scripts/bench_vs_llamacpp.py --depths 1024,4096 --rounds 2   # experiments/engine_vs_llamacpp
+    python scripts/bench_vs_llamacpp.py --depths 1024,4096 --rounds 2  # engine_vs_llamacpp study
 
 Pairs: kvlab fp32 / bf16 weights vs GGUF F32 / BF16 (converted from kvlab's checkpoint by
 llama.cpp's converter); ``rtn_int8`` (per-channel int8, bf16 activations) vs Q8_0;
