@@ -22,9 +22,10 @@ LogitsHook = Callable[[torch.Tensor, list[int]], None]
 
 
 class ModelRunner:
-    """Runs ``model`` over any cache; sampling is per step, seeded once. ``on_logits(logits,
-    requests)``: called before each sampling with the next-token logits (R, V) and the
-    request index of each of the R rows."""
+    """Runs ``model`` over any cache; sampling is per step, seeded once — or per request,
+    for a request with its own sampling (``Request.sampling``: a server's request), seeded
+    by it. ``on_logits(logits, requests)``: called before each sampling with the next-token
+    logits (R, V) and the request index of each of the R rows."""
 
     def __init__(
         self, model: Decoder, sampling: SamplingConfig, on_logits: LogitsHook | None = None
@@ -32,12 +33,32 @@ class ModelRunner:
         self.model, self.sampling, self.on_logits = model, sampling, on_logits
         self.device = model.embed_tokens.weight.device
         self._gen = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        self._own: dict[int, torch.Generator] = {}  # request index -> its generator
 
     def sample(self, logits: torch.Tensor, seqs: Seq[Sequence]) -> list[int]:
         """A token for each row of ``logits`` (row r is ``seqs[r]``'s)."""
         if self.on_logits is not None:
             self.on_logits(logits, [s.index for s in seqs])
-        return sample(logits, self.sampling, self._gen).tolist()
+        if all(s.request.sampling is None for s in seqs):
+            return sample(logits, self.sampling, self._gen).tolist()
+        return [
+            sample(logits[row : row + 1], *self.sampling_of(seq)).item()
+            for row, seq in enumerate(seqs)
+        ]
+
+    def sampling_of(self, seq: Sequence) -> tuple[SamplingConfig, torch.Generator]:
+        """The sampling ``seq`` takes and the generator it draws from."""
+        own = seq.request.sampling
+        if own is None:
+            return self.sampling, self._gen
+        gen = self._own.get(seq.index)
+        if gen is None:
+            gen = self._own[seq.index] = torch.Generator(self.device).manual_seed(own.seed)
+        return own, gen
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop a finished request's generator."""
+        self._own.pop(seq.index, None)
 
     def accept(
         self, logits: torch.Tensor, seqs: Seq[Sequence], drafts: Seq[list[int]]
@@ -46,7 +67,7 @@ class ModelRunner:
         after its last token and each draft (the hook sees each emitted position's)."""
         out = []
         for row, (seq, draft) in enumerate(zip(seqs, drafts, strict=True)):
-            tokens = accepted(logits[row, : 1 + len(draft)], draft, self.sampling, self._gen)
+            tokens = accepted(logits[row, : 1 + len(draft)], draft, *self.sampling_of(seq))
             if self.on_logits is not None:
                 for position in range(len(tokens)):
                     self.on_logits(logits[row, position][None], [seq.index])

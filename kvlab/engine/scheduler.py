@@ -171,6 +171,21 @@ class Scheduler:
             self.joining_cache = None
         return finished
 
+    def cancel(self, seq: Sequence) -> None:
+        """Drop ``seq`` wherever it is (a server's client went away): a row it holds is
+        freed at once, in whichever cache holds it."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        for seqs, cache in ((self.running, self.cache), (self.joining, self.joining_cache)):
+            if seq in seqs:
+                row = seqs.index(seq)
+                cache.free([row])
+                seqs.pop(row)
+        if self.joining_cache is not None and not self.joining:
+            self.joining_cache = None
+        seq.status = Status.FINISHED
+        self.events.append(Event(self.step, "cancel", seq.index))
+
     def preempt(self) -> Sequence:
         """Evict the most recently admitted request (the joining group's last, else the
         running batch's last) to recompute it later; it goes first in line. With one

@@ -6,24 +6,30 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvlab.engine.sampling import SamplingConfig
+
 
 class Status(enum.Enum):
     WAITING = "waiting"  # arrived, not admitted (or preempted: to be recomputed)
     PREFILL = "prefill"  # admitted: its tokens are being fed, a chunk per step
     READY = "ready"  # fed: waits for the rest of its group to join the running batch
     RUNNING = "running"  # in the running batch: one token per step
-    FINISHED = "finished"
+    FINISHED = "finished"  # done, or cancelled (a client went away)
 
 
 @dataclass(frozen=True)
 class Request:
     """One request: its index, arrival time (seconds from the trace's start), prompt token
-    ids (the shared prefix included) and how many tokens to generate."""
+    ids (the shared prefix included) and how many tokens to generate; a server's request
+    may bring its own ``sampling`` (None: the run's) and the tokens that end it
+    (``eos_ids``; None: the run's EOS ids, an empty set: none, vLLM's ``ignore_eos``)."""
 
     index: int
     arrival_s: float
     prompt: tuple[int, ...]
     max_new_tokens: int
+    sampling: SamplingConfig | None = None
+    eos_ids: frozenset[int] | None = None
 
 
 @dataclass
@@ -73,7 +79,9 @@ class Sequence:
         self.times.token_s.append(clock_s)
 
     def done(self, eos_ids: frozenset[int]) -> bool:
-        """Out of budget, or (when ``eos_ids`` is not empty) ended by an EOS token."""
+        """Out of budget, or ended by an EOS token: the request's own (``Request.eos_ids``),
+        else ``eos_ids`` (the run's)."""
         if len(self.output) >= self.request.max_new_tokens:
             return True
-        return bool(self.output) and self.output[-1] in eos_ids
+        ends = eos_ids if self.request.eos_ids is None else self.request.eos_ids
+        return bool(self.output) and self.output[-1] in ends
