@@ -6,6 +6,7 @@ kvlab report SWEEP_DIR
 kvlab memory llama-2-13b --context 4096 --budget-gib 80
 kvlab diagnose workload.prompt_len=2048 cache=int4
 kvlab lm-eval --model kvlab --model_args model=smollm2-135m,cache=int4 --tasks hellaswag_local
+kvlab serve --port 8000 cache=paged workload.serving.kv_budget_gib=1
 """
 
 from __future__ import annotations
@@ -145,7 +146,15 @@ def wandb_view_main(args: list[str]) -> None:
     print(f"saved view: {save_view(a.entity, a.project)}")
 
 
+def serve_main(args: list[str]) -> None:
+    """``kvlab serve [--port P] [overrides]``: an OpenAI-compatible server over the run."""
+    from kvlab.serving.serve import serve_main as serve
+
+    serve(args)
+
+
 SUBCOMMANDS = {
+    "serve": serve_main,
     "report": report_main,
     "wandb-view": wandb_view_main,
     "lm-eval": lm_eval_main,

@@ -98,6 +98,22 @@ class ServeResult:
         return out | self.profile.shares() | speculation_metrics(self.profile.stats)
 
 
+def check_serves(strategy: type[KVCache] | KVCache) -> None:
+    """Refuse, before anything runs, a strategy that cannot serve: one that keeps nothing
+    (every step would re-feed every token), or one whose rows cannot join and leave a
+    running batch."""
+    if not strategy.stores_past:
+        raise ValueError(
+            "workload=serving needs a cache that stores the past; a strategy that keeps "
+            "nothing re-feeds every token each step (cache=nocache)"
+        )
+    if not strategy.serves:
+        raise ValueError(
+            f"workload=serving: cache={strategy.name!r} does not implement joining a running "
+            "batch; allowed: a strategy whose rows join and leave (full, paged, int8, ...)"
+        )
+
+
 def serve(
     model: Decoder,
     cache: KVCache,

@@ -17,7 +17,7 @@ from kvlab.engine.clock import WallClock
 from kvlab.engine.sampling import SamplingConfig
 from kvlab.engine.sequence import Request
 from kvlab.models.llama import Decoder
-from kvlab.serving.server import ServeResult, serve
+from kvlab.serving.server import ServeResult, check_serves, serve
 from kvlab.serving.trace import make_trace
 from kvlab.speculative.config import SpecConfig
 from kvlab.workload import text_windows
@@ -48,16 +48,7 @@ def measure_serving(
     spec: SpecConfig | None = None,
 ) -> dict[str, Any]:
     cache = new_cache()  # the measured run's
-    if not cache.stores_past:
-        raise ValueError(
-            "workload=serving needs a cache that stores the past; a strategy that keeps "
-            "nothing re-feeds every token each step (cache=nocache)"
-        )
-    if not cache.serves:
-        raise ValueError(
-            f"workload=serving: cache={cache.name!r} does not implement joining a running "
-            "batch; allowed: a strategy whose rows join and leave (full, paged, int8, ...)"
-        )
+    check_serves(cache)
     requests = build_trace(tokenizer, cfg, sampling.seed)
     device = model.embed_tokens.weight.device
     if warmup:  # the first forwards load kernels; a request's worth, never measured

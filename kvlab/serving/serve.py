@@ -1,0 +1,98 @@
+"""``kvlab serve``: the run's model, weight quantizer, cache strategy and speculation — the
+same Hydra overrides a ``kvlab`` run takes — behind an OpenAI-compatible HTTP server
+(:mod:`kvlab.serving.openai_api`). ``workload.serving``'s budget, chunk and caps drive
+the continuous batching; its trace fields are not read (clients are the trace)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvlab.serving.openai_api import Server
+
+
+def parse_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Server flags (vLLM's names) and the run's Hydra overrides."""
+    parser = argparse.ArgumentParser(
+        prog="kvlab serve",
+        description="An OpenAI-compatible server over kvlab's engine. Other arguments are "
+        "the run's overrides, e.g. cache=paged quant=rtn spec=ngram "
+        "workload.serving.kv_budget_gib=1 workload.serving.max_joining=4",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-model-len", type=int, default=0,
+                        help="tokens a request may hold, prompt and output (default: the "
+                        "model's trained context)")  # fmt: skip
+    parser.add_argument("--served-model-name", default="",
+                        help="the `model` clients name (default: model.source)")  # fmt: skip
+    return parser.parse_known_args(args)
+
+
+def build_server(overrides: list[str], max_model_len: int = 0, served_name: str = "") -> Server:
+    """The run that ``overrides`` compose to (``workload=serving`` unless another
+    ``workload`` is named), its model loaded and its engine ready to start."""
+    from kvlab.cache import cache_factory, registered
+    from kvlab.cache.base import cache_options
+    from kvlab.engine.generate import check_rollback
+    from kvlab.kernels.plan import make_plan
+    from kvlab.models.loading import backend_refusal, max_context, resolve_backend
+    from kvlab.run import _eos_ids, compose_run_config, load_run_model, resolve_device
+    from kvlab.serving.online import OnlineEngine
+    from kvlab.serving.prometheus import ServerMetrics
+    from kvlab.serving.server import check_serves
+    from kvlab.threads import apply_threads
+
+    if not any(o.startswith("workload=") for o in overrides):
+        overrides = ["workload=serving", *overrides]
+    cfg = compose_run_config(overrides)
+    serving = cfg.workload.serving
+    if serving is None:
+        raise ValueError(
+            f"workload={cfg.workload.kind!r}: kvlab serve needs workload=serving (its "
+            "budget, chunk and caps drive the batching)"
+        )
+    limit = max_context(cfg.model.source)
+    max_model_len = max_model_len or limit
+    if not 1 < max_model_len <= limit:
+        raise ValueError(
+            f"--max-model-len={max_model_len} is invalid; allowed: 2 to the model's context "
+            f"of {limit} tokens"
+        )
+    backend = resolve_backend(cfg.model.source, cfg.model.backend)
+    options = cache_options(cfg.cache.name, cfg.cache.options)
+    refused = backend_refusal(cfg.model.source, backend, cfg.cache.name, options)
+    if refused:
+        raise ValueError(refused)
+    check_serves(registered()[cfg.cache.name])
+    if cfg.spec.enabled:
+        check_rollback(registered()[cfg.cache.name], options, max_model_len, cfg.spec)
+    apply_threads(cfg.threads)
+    plan = make_plan(cfg.engine.kernel_settings())
+    model, tokenizer = load_run_model(cfg.model, cfg.quant, resolve_device(cfg.model.device), plan)
+    rollback = cfg.spec.num_speculative_tokens if cfg.spec.enabled else 0
+    new_cache = cache_factory(cfg.cache.name, model, cfg.cache.options, rollback)
+    name = served_name or cfg.model.source
+    metrics = ServerMetrics(name)
+    eos = frozenset(_eos_ids(tokenizer, model))
+    engine = OnlineEngine(model, new_cache, serving, max_model_len, eos, cfg.spec, metrics)
+    return Server(engine, tokenizer, name, max_model_len, metrics, eos)
+
+
+def serve_main(args: list[str]) -> None:
+    """``kvlab serve [--host H] [--port P] [--max-model-len N] [--served-model-name NAME]
+    [overrides]``: serve until interrupted."""
+    import uvicorn
+
+    from kvlab.serving.openai_api import create_app
+
+    flags, overrides = parse_args(args)
+    try:
+        server = build_server(overrides, flags.max_model_len, flags.served_model_name)
+    except ValueError as exc:
+        raise SystemExit(f"kvlab serve: {exc}") from None
+    print(
+        f"kvlab serve: {server.model_name} on http://{flags.host}:{flags.port}/v1 "
+        f"(cache={server.engine.sched.cache.name}, max_model_len={server.max_model_len})",
+        flush=True,
+    )
+    uvicorn.run(create_app(server), host=flags.host, port=flags.port, log_level="warning")
