@@ -93,6 +93,11 @@ def test_each_command_runs_as_written(doc, command):
             assert list(tasks.rglob(f"{task}.yaml")), f"{doc}: no lm-eval task {task}"
     elif head == "diagnose":
         check_composes(words[1:])
+    elif head == "serve":  # the server's flags apart, the run's overrides compose
+        from kvlab.serving.serve import parse_args
+
+        _, overrides = parse_args(words[1:])
+        check_composes(["workload=serving", *overrides])
     elif head in ("report", "wandb-view"):
         raise AssertionError(f"{doc}: {command!r} names no placeholder to fill")
     else:

@@ -100,7 +100,8 @@ def check_fields(body: dict[str, Any], allowed: set[str], server: Server) -> Non
             unknown[0],
         )
     for name, neutral in NEUTRAL.items():
-        if name in body and body[name] != neutral and body[name] is not None:
+        value = body.get(name)
+        if value is not None and value != neutral and value not in ({}, []):  # {}: no bias
             raise BadRequest(
                 f"{name}={body[name]!r} is not supported; allowed: {neutral!r} (or omit it)", name
             )
