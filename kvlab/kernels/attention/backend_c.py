@@ -35,7 +35,7 @@ def chunk_tokens(span: int, pairs: int, threads: int | None = None) -> int:
 
 
 def c_attention(
-    segments: list[Segment], scale: float, out_dtype: torch.dtype, sinks: torch.Tensor | None
+    segments: list[Segment], scale: float, out_dtype: torch.dtype, sinks: torch.Tensor | None = None
 ) -> torch.Tensor:
     """(B, H_kv, G, D) in ``out_dtype``: one softmax over every segment, ``sinks`` (B, H_kv,
     G) in it where given, in one C call."""
