@@ -156,35 +156,37 @@ class Scheduler:
 
     def retire(self) -> list[Sequence]:
         """Free the rows of finished requests, at once, in both caches."""
-        finished = []
-        for seqs, cache in ((self.running, self.cache), (self.joining, self.joining_cache)):
-            rows = [r for r, s in enumerate(seqs) if s.done(self.eos_ids)]
-            if rows:
-                cache.free(rows)
-                finished += [seqs[r] for r in rows]
-                leaving = set(rows)
-                seqs[:] = [s for r, s in enumerate(seqs) if r not in leaving]
-        for seq in finished:
-            seq.status = Status.FINISHED
-            self.events.append(Event(self.step, "retire", seq.index))
-        if self.joining_cache is not None and not self.joining:
-            self.joining_cache = None
-        return finished
+        return self._leave(lambda s: s.done(self.eos_ids), "retire")
 
     def cancel(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is (a server's client went away): a row it holds is
         freed at once, in whichever cache holds it."""
         if seq in self.waiting:
             self.waiting.remove(seq)
+            self._ended([seq], "cancel")
+        else:
+            self._leave(lambda s: s is seq, "cancel")
+
+    def _leave(self, leaves: Callable[[Sequence], bool], kind: str) -> list[Sequence]:
+        """The rows of the requests ``leaves`` picks freed in both caches, the requests
+        ended (event ``kind``)."""
+        gone = []
         for seqs, cache in ((self.running, self.cache), (self.joining, self.joining_cache)):
-            if seq in seqs:
-                row = seqs.index(seq)
-                cache.free([row])
-                seqs.pop(row)
+            rows = [r for r, s in enumerate(seqs) if leaves(s)]
+            if rows:
+                cache.free(rows)
+                gone += [seqs[r] for r in rows]
+                leaving = set(rows)
+                seqs[:] = [s for r, s in enumerate(seqs) if r not in leaving]
+        self._ended(gone, kind)
         if self.joining_cache is not None and not self.joining:
             self.joining_cache = None
-        seq.status = Status.FINISHED
-        self.events.append(Event(self.step, "cancel", seq.index))
+        return gone
+
+    def _ended(self, seqs: list[Sequence], kind: str) -> None:
+        for seq in seqs:
+            seq.status = Status.FINISHED
+            self.events.append(Event(self.step, kind, seq.index))
 
     def preempt(self) -> Sequence:
         """Evict the most recently admitted request (the joining group's last, else the
