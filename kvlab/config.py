@@ -299,6 +299,19 @@ class RunConfig:
             eval_options(name, options)  # each eval checks its own options
 
 
+def check_backend(cfg: RunConfig, options: Any) -> str:
+    """The backend ``cfg``'s model runs under (``model.backend`` resolved: native or hf),
+    once, from configs alone, it is known to serve the run's strategy with ``options``
+    (its checked options); a refusal raises with the reason."""
+    from kvlab.models.loading import backend_refusal, resolve_backend
+
+    backend = resolve_backend(cfg.model.source, cfg.model.backend)
+    refused = backend_refusal(cfg.model.source, backend, cfg.cache.name, options)
+    if refused:
+        raise ValueError(refused)
+    return backend
+
+
 def check_context(cfg: RunConfig) -> None:
     """Fail early, with no weights loaded, when what the run feeds the model (prompt + new
     tokens, each eval's windows) exceeds its trained context — unless the cache strategy
@@ -308,22 +321,13 @@ def check_context(cfg: RunConfig) -> None:
     from kvlab.cache import registered
     from kvlab.cache.base import cache_options
     from kvlab.eval import eval_options
-    from kvlab.models.loading import (
-        backend_refusal,
-        max_context,
-        resolve_backend,
-        trained_window,
-    )
+    from kvlab.models.loading import max_context, trained_window
 
     limit, window = max_context(cfg.model.source), trained_window(cfg.model.source)
-    backend = resolve_backend(cfg.model.source, cfg.model.backend)
-    if backend == "hf":
-        window = None  # transformers' classes keep each layer's window (cache/layered.py)
     strategy = registered()[cfg.cache.name]
     options = cache_options(cfg.cache.name, cfg.cache.options)
-    refused = backend_refusal(cfg.model.source, backend, cfg.cache.name, options)
-    if refused:
-        raise ValueError(refused)
+    if check_backend(cfg, options) == "hf":
+        window = None  # transformers' classes keep each layer's window (cache/layered.py)
     span = strategy.position_span(options)
     demands = []
     if cfg.workload.serving is not None:

@@ -85,11 +85,16 @@ def build_run_model(
     """Model, tokenizer and cache factory of the run that ``cache=<cache> quant=<quant>``
     and dotted ``overrides`` compose to (for callers outside Hydra: the lm-eval adapter)."""
     wanted = [f"cache={cache}", f"quant={quant}", *(f"{k}={v}" for k, v in overrides.items())]
-    cfg = compose_run_config(wanted)
+    return run_model(compose_run_config(wanted))
+
+
+def run_model(cfg: RunConfig) -> tuple[Decoder, Any, Callable[..., KVCache]]:
+    """The run's model, its kernel plan made first (the same every run), its tokenizer, and
+    a factory of the run's caches (rows that roll back the drafts ``cfg.spec`` verifies)."""
     plan = make_plan(cfg.engine.kernel_settings())
     model, tokenizer = load_run_model(cfg.model, cfg.quant, resolve_device(cfg.model.device), plan)
-
-    return model, tokenizer, cache_factory(cfg.cache.name, model, cfg.cache.options)
+    rollback = cfg.spec.num_speculative_tokens if cfg.spec.enabled else 0
+    return model, tokenizer, cache_factory(cfg.cache.name, model, cfg.cache.options, rollback)
 
 
 def generation_config(cfg: RunConfig, new_tokens: int | None = None) -> GenerationConfig:
@@ -111,17 +116,13 @@ def _measure(cfg: RunConfig, out_dir: Path | None) -> dict[str, Any]:
     check_context(cfg)
     apply_threads(cfg.threads)  # the CPUs this process was given, not the machine's
     device = resolve_device(cfg.model.device)
-    plan = make_plan(cfg.engine.kernel_settings())  # before the model: the same every run
-    model, tokenizer = load_run_model(cfg.model, cfg.quant, device, plan)
-
-    rollback = cfg.spec.num_speculative_tokens if cfg.spec.enabled else 0
-    new_cache = cache_factory(cfg.cache.name, model, cfg.cache.options, rollback)  # and evals
+    model, tokenizer, new_cache = run_model(cfg)  # new_cache: the workload's and the evals'
 
     serving = cfg.workload.serving is not None
     choice = compile_choice(cfg.engine.compile, model, new_cache, cfg.workload.new_tokens,
                             serving, cfg.engine.autotune)  # fmt: skip
     decided = {"engine/compiled": choice["compile"], "engine/compile_choice": choice,
-               "engine/kernel_plan": plan.record()}  # fmt: skip
+               "engine/kernel_plan": model.kernel_plan.record()}  # fmt: skip
     if serving:
         return _measure_serving(cfg, model, tokenizer, new_cache, out_dir) | decided
     compiled, draft = choice["compile"], build_draft(cfg, model)

@@ -31,12 +31,12 @@ def parse_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def build_server(overrides: list[str], max_model_len: int = 0, served_name: str = "") -> Server:
     """The run that ``overrides`` compose to (``workload=serving`` unless another
     ``workload`` is named), its model loaded and its engine ready to start."""
-    from kvlab.cache import cache_factory, registered
+    from kvlab.cache import registered
     from kvlab.cache.base import cache_options
+    from kvlab.config import check_backend
     from kvlab.engine.generate import check_rollback
-    from kvlab.kernels.plan import make_plan
-    from kvlab.models.loading import backend_refusal, max_context, resolve_backend
-    from kvlab.run import _eos_ids, compose_run_config, load_run_model, resolve_device
+    from kvlab.models.loading import max_context
+    from kvlab.run import _eos_ids, compose_run_config, run_model
     from kvlab.serving.online import OnlineEngine
     from kvlab.serving.prometheus import ServerMetrics
     from kvlab.serving.server import check_serves
@@ -58,19 +58,14 @@ def build_server(overrides: list[str], max_model_len: int = 0, served_name: str 
             f"--max-model-len={max_model_len} is invalid; allowed: 2 to the model's context "
             f"of {limit} tokens"
         )
-    backend = resolve_backend(cfg.model.source, cfg.model.backend)
     options = cache_options(cfg.cache.name, cfg.cache.options)
-    refused = backend_refusal(cfg.model.source, backend, cfg.cache.name, options)
-    if refused:
-        raise ValueError(refused)
-    check_serves(registered()[cfg.cache.name])
+    check_backend(cfg, options)
+    strategy = registered()[cfg.cache.name]
+    check_serves(strategy)
     if cfg.spec.enabled:
-        check_rollback(registered()[cfg.cache.name], options, max_model_len, cfg.spec)
+        check_rollback(strategy, options, max_model_len, cfg.spec)
     apply_threads(cfg.threads)
-    plan = make_plan(cfg.engine.kernel_settings())
-    model, tokenizer = load_run_model(cfg.model, cfg.quant, resolve_device(cfg.model.device), plan)
-    rollback = cfg.spec.num_speculative_tokens if cfg.spec.enabled else 0
-    new_cache = cache_factory(cfg.cache.name, model, cfg.cache.options, rollback)
+    model, tokenizer, new_cache = run_model(cfg)
     name = served_name or cfg.model.source
     metrics = ServerMetrics(name)
     eos = frozenset(_eos_ids(tokenizer, model))
