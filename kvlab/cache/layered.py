@@ -170,7 +170,7 @@ class LayeredCache(KVCache):
             row = max(1, cache.request_bytes(self.capacity))
             free = cache.free_bytes(*(other.caches[g] for other in spawned))
             room.append(free / row)
-        return int(min(room) * sum(c.request_bytes(self.capacity) for c in self.caches))
+        return int(min(room) * self.request_bytes(self.capacity))
 
     # ---- one forward step ----------------------------------------------------------------
     def plan(self, info: StepInfo) -> Step:

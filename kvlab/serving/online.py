@@ -11,6 +11,7 @@ server posts it to its loop) and return."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -66,7 +67,7 @@ class Handle:
 
 def top_logprobs(row: torch.Tensor, token: int, top: int) -> TokenLogprob:
     """``token``'s log-probability in the log-softmax ``row`` (V,) and the ``top`` best."""
-    values, ids = row.topk(top) if top else (row[:0], row[:0].long())
+    values, ids = row.topk(top)
     best = list(zip(ids.tolist(), values.tolist(), strict=True))
     return TokenLogprob(token, row[token].item(), best)
 
@@ -192,7 +193,7 @@ class OnlineEngine:
                 self._fail_all("the server is shutting down")
                 return False
             if kind == "add":
-                item.seq.request = _arrived(item.seq.request, self.clock.now())
+                item.seq.request = dataclasses.replace(item.seq.request, arrival_s=self.clock.now())
                 item.seq.times.arrival_s = item.seq.request.arrival_s
                 self.handles[item.seq.index] = item
                 self.loop.add([item.seq])
@@ -260,10 +261,3 @@ class OnlineEngine:
             handle.on_event(Event(finish="error", error=why))
         self.handles.clear()
         self.loop.arrivals.clear()
-
-
-def _arrived(request: Request, now_s: float) -> Request:
-    """``request`` arriving at ``now_s`` on the engine's clock."""
-    import dataclasses
-
-    return dataclasses.replace(request, arrival_s=now_s)

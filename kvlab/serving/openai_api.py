@@ -118,9 +118,8 @@ def number(body: dict[str, Any], name: str, kind: type, default: Any, low=None, 
         return default
     ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
     if not ok or (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"{'>= ' + str(low) if low is not None else ''}"
-        bounds += f"{', ' if low is not None and high is not None else ''}"
-        bounds += f"{'<= ' + str(high) if high is not None else ''}"
+        limits = ((">=", low), ("<=", high))
+        bounds = ", ".join(f"{sign} {bound}" for sign, bound in limits if bound is not None)
         raise BadRequest(f"{name}={value!r} is invalid; allowed: {kind.__name__} {bounds}", name)
     return kind(value)
 
@@ -294,11 +293,15 @@ class Choice:
     server: Server
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     text: Detokenizer | None = None
-    tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish: str | None = None
     handle: Any = None
     text_all: str = ""  # the whole text, once run to its end (not streamed)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens generated so far."""
+        return self.text.tokens if self.text is not None else []
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -318,7 +321,6 @@ class Choice:
             event: Event = await self.events.get()
             if event.error:
                 raise RuntimeError(event.error)
-            self.tokens += event.tokens
             new_logprobs = event.logprobs or []
             self.logprobs += new_logprobs
             delta = self.text.add(event.tokens, final=event.finish is not None)
