@@ -97,9 +97,11 @@ class ServingConfig:
     (Poisson; 0: all at t=0), each ``shared_prefix`` tokens of system prompt and a prompt
     of ``prompt_len`` tokens of WikiText-2, generating ``output_len`` tokens; the cache may
     hold ``kv_budget_bytes`` (or ``kv_budget_gib``); a joining request feeds ``chunk``
-    prompt tokens per step; ``max_running`` caps the batch (0: the budget does);
-    ``max_joining`` requests are admitted together (1: one per step, no padding between
-    prompts of different lengths; 0: as many as the budget holds)."""
+    prompt tokens per step at most, and a step feeds ``max_batched_tokens`` tokens in all,
+    the running batch's decode tokens first (vLLM's ``max_num_batched_tokens``; 0: no step
+    budget); ``max_running`` caps the batch (0: the budget does); a group of up to
+    ``max_joining`` requests is admitted together (1: each request alone, no padding between
+    prompts of different lengths in its attention; 0: as many as the budgets allow)."""
 
     num_requests: int = 32
     rate: float = 0.0
@@ -115,6 +117,7 @@ class ServingConfig:
     chunk: int = 256
     max_running: int = 0
     max_joining: int = 1
+    max_batched_tokens: int = 2048
 
     def __post_init__(self) -> None:
         _require(self.num_requests >= 1, "workload.serving.num_requests", self.num_requests, ">= 1")
@@ -125,6 +128,12 @@ class ServingConfig:
         _require(self.chunk >= 1, "workload.serving.chunk", self.chunk, ">= 1")
         _require(self.max_running >= 0, "workload.serving.max_running", self.max_running, ">= 0")
         _require(self.max_joining >= 0, "workload.serving.max_joining", self.max_joining, ">= 0")
+        _require(
+            self.max_batched_tokens >= 0,
+            "workload.serving.max_batched_tokens",
+            self.max_batched_tokens,
+            ">= 0 (0: no step budget)",
+        )
         budgets = (self.kv_budget_bytes > 0) + (self.kv_budget_gib > 0)
         _require(
             budgets == 1 and self.kv_budget_bytes >= 0 and self.kv_budget_gib >= 0,

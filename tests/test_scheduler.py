@@ -99,8 +99,8 @@ def test_admission_retirement_order_and_metrics_on_a_fake_clock(tiny_llama):
 
 def test_paged_preempts_the_latest_request_and_recomputes_it(tiny_llama):
     """Two requests of 7 prompt + 8 output tokens in blocks of 4, a pool of 5 blocks: both
-    are admitted by their prompts' blocks (2 each, one per step), decode outgrows the pool,
-    the later one is preempted, waits for the first to finish, and is recomputed — with
+    are admitted by their prompts' blocks (2 each, both in the first step), decode outgrows
+    the pool, the later one is preempted, waits for the first to finish, and is recomputed — with
     the tokens it generates alone."""
     options = dict(block_size=4)
     requests = trace(tiny_llama.config.vocab_size, lengths=(7, 7), outputs=(8, 8), gap=0)
@@ -109,11 +109,12 @@ def test_paged_preempts_the_latest_request_and_recomputes_it(tiny_llama):
     cache = build_cache("paged", tiny_llama.cache_spec(), options)
     result = serve(tiny_llama, cache, requests, ServingConfig(kv_budget_bytes=budget), FakeClock())
     assert cache.store.pool.num_blocks == 5
-    # step 0: 0 joins (2 blocks); 1: 1 joins (2 blocks), 0 decodes; 2: 0 takes the last
-    # block (position 8); 3: 1 needs one at position 8: preempted; 0 ends at step 7; 1 comes
-    # back (prompt + its 2 tokens: 3 blocks) and ends 5 steps later
+    # step 0: 0 and 1 are prefilled in one packed step (2 blocks each) and join; 1: both
+    # decode position 7 (in their second blocks); 2: both need a block at position 8, one is
+    # free: 1 is preempted; 0 ends at step 7; 1 comes back (prompt + its 2 tokens: 3
+    # blocks) and ends 5 steps later
     assert [(e.step, e.kind, e.index) for e in result.events] == [
-        (0, "admit", 0), (0, "join", 0), (1, "admit", 1), (1, "join", 1), (3, "preempt", 1),
+        (0, "admit", 0), (0, "admit", 1), (0, "join", 0), (0, "join", 1), (2, "preempt", 1),
         (7, "retire", 0), (8, "admit", 1), (8, "join", 1), (13, "retire", 1),
     ]  # fmt: skip
     assert result.preemptions == 1

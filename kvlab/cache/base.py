@@ -361,7 +361,10 @@ class KVCache(ABC):
     # ---- one forward step, called by the model -------------------------------------------
     def plan(self, info: StepInfo) -> Step:
         """The step object for ``info``, built once before the layers run (host decisions
-        and one host-to-device copy); strategies with more per-step state override it."""
+        and one host-to-device copy); strategies with more per-step state override it. A
+        planned step may never run (another cache's part of a packed step did not fit): it
+        is then planned again from the same lengths, and must place its tokens as the first
+        planning did."""
         return Step(info, *self._row_bounds(info))
 
     def _row_bounds(self, info: StepInfo) -> tuple[torch.Tensor, torch.Tensor]:

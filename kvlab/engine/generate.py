@@ -24,6 +24,7 @@ from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Request
 from kvlab.engine.sequence import Sequence as Seq
 from kvlab.models.llama import Decoder
+from kvlab.models.packed import StepPart
 from kvlab.speculative.config import SpecConfig
 from kvlab.speculative.ngram import PromptLookup
 
@@ -238,13 +239,27 @@ class Engine:
     def verify(self, seqs: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]):
         """One step feeding each sequence's last token (not yet stored) and its drafts;
         logits (B, 1 + most drafts, V): after the last token and after each draft."""
-        width = 1 + max(map(len, drafts))
+        p = self.verify_part(seqs, drafts)
+        return self.model(p.ids, p.positions, self.cache, p.num_new)
+
+    def verify_part(
+        self, seqs: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]
+    ) -> StepPart:
+        """The running cache's part of a step that feeds each sequence's last token (not
+        yet stored) and its drafts (none: a decode step); ids and positions go to the
+        device in one copy."""
+        width = 1 + max(map(len, drafts), default=0)
         rows = [[s[-1], *d] + [0] * (width - 1 - len(d)) for s, d in zip(seqs, drafts, strict=True)]
         host = torch.tensor([[*r, len(s) - 1] for r, s in zip(rows, seqs, strict=True)])
         table = host.to(self.device)
         positions = table[:, -1:] + torch.arange(width, device=self.device)
-        num_new = [1 + len(d) for d in drafts]
-        return self.model(table[:, :width], positions, self.cache, num_new)
+        return StepPart(self.cache, table[:, :width], positions, [1 + len(d) for d in drafts])
+
+    @torch.inference_mode()
+    def forward_parts(self, parts: list[StepPart]) -> list[torch.Tensor]:
+        """One forward over several caches' parts (packed: :mod:`kvlab.models.packed`);
+        each part's logits."""
+        return self.model.forward_parts(parts)
 
     @torch.inference_mode()
     def decode_step(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """The one engine loop, for offline generation and serving alike (nano-vllm's
-``LLMEngine.step``): each step lets in the requests that have arrived, admits, runs the
-joining group's prefill and the running batch's decode (or speculative verification),
-samples, retires the finished and lets the fed group join the running batch. A forward
-that does not fit the cache preempts the latest request and runs again
-(:meth:`Scheduler.retrying`). What differs between the two workloads is admission alone:
-offline generation is every request arriving at t = 0, admitted in rounds into the
-running cache and prefilled at once (:class:`Rounds`); serving is arrivals on a clock,
-admitted in groups that are fed a chunk per step in a cache of their own
-(:class:`Joining`)."""
+``LLMEngine.step``): each step lets in the requests that have arrived, admits, runs one
+forward over the joining requests' prompt chunks and the running batch's decode (or
+speculative verification) tokens, packed (:mod:`kvlab.models.packed`), samples, retires the
+finished and lets the fed groups join the running batch. A forward that does not fit the
+cache preempts the latest request and runs again (:meth:`Scheduler.retrying`). What
+differs between the two workloads is admission alone: offline generation is every request
+arriving at t = 0, admitted in rounds into the running cache and prefilled at once before
+decoding starts (:class:`Rounds`); serving is arrivals on a clock, admitted under the KV
+and token budgets and fed a chunk per step in caches of their own beside the running
+batch (:class:`Joining`)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence, Status
 from kvlab.engine.timing import now
 from kvlab.speculative.config import SpecConfig
-from kvlab.speculative.step import speculative_decode
+from kvlab.speculative.step import propose, settle
 
 
 @dataclass
@@ -31,7 +32,8 @@ class GenerationStats:
     """Timings (seconds) and KV memory of a run of the loop, filled in while it runs. The
     first prefill forward is the TTFT of offline generation; its prefill rounds after a
     preemption (recomputing the evicted sequences) are prefill work too, never decode
-    steps."""
+    steps. A serving step that feeds prompt chunks beside the running batch's decode
+    tokens is one forward, counted in both lists (a forward with prefill, a decode step)."""
 
     prompt_tokens: int = 0
     prefill_s: list[float] = field(default_factory=list)  # one entry per prefill forward
@@ -78,10 +80,14 @@ class StepTimes:
 
 
 class Admission(Protocol):
-    """How requests enter the running batch: who is admitted (:meth:`admit`), how the
-    joining group is fed (:meth:`setup` before each attempt, untimed;
-    :meth:`prefill`: a token per sequence whose last token was fed,
-    None for the others), and what is recorded after each step."""
+    """How requests enter the running batch: who is admitted (:meth:`admit`), whether the
+    admitted are fed beside the running batch in its steps (``feeds_beside``: the
+    scheduler's :meth:`~Scheduler.feeds`) or prefilled by the admission alone first
+    (:meth:`setup` before each attempt, untimed; :meth:`prefill`: a token per sequence
+    whose last token was fed, None for the others), and what is recorded after each
+    step."""
+
+    feeds_beside: bool
 
     def admit(self, sched: Scheduler) -> list[Sequence]: ...
 
@@ -133,8 +139,8 @@ class EngineLoop:
         began = time.perf_counter()
         self._admit()
         forwards = time.perf_counter()
-        emitted = self._prefill()
-        emitted |= speculative_decode(self) if self.spec.enabled else self._decode()
+        emitted = {} if self.admission.feeds_beside else self._prefill()
+        emitted |= self._batch_step()
         moves = time.perf_counter()
         self.retire_done()
         self.sched.absorb()
@@ -180,8 +186,8 @@ class EngineLoop:
             raise RuntimeError(f"request {self.sched.waiting[0].index} waits with nothing running")
 
     def _prefill(self) -> dict[int, list[int]]:
-        """The joining group's prefill forward; its requests whose tokens are all fed get
-        their next token and wait to join."""
+        """An offline round's prefill, alone (nothing runs beside it); its requests whose
+        tokens are all fed get their next token and wait to join."""
         if not self.sched.joining:
             return {}
         unfed = {s.index: s.to_feed for s in self.sched.joining}
@@ -192,13 +198,19 @@ class EngineLoop:
         if tokens is None:
             return {}
         seconds += self._prefill_draft()
+        return self._fed(self.sched.joining, tokens, unfed, seconds)
+
+    def _fed(
+        self, seqs: list[Sequence], tokens: list[int | None], unfed: dict[int, int], seconds: float
+    ) -> dict[int, list[int]]:
+        """After a forward that fed prompt tokens of ``seqs`` (``unfed``: what each had to
+        feed before it): those whose prompt is fed emit their ``tokens`` and wait to join."""
         t = self.clock.mark()
-        joining = self.sched.joining
         self.stats.note_memory(self.sched.cache.memory())  # the running batch's rows
         self.stats.prefill_s.append(seconds)
-        self.stats.fed_tokens.append(sum(unfed[s.index] - s.to_feed for s in joining))
+        self.stats.fed_tokens.append(sum(unfed[s.index] - s.to_feed for s in seqs))
         emitted = {}
-        for seq, token in zip(joining, tokens, strict=True):
+        for seq, token in zip(seqs, tokens, strict=True):
             if token is not None:
                 seq.emit(token, t)
                 seq.status = Status.READY
@@ -215,21 +227,49 @@ class EngineLoop:
         prefill(self.sched.joining, self.room)
         return now(self.engine.device) - began
 
-    def _decode(self) -> dict[int, list[int]]:
-        """One token for every request of the running batch."""
-        if not self.sched.running:
-            return {}
+    def _batch_step(self) -> dict[int, list[int]]:
+        """One forward over the joining requests' chunks (serving) and the running batch's
+        decode tokens, or its drafts to verify (speculation: drafted first, timed as the
+        step's); the tokens each request emitted."""
+        spec = self.spec.enabled and bool(self.sched.running)
+        drafting_s, proposed = 0.0, {}
+        if spec:
+            began = now(self.engine.device)
+            proposed = propose(self)
+            drafting_s = now(self.engine.device) - began
+        joining = {s.index: s.to_feed for s in self.sched.joining}
 
         def work():
-            running = self.sched.running
-            if not running:
+            feeds = self.sched.feeds() if self.admission.feeds_beside else []
+            running = list(self.sched.running)
+            if not feeds and not running:
                 return None
-            return self.runner.sample(self.engine.decode_step([s.tokens for s in running]), running)
+            drafts = [proposed.get(s.index, []) for s in running]
+            seqs = [s.tokens for s in running]
+            if not feeds:  # the running batch alone, on its own decode paths (fused, compiled)
+                if any(drafts):
+                    return feeds, running, drafts, [self.engine.verify(seqs, drafts)]
+                return feeds, running, drafts, [self.engine.decode_step(seqs)[:, None]]
+            parts = [self.runner.chunk_part(g.cache, g.seqs, counts) for g, counts in feeds]
+            if running:
+                parts.append(self.engine.verify_part(seqs, drafts))
+            return feeds, running, drafts, self.engine.forward_parts(parts)
 
-        tokens, seconds = self.forward(work)
-        if tokens is None:
+        out, seconds = self.forward(work)
+        if out is None:
             return {}
-        return self.commit_decode([[token] for token in tokens], seconds)
+        feeds, running, drafts, logits = out
+        emitted: dict[int, list[int]] = {}
+        for (group, counts), part_logits in zip(feeds, logits, strict=False):
+            tokens = self.runner.fed(group.seqs, counts, part_logits)
+            emitted |= self._fed(group.seqs, tokens, joining, seconds)
+        if not running:
+            return emitted
+        verified = logits[-1]  # (B, 1 + most drafts, V)
+        if spec:
+            return emitted | settle(self, verified, running, drafts, drafting_s, seconds)
+        tokens = self.runner.sample(verified[:, 0], running)
+        return emitted | self.commit_decode([[t] for t in tokens], seconds)
 
     def commit_decode(self, tokens: list[list[int]], seconds: float) -> dict[int, list[int]]:
         """After a decode step of ``seconds``: each running request emits its ``tokens``
@@ -255,6 +295,8 @@ class Rounds:
     ``chunk`` tokens, a step ending where a row's context ends), then decoded together
     until each finishes; a request preempted by a full cache waits for the next round and
     is recomputed (vLLM's recompute preemption). ``contexts``: per request index."""
+
+    feeds_beside = False
 
     def __init__(self, chunk: int, max_new_tokens: int, contexts: list[int] | None = None):
         self.chunk, self.max_new_tokens, self.contexts = chunk, max_new_tokens, contexts
@@ -283,24 +325,24 @@ class Rounds:
 
 
 class Joining:
-    """Serving admission: a group of waiting requests (as many as the budget and the
-    scheduler's caps allow) is admitted while none is joining, fed ``chunk`` prompt tokens
-    per step in a cache of its own beside the running batch's decode step, and joins the
-    running batch once fed. After each step: (time, KV bytes in use, requests admitted)."""
+    """Serving admission: groups of waiting requests are admitted as the KV and token
+    budgets allow (:meth:`Scheduler.admit`), each fed its chunk per step in a cache of its
+    own inside the running batch's forward, joining the running batch once fed. After each
+    step: (time, KV bytes in use, requests admitted)."""
 
-    def __init__(self, chunk: int):
-        self.chunk = chunk
+    feeds_beside = True
+
+    def __init__(self):
         self.timeline: list[tuple[float, int, int]] = []
 
     def admit(self, sched: Scheduler) -> list[Sequence]:
         return sched.admit()
 
     def setup(self, loop: EngineLoop) -> None:
-        pass  # the group's cache was allocated at admission
+        pass  # each group's cache was allocated at admission
 
-    def prefill(self, loop: EngineLoop) -> list[int | None]:
-        sched = loop.sched
-        return loop.runner.prefill_chunk(sched.joining_cache, sched.joining, self.chunk)
+    def prefill(self, loop: EngineLoop) -> None:
+        return None  # fed beside the running batch (EngineLoop._batch_step)
 
     def after_step(self, loop: EngineLoop) -> None:
         sched = loop.sched

@@ -1,9 +1,9 @@
 """The model side of the engine (nano-vllm's ``ModelRunner``): turn a group of sequences
-into one prefill-chunk forward over their cache, and sample (a token per row, or the
-tokens a row keeps of its drafts), seeded once per run, with the logits shown to a hook
-first. The engine loop (:mod:`.loop`) samples through it for offline generation and
-serving alike. One host-to-device copy of ids and positions per step; the cache builds the
-rest of the step's metadata (``KVCache.plan``)."""
+into their prompt chunk's part of a step (:class:`~kvlab.models.packed.StepPart`), and
+sample (a token per row, or the tokens a row keeps of its drafts), seeded once per run,
+with the logits shown to a hook first. The engine loop (:mod:`.loop`) samples through it
+for offline generation and serving alike. One host-to-device copy of ids and positions per
+step; the cache builds the rest of the step's metadata (``KVCache.plan``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from kvlab.cache.base import KVCache
 from kvlab.engine.sampling import SamplingConfig, sample
 from kvlab.engine.sequence import Sequence
 from kvlab.models.llama import Decoder
+from kvlab.models.packed import StepPart
 from kvlab.speculative.accept import accepted
 
 LogitsHook = Callable[[torch.Tensor, list[int]], None]
@@ -74,32 +75,34 @@ class ModelRunner:
             out.append(tokens)
         return out
 
-    @torch.inference_mode()
-    def prefill_chunk(self, cache: KVCache, seqs: Seq[Sequence], chunk: int) -> list[int | None]:
-        """Feed the next ``chunk`` (at most) unfed tokens of each sequence, whose cache rows
-        are ``cache``'s rows in order; a sampled token for each sequence whose last token was
-        fed, None for the others. Sequences start where their rows are (a reused prefix)."""
-        counts = [min(s.to_feed, chunk) for s in seqs]
+    def chunk_part(self, cache: KVCache, seqs: Seq[Sequence], counts: list[int]) -> StepPart:
+        """The part of a step that feeds ``counts[r]`` more prompt tokens of each sequence,
+        whose cache rows are ``cache``'s rows in order (sequences start where their rows
+        are: a reused prefix); logits at each row's last fed token. Ids and positions go to
+        the device in one copy."""
         width = max(counts)
         rows = [
             s.tokens[s.computed : s.computed + n] + [0] * (width - n)
             for s, n in zip(seqs, counts, strict=True)
         ]
-        starts = [s.computed for s in seqs]
         host = torch.tensor(
-            [[*r, start, max(n - 1, 0)] for r, start, n in zip(rows, starts, counts, strict=True)]
+            [[*r, s.computed, max(n - 1, 0)] for r, s, n in zip(rows, seqs, counts, strict=True)]
         )
         table = host.to(self.device)
         ids, start, last = table[:, :width], table[:, width : width + 1], table[:, -1]
         positions = start + torch.arange(width, device=self.device)
-        logits = self.model(ids, positions, cache, counts, last)  # (B, V)
-        tokens = self.sample(logits, seqs)
+        return StepPart(cache, ids, positions, list(counts), last)
+
+    def fed(self, seqs: Seq[Sequence], counts: list[int], logits: torch.Tensor) -> list[int | None]:
+        """After a chunk part (:meth:`chunk_part`) and its logits (B, V): a sampled token
+        for each sequence whose last token was fed, None for the others."""
         for s, n in zip(seqs, counts, strict=True):
             s.computed += n
-        return [
-            t if n and s.to_feed == 0 else None
-            for s, n, t in zip(seqs, counts, tokens, strict=True)
-        ]
+        done = [r for r, (s, n) in enumerate(zip(seqs, counts, strict=True)) if n and not s.to_feed]
+        if not done:
+            return [None] * len(seqs)
+        tokens = dict(zip(done, self.sample(logits[done], [seqs[r] for r in done]), strict=True))
+        return [tokens.get(r) for r in range(len(seqs))]
 
 
 def decode_logits(model: Decoder, cache: KVCache, seqs: Seq[Seq[int]], layers=None) -> torch.Tensor:

@@ -1,21 +1,21 @@
 """Continuous batching under a KV budget (Orca, Yu et al., OSDI 2022; vLLM, Kwon et al.,
 arXiv 2309.06180; nano-vllm's ``Scheduler``). Host decisions only — which requests join,
-which leave, which are preempted — taken from what the cache strategy says a request needs
-(:meth:`KVCache.request_bytes`, the memory model's line) and has free
-(:meth:`KVCache.free_bytes`); no strategy names.
+which leave, which are preempted, how many prompt tokens each is fed a step — taken from
+what the cache strategy says a request needs (:meth:`KVCache.request_bytes`, the memory
+model's line) and has free (:meth:`KVCache.free_bytes`); no strategy names.
 
-Requests join in groups (of ``max_joining``, one by default): a group is admitted when none
-is joining, prefilled in a cache of its own (:meth:`KVCache.spawn`) a chunk per step beside
-the running batch's decode step (Sarathi's chunked prefill, as two forwards: kvlab's decoder
-pads a step to (B, T), so one fused forward would compute every decode row at the chunk's
-width — and a group of several prompts computes each at the longest one's width, which is
-why groups hold one request unless asked), and joins the running batch
+Requests are admitted in groups (of ``max_joining``, one by default) whenever the KV budget
+and the step's token budget allow (vLLM's ``max_num_batched_tokens``: the running batch's
+decode tokens first, then prompt chunks of ``chunk`` tokens at most per request, first come
+first served — Sarathi-Serve's stall-free batching). A group is prefilled in a cache of its
+own (:meth:`KVCache.spawn`), a chunk per step, in the same packed forward as the running
+batch's decode step (:mod:`kvlab.models.packed`), and joins the running batch
 (:meth:`KVCache.join`) once every prompt in it is fed. A step that does not fit
 (:class:`NoRoom`) preempts the most recently admitted request, which is recomputed later
 (vLLM's recompute preemption). Offline generation uses the same scheduler in rounds
-(:meth:`Scheduler.admit_all`: when nothing runs, every waiting request is one joining group
-prefilled in the running cache itself), so preemption, retirement and the retry of a step that does
-not fit exist once.
+(:meth:`Scheduler.admit_all`: when nothing runs, every waiting request is one group
+prefilled in the running cache itself), so preemption, retirement and the retry of a step
+that does not fit exist once.
 """
 
 from __future__ import annotations
@@ -38,10 +38,21 @@ class Event:
     index: int
 
 
+@dataclass
+class Group:
+    """Requests admitted together, prefilled in ``cache`` (rows in order) until they join
+    the running batch; an offline round's group is prefilled in the running cache itself."""
+
+    seqs: list[Sequence]
+    cache: KVCache
+
+
 class Scheduler:
     """``cache`` is the running batch's cache, already serving (:meth:`KVCache.serve`);
-    ``max_running`` caps the running batch (0: only the budget does); ``max_joining``
-    caps a joining group (0: the budget does)."""
+    ``max_running`` caps the running batch and the joining requests together (0: only the
+    budget does); ``max_joining`` caps a group (0: the budgets do); a step feeds each
+    joining request ``chunk`` prompt tokens at most and ``max_batched_tokens`` tokens in
+    all, decode tokens included (0: no step budget)."""
 
     def __init__(
         self,
@@ -49,16 +60,30 @@ class Scheduler:
         eos_ids: frozenset[int] = frozenset(),
         max_running: int = 0,
         max_joining: int = 1,
+        chunk: int = 0,
+        max_batched_tokens: int = 0,
     ):
         self.cache, self.eos_ids, self.max_running = cache, eos_ids, max_running
-        self.max_joining = max_joining
+        self.max_joining, self.chunk = max_joining, chunk
+        self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # the running cache's rows, in order
-        self.joining: list[Sequence] = []  # the joining cache's rows, in order
-        self.joining_cache: KVCache | None = None
+        self.groups: list[Group] = []  # joining, in order of admission
         self.events: list[Event] = []
         self.step = 0
         self.preemptions = 0
+
+    @classmethod
+    def serving(cls, cache: KVCache, eos_ids: frozenset[int], cfg: Any) -> Scheduler:
+        """A scheduler with ``cfg``'s caps and budgets (a :class:`~kvlab.config.ServingConfig`)."""
+        return cls(
+            cache, eos_ids, cfg.max_running, cfg.max_joining, cfg.chunk, cfg.max_batched_tokens
+        )
+
+    @property
+    def joining(self) -> list[Sequence]:
+        """Every joining request, in order of admission."""
+        return [seq for group in self.groups for seq in group.seqs]
 
     # ---- budget ------------------------------------------------------------------------
     def check_fits(self, seq: Sequence) -> None:
@@ -77,7 +102,7 @@ class Scheduler:
             )
 
     def free_bytes(self) -> int:
-        spawned = [self.joining_cache] if self.joining_cache is not None else []
+        spawned = [g.cache for g in self.groups if g.cache is not self.cache]
         return self.cache.free_bytes(*spawned)
 
     def kv_bytes_in_use(self) -> int:
@@ -93,34 +118,62 @@ class Scheduler:
         self.waiting.append(seq)
 
     def admit(self) -> list[Sequence]:
-        """A new joining group, first come first served, while the budget (and
-        ``max_running``) allows; none while a group is joining."""
-        if self.joining or not self.waiting:
-            return []
-        free, group = self.free_bytes(), []
-        room = self.max_running - len(self.running) if self.max_running else len(self.waiting)
-        room = min(room, self.max_joining) if self.max_joining else room
-        while self.waiting and len(group) < room:
-            need = self.cache.request_bytes(len(self.waiting[0].tokens))
-            if need > free:
+        """New groups, first come first served, while the KV budget, ``max_running`` and the
+        step's token budget (what the decode tokens and the joining groups' chunks leave)
+        allow."""
+        free, admitted = self.free_bytes(), []
+        tokens = self._tokens_left(self.feeds())
+        joined = len(self.running) + len(self.joining)
+        room = self.max_running - joined if self.max_running else len(self.waiting)
+        while self.waiting and room > 0 and tokens > 0:
+            group = []
+            while self.waiting and len(group) < min(room, self.max_joining or room):
+                need = self.cache.request_bytes(len(self.waiting[0].tokens))
+                if need > free or tokens <= 0:
+                    break
+                free -= need
+                group.append(self.waiting.popleft())
+                tokens -= min(group[-1].to_feed, self.chunk or group[-1].to_feed)
+            if not group:
                 break
-            free -= need
-            group.append(self.waiting.popleft())
-        if group:
             self._start_group(group)
-        return group
+            admitted += group
+            room -= len(group)
+        return admitted
+
+    def feeds(self) -> list[tuple[Group, list[int]]]:
+        """The prompt tokens each joining request is fed this step, group by group (the
+        groups fed nothing left out): ``chunk`` at most each, in order of admission, within
+        what the running batch's decode tokens leave of the step's budget."""
+        tokens, out = self._tokens_left([]), []
+        for group in self.groups:
+            counts = []
+            for seq in group.seqs:
+                counts.append(max(0, min(seq.to_feed, self.chunk or seq.to_feed, tokens)))
+                tokens -= counts[-1]
+            if any(counts):
+                out.append((group, counts))
+        return out
+
+    def _tokens_left(self, feeds: list[tuple[Group, list[int]]]) -> float:
+        """Tokens of the step's budget left after the decode tokens and ``feeds``."""
+        if not self.max_batched_tokens:
+            return float("inf")
+        fed = sum(sum(counts) for _, counts in feeds)
+        return self.max_batched_tokens - len(self.running) - fed
 
     def admit_all(self) -> list[Sequence]:
-        """Offline rounds: with nothing running, every waiting request becomes the joining
-        group at once, in the running cache itself (the caller allocates and prefills it)."""
-        if self.running or self.joining or not self.waiting:
+        """Offline rounds: with nothing running, every waiting request becomes one group at
+        once, in the running cache itself (the caller allocates and prefills it)."""
+        if self.running or self.groups or not self.waiting:
             return []
-        self.joining, self.waiting = list(self.waiting), deque()
-        self.joining_cache = self.cache
-        for seq in self.joining:
+        group = Group(list(self.waiting), self.cache)
+        self.waiting = deque()
+        for seq in group.seqs:
             seq.status = Status.PREFILL
             self.events.append(Event(self.step, "admit", seq.index))
-        return self.joining
+        self.groups = [group]
+        return group.seqs
 
     def retrying(self, work: Callable[[], Any]) -> Any:
         """``work()``, preempting a request each time the step does not fit (the error
@@ -134,25 +187,33 @@ class Scheduler:
                 except RuntimeError:
                     raise full from None
 
-    def _start_group(self, group: list[Sequence]) -> None:
-        self.joining_cache = self.cache.spawn()
-        self.joining_cache.allocate(len(group), self.cache.capacity)
-        for row, seq in enumerate(group):
-            seq.cached = self.joining_cache.reuse_prefix(row, seq.tokens)
+    def _start_group(self, seqs: list[Sequence]) -> None:
+        cache = self.cache.spawn()
+        cache.allocate(len(seqs), self.cache.capacity)
+        for row, seq in enumerate(seqs):
+            seq.cached = cache.reuse_prefix(row, seq.tokens)
             seq.computed, seq.status = seq.cached, Status.PREFILL
             self.events.append(Event(self.step, "admit", seq.index))
-        self.joining = group
+        self.groups.append(Group(seqs, cache))
 
     def absorb(self) -> None:
-        """The joining group joins the running batch once every prompt in it is fed."""
-        if self.joining and all(s.status is Status.READY for s in self.joining):
-            if self.joining_cache is not self.cache:  # not a round in the running cache
-                self.cache.join(self.joining_cache)
-            for seq in self.joining:
+        """Every group whose prompts are all fed joins the running batch: the ready groups'
+        caches join each other first, then the running cache once (a strategy whose join
+        copies its rows copies the running batch once a step)."""
+        ready = [g for g in self.groups if all(s.status is Status.READY for s in g.seqs)]
+        if not ready:
+            return
+        spawned = [g.cache for g in ready if g.cache is not self.cache]
+        if spawned:  # not a round in the running cache
+            for other in spawned[1:]:
+                spawned[0].join(other)
+            self.cache.join(spawned[0])
+        for group in ready:
+            for seq in group.seqs:
                 seq.status = Status.RUNNING
                 self.events.append(Event(self.step, "join", seq.index))
-            self.running += self.joining
-            self.joining, self.joining_cache = [], None
+            self.running += group.seqs
+        self.groups = [g for g in self.groups if g not in ready]
 
     def retire(self) -> list[Sequence]:
         """Free the rows of finished requests, at once, in both caches."""
@@ -168,10 +229,10 @@ class Scheduler:
             self._leave(lambda s: s is seq, "cancel")
 
     def _leave(self, leaves: Callable[[Sequence], bool], kind: str) -> list[Sequence]:
-        """The rows of the requests ``leaves`` picks freed in both caches, the requests
+        """The rows of the requests ``leaves`` picks freed in every cache, the requests
         ended (event ``kind``)."""
         gone = []
-        for seqs, cache in ((self.running, self.cache), (self.joining, self.joining_cache)):
+        for seqs, cache in ((self.running, self.cache), *((g.seqs, g.cache) for g in self.groups)):
             rows = [r for r, s in enumerate(seqs) if leaves(s)]
             if rows:
                 cache.free(rows)
@@ -179,8 +240,7 @@ class Scheduler:
                 leaving = set(rows)
                 seqs[:] = [s for r, s in enumerate(seqs) if r not in leaving]
         self._ended(gone, kind)
-        if self.joining_cache is not None and not self.joining:
-            self.joining_cache = None
+        self.groups = [g for g in self.groups if g.seqs]
         return gone
 
     def _ended(self, seqs: list[Sequence], kind: str) -> None:
@@ -189,13 +249,15 @@ class Scheduler:
             self.events.append(Event(self.step, kind, seq.index))
 
     def preempt(self) -> Sequence:
-        """Evict the most recently admitted request (the joining group's last, else the
-        running batch's last) to recompute it later; it goes first in line. With one
-        request left there is nothing to gain: a :class:`RuntimeError`."""
+        """Evict the most recently admitted request (the last group's last, else the running
+        batch's last) to recompute it later; it goes first in line. With one request left
+        there is nothing to gain: a :class:`RuntimeError`."""
         if len(self.running) + len(self.joining) < 2:
             raise RuntimeError("a step does not fit the KV budget with one request left")
         seqs, cache = (
-            (self.joining, self.joining_cache) if self.joining else (self.running, self.cache)
+            (self.groups[-1].seqs, self.groups[-1].cache)
+            if self.groups
+            else (self.running, self.cache)
         )
         cache.free([len(seqs) - 1])
         seq = seqs.pop()
@@ -203,6 +265,5 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.preemptions += 1
         self.events.append(Event(self.step, "preempt", seq.index))
-        if not self.joining:
-            self.joining_cache = None
+        self.groups = [g for g in self.groups if g.seqs]
         return seq

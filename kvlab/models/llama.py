@@ -19,6 +19,7 @@ from kvlab.cache.base import CacheSpec, KVCache, Step, StepInfo
 from kvlab.kernels.layer.norm import fused_rms_norm
 from kvlab.models.config import DecoderConfig
 from kvlab.models.fused_layer import FusedDecode, FusedStep, fused_plan, fused_step, weights_changed
+from kvlab.models.packed import PackedPart, StepPart
 from kvlab.models.rope import RotaryTables, inverse_frequencies
 
 
@@ -55,6 +56,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rope: RotaryTables, cache: KVCache, step: Step
     ) -> torch.Tensor:
         batch, steps, _ = x.shape
+        out = cache.attend(step, self.layer, *self.project(x, rope))  # (B, H, T, D)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, steps, self.heads * self.head_dim))
+
+    def project(self, x: torch.Tensor, rope: RotaryTables) -> tuple[torch.Tensor, ...]:
+        """q (B, H, T, D), k, v (B, H_kv, T, D) of x (B, T, hidden), q and k rotated, and
+        k before RoPE (for strategies that re-position keys)."""
+        batch, steps, _ = x.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([(heads + kv_heads) * dim, kv_heads * dim], dim=-1)
         qk = qk.view(batch, steps, heads + kv_heads, dim)  # (B, T, H + H_kv, D)
@@ -64,8 +72,17 @@ class Attention(nn.Module):
         q, k = rope.rotate(qk).transpose(1, 2).split([heads, kv_heads], dim=1)  # (B, H|H_kv, T, D)
         k_raw = qk[:, :, heads:].transpose(1, 2)  # (B, H_kv, T, D), before RoPE
         v = v.view(batch, steps, kv_heads, dim).transpose(1, 2)  # (B, H_kv, T, D)
-        out = cache.attend(step, self.layer, q, k, v, k_raw)  # (B, H, T, D)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, steps, heads * dim))
+        return q, k, v, k_raw
+
+    def packed(self, x: torch.Tensor, rope: RotaryTables, parts: list[PackedPart]) -> torch.Tensor:
+        """x (1, N, hidden): the real tokens of every part, one after another; each part's
+        attention is its cache's, over that part's rows laid out as its step planned them."""
+        projected = self.project(x, rope)  # (1, H|H_kv, N, D) each
+        outs = [
+            part.tokens(part.cache.attend(part.step, self.layer, *map(part.rows, projected)))
+            for part in parts
+        ]
+        return self.o_proj(torch.cat(outs)[None])  # (1, N, hidden)
 
 
 class MLP(nn.Module):
@@ -103,6 +120,11 @@ class DecoderLayer(nn.Module):
                 return y
             self.decode_paths["op_by_op"] += 1
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def packed(self, x: torch.Tensor, rope: RotaryTables, parts: list[PackedPart]) -> torch.Tensor:
+        """The layer over a packed step (:meth:`Decoder.packed_logits`), op by op."""
+        x = x + self.self_attn.packed(self.input_layernorm(x), rope, parts)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _apply(self, fn, recurse=True):  # .to(), .float(), ...: the weights may move
@@ -190,6 +212,35 @@ class CachedDecoder(nn.Module):
         cache.end(step)
         return logits
 
+    def forward_parts(self, parts: list[StepPart]) -> list[torch.Tensor]:
+        """One step over several caches' parts (:mod:`kvlab.models.packed`): each part's
+        logits as :meth:`forward` returns them. Every part is planned before any layer
+        runs, so a part that does not fit (``NoRoom``) stops the step before anything was
+        computed, and the step is planned again once a request was preempted (planning
+        the same tokens again places them where the first planning did)."""
+        if len(parts) == 1:
+            p = parts[0]
+            return [self(p.ids, p.positions, p.cache, p.num_new, p.logit_index, None,
+                         p.context_end)]  # fmt: skip
+        dtype = self.embed_tokens.weight.dtype
+        steps = []
+        for p in parts:
+            rope = RotaryTables(self.inv_freq, p.positions, dtype)
+            info = StepInfo(p.positions, p.num_new, rope, p.ids, p.context_end)
+            steps.append(p.cache.plan(info))
+        logits = self.packed_logits(parts, steps)
+        for p, step in zip(parts, steps, strict=True):
+            p.cache.end(step)
+        return logits
+
+    def packed_logits(self, parts: list[StepPart], steps: list[Step]) -> list[torch.Tensor]:
+        """The layers of a step of several planned parts; by default each part's layers in
+        turn (:meth:`logits`), a model that packs them overrides it."""
+        return [
+            self.logits(p.ids, step.info.rope, p.cache, step, p.logit_index)
+            for p, step in zip(parts, steps, strict=True)
+        ]
+
 
 class Decoder(CachedDecoder):
     """The whole model: ``forward(ids, positions, cache, ...)`` → logits."""
@@ -249,3 +300,24 @@ class Decoder(CachedDecoder):
             for layer in self.layers:
                 x = layer(x, rope, cache, step)
         return self.lm_head(self.norm(logit_rows(x, logit_index))).float()
+
+    def packed_logits(self, parts: list[StepPart], steps: list[Step]) -> list[torch.Tensor]:
+        """The step's real tokens of every part in one (1, N) sequence through the dense
+        layers, each part's attention through its own cache; each part's logits."""
+        packed, offset = [], 0
+        for p, step in zip(parts, steps, strict=True):
+            packed.append(PackedPart.of(p, step, offset))
+            offset += packed[-1].count
+        ids = torch.cat([pp.take(p.ids) for pp, p in zip(packed, parts, strict=True)])
+        where = torch.cat([pp.take(p.positions) for pp, p in zip(packed, parts, strict=True)])
+        rope = RotaryTables(self.inv_freq, where[None], self.embed_tokens.weight.dtype)
+        x = self.embed_tokens(ids[None])  # (1, N, hidden)
+        for layer in self.layers:
+            x = layer.packed(x, rope, packed)
+        picks = [pp.logit_positions(p.logit_index) for pp, p in zip(packed, parts, strict=True)]
+        logits = self.lm_head(self.norm(x[0, torch.cat(picks)])).float()
+        split = logits.split([len(pick) for pick in picks])
+        return [
+            pp.shaped(part_logits, p.logit_index)
+            for pp, p, part_logits in zip(packed, parts, split, strict=True)
+        ]

@@ -106,14 +106,14 @@ class OnlineEngine:
         cache = self.new_cache()
         cache.serve(self.serving.budget_bytes, self.capacity)
         s = self.serving
-        self.sched = Scheduler(cache, self.eos_ids, s.max_running, s.max_joining)
+        self.sched = Scheduler.serving(cache, self.eos_ids, s)
         engine = Engine(self.model, cache)
         draft = speculation_draft(engine, self.spec, self.capacity) if self.spec.enabled else None
         self.runner = ModelRunner(self.model, SamplingConfig(), self._note_logits)
         device = self.model.embed_tokens.weight.device
         self.clock = WallClock(device)
         self.loop = EngineLoop(
-            engine, Joining(s.chunk), self.sched, self.runner, self.clock, self.spec, draft
+            engine, Joining(), self.sched, self.runner, self.clock, self.spec, draft
         )
 
     # ---- any thread ----------------------------------------------------------------------

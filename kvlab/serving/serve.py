@@ -16,7 +16,7 @@ def parse_args(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
         prog="kvlab serve",
         description="An OpenAI-compatible server over kvlab's engine. Other arguments are "
         "the run's overrides, e.g. cache=paged quant=rtn spec=ngram "
-        "workload.serving.kv_budget_gib=1 workload.serving.max_joining=4",
+        "workload.serving.kv_budget_gib=1 workload.serving.max_batched_tokens=4096",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)

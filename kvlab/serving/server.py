@@ -134,10 +134,10 @@ def serve(
     seqs = [Sequence(r) for r in requests]
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
     cache.serve(cfg.budget_bytes, capacity)
-    sched = Scheduler(cache, eos_ids, cfg.max_running, cfg.max_joining)
+    sched = Scheduler.serving(cache, eos_ids, cfg)
     for seq in seqs:
         sched.check_fits(seq)
-    engine, joining, spec = Engine(model, cache), Joining(cfg.chunk), spec or SpecConfig()
+    engine, joining, spec = Engine(model, cache), Joining(), spec or SpecConfig()
     draft = speculation_draft(engine, spec, capacity) if spec.enabled else None
     runner = ModelRunner(model, sampling or SamplingConfig())
     loop = EngineLoop(engine, joining, sched, runner, clock, spec, draft)

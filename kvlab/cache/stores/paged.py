@@ -218,7 +218,9 @@ class PagedStore(Store):
         """Blocks for the new tokens of ``row``: the table indices it changed, and the step
         indices of tokens that a shared block holds already (not to be written)."""
         size, table = self.options.block_size, self.tables[row]
-        self.tokens[row] += new_ids
+        # a step planned again (a packed step's other part did not fit, a request was
+        # preempted) places the same tokens again, in the blocks the first planning took
+        self.tokens[row][start:] = new_ids
         end = start + len(new_ids)
         changed, shared, skipped = [], set(), []
         for i in range(len(new_ids)):
