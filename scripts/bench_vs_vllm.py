@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 NAME = "smollm2"
-KVLAB_DEFAULT = "cache=paged workload.serving.max_joining=16 workload.serving.chunk=512"
+KVLAB_DEFAULT = "cache=paged workload.serving.chunk=2048"
 COLUMNS = [("request_throughput", "req/s"), ("output_throughput", "out tok/s"),
            ("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"),
            ("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"),

@@ -64,7 +64,8 @@ def test_admission_retirement_order_and_metrics_on_a_fake_clock(tiny_llama):
     """``full`` with room for two rows, admitting as many as fit together; three requests
     at t=0 of 2, 3 and 1 tokens; every forward takes 1 s. By hand: step 0 prefills 0 and 1
     (their first tokens at t=1) and they join; step 1 decodes them (t=2), 0 is done; step 2
-    admits 2 (prefilled, done at t=3) while 1 decodes its last token (t=4)."""
+    admits 2, whose prompt is fed in the forward that decodes 1's last token (both at
+    t=3)."""
     vocab = tiny_llama.config.vocab_size
     requests = [Request(i, 0.0, tuple(range(1 + i, 5 + i)), out) for i, out in enumerate((2, 3, 1))]
     budget = 2 * row_bytes(tiny_llama, "full", {}, 7)
@@ -80,18 +81,18 @@ def test_admission_retirement_order_and_metrics_on_a_fake_clock(tiny_llama):
         (0, "admit", 0), (0, "admit", 1), (0, "join", 0), (0, "join", 1),
         (1, "retire", 0), (2, "admit", 2), (2, "retire", 1), (2, "retire", 2),
     ]  # fmt: skip
-    assert [s.times.token_s for s in result.seqs] == [[1, 2], [1, 2, 4], [3]]
+    assert [s.times.token_s for s in result.seqs] == [[1, 2], [1, 2, 3], [3]]
     assert all(0 <= t < vocab for s in result.seqs for t in s.output)
     m = result.metrics()
-    assert m["mean_ttft_ms"] == pytest.approx(1e3 * 5 / 3)
+    assert m["mean_ttft_ms"] == pytest.approx(1e3 * 5 / 3)  # 1, 1, 3
     assert m["median_ttft_ms"] == pytest.approx(1e3)
-    assert m["mean_itl_ms"] == pytest.approx(1e3 * 4 / 3)  # gaps 1 | 1, 2
-    assert m["mean_tpot_ms"] == pytest.approx(1e3 * 1.25)  # 1 and 1.5 (one-token request: none)
-    assert m["mean_e2el_ms"] == pytest.approx(1e3 * 3)  # 2, 4, 3
-    assert m["duration_s"] == 4 and m["output_throughput"] == pytest.approx(1.5)
-    assert m["request_throughput"] == pytest.approx(0.75)
+    assert m["mean_itl_ms"] == pytest.approx(1e3)  # gaps 1 | 1, 1
+    assert m["mean_tpot_ms"] == pytest.approx(1e3)  # 1 and 1 (one-token request: none)
+    assert m["mean_e2el_ms"] == pytest.approx(1e3 * 8 / 3)  # 2, 3, 3
+    assert m["duration_s"] == 3 and m["output_throughput"] == pytest.approx(2.0)
+    assert m["request_throughput"] == pytest.approx(1.0)
     assert m["max_concurrency"] == 2
-    assert m["mean_concurrency"] == pytest.approx(7 / 4)  # 2 for 3 s, 1 for 1 s
+    assert m["mean_concurrency"] == pytest.approx(2.0)  # 0 and 1, then 1 and 2 (from t=2)
     assert m["kv_bytes_peak"] == budget and m["preemptions"] == 0
     assert m["decode_batch_mean"] == 1.5 and m["steps_with_prefill"] == 2  # steps 0 and 2
     assert result.profile.prefill_tokens == 12 and result.profile.decode_rows == 3

@@ -198,14 +198,19 @@ class EngineLoop:
         if tokens is None:
             return {}
         seconds += self._prefill_draft()
-        return self._fed(self.sched.joining, tokens, unfed, seconds)
+        return self._fed(self.sched.joining, tokens, unfed, seconds, self.clock.mark())
 
     def _fed(
-        self, seqs: list[Sequence], tokens: list[int | None], unfed: dict[int, int], seconds: float
+        self,
+        seqs: list[Sequence],
+        tokens: list[int | None],
+        unfed: dict[int, int],
+        seconds: float,
+        t: float,
     ) -> dict[int, list[int]]:
         """After a forward that fed prompt tokens of ``seqs`` (``unfed``: what each had to
-        feed before it): those whose prompt is fed emit their ``tokens`` and wait to join."""
-        t = self.clock.mark()
+        feed before it) and ended at clock time ``t``: those whose prompt is fed emit their
+        ``tokens`` and wait to join."""
         self.stats.note_memory(self.sched.cache.memory())  # the running batch's rows
         self.stats.prefill_s.append(seconds)
         self.stats.fed_tokens.append(sum(unfed[s.index] - s.to_feed for s in seqs))
@@ -259,22 +264,28 @@ class EngineLoop:
         if out is None:
             return {}
         feeds, running, drafts, logits = out
-        emitted: dict[int, list[int]] = {}
-        for (group, counts), part_logits in zip(feeds, logits, strict=False):
-            tokens = self.runner.fed(group.seqs, counts, part_logits)
-            emitted |= self._fed(group.seqs, tokens, joining, seconds)
+        t, emitted = self.clock.mark(), {}
+        if feeds:
+            fed, tokens = [], []
+            for (group, counts), part_logits in zip(feeds, logits, strict=False):
+                fed += group.seqs
+                tokens += self.runner.fed(group.seqs, counts, part_logits)
+            emitted = self._fed(fed, tokens, joining, seconds, t)
         if not running:
             return emitted
         verified = logits[-1]  # (B, 1 + most drafts, V)
         if spec:
-            return emitted | settle(self, verified, running, drafts, drafting_s, seconds)
+            return emitted | settle(self, verified, running, drafts, drafting_s, seconds, t)
         tokens = self.runner.sample(verified[:, 0], running)
-        return emitted | self.commit_decode([[t] for t in tokens], seconds)
+        return emitted | self.commit_decode([[token] for token in tokens], seconds, t)
 
-    def commit_decode(self, tokens: list[list[int]], seconds: float) -> dict[int, list[int]]:
-        """After a decode step of ``seconds``: each running request emits its ``tokens``
-        (one, or what a speculative step kept) up to its end; the tokens each emitted."""
-        t, running = self.clock.mark(), self.sched.running
+    def commit_decode(
+        self, tokens: list[list[int]], seconds: float, t: float
+    ) -> dict[int, list[int]]:
+        """After a decode step of ``seconds`` that ended at clock time ``t``: each running
+        request emits its ``tokens`` (one, or what a speculative step kept) up to its end;
+        the tokens each emitted."""
+        running = self.sched.running
         out = {}
         for seq, row in zip(running, tokens, strict=True):
             out[seq.index] = []

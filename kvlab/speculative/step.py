@@ -29,11 +29,12 @@ def settle(
     drafts: list[list[int]],
     drafting_s: float,
     seconds: float,
+    t: float,
 ) -> dict[int, list[int]]:
-    """After the verification forward of ``seconds`` (``logits`` (B, 1 + most drafts, V)
-    after each ``running`` request's last token and each of its ``drafts``): each keeps
-    what the rule accepts, its cache row (and the draft's) rolled back to it; the tokens
-    each request emitted."""
+    """After the verification forward of ``seconds``, ended at clock time ``t`` (``logits``
+    (B, 1 + most drafts, V) after each ``running`` request's last token and each of its
+    ``drafts``): each keeps what the rule accepts, its cache row (and the draft's) rolled
+    back to it; the tokens each request emitted."""
     stats = loop.stats
     emitted = loop.runner.accept(logits, running, drafts)
     kept = [len(s.tokens) + len(e) - 1 for s, e in zip(running, emitted, strict=True)]
@@ -43,4 +44,4 @@ def settle(
     stats.verify_s.append(seconds)
     stats.drafted += sum(map(len, drafts))
     stats.accepted += sum(len(e) - 1 for e in emitted)
-    return loop.commit_decode(emitted, drafting_s + seconds)
+    return loop.commit_decode(emitted, drafting_s + seconds, t)
