@@ -18,6 +18,7 @@ from kvlab.cache.base import (
     sdpa,
 )
 from kvlab.cache.build import build_cache, cache_factory
+from kvlab.cache.saved import load_rows, save_rows
 from kvlab.registry import import_folder
 
 import_folder("kvlab.cache.policies")  # presets a policy's own file declares
@@ -31,7 +32,9 @@ __all__ = [
     "StepInfo",
     "build_cache",
     "cache_factory",
+    "load_rows",
     "register",
     "registered",
+    "save_rows",
     "sdpa",
 ]
