@@ -82,10 +82,10 @@ class StepTimes:
 class Admission(Protocol):
     """How requests enter the running batch: who is admitted (:meth:`admit`), whether the
     admitted are fed beside the running batch in its steps (``feeds_beside``: the
-    scheduler's :meth:`~Scheduler.feeds`) or prefilled by the admission alone first
-    (:meth:`setup` before each attempt, untimed; :meth:`prefill`: a token per sequence
-    whose last token was fed, None for the others), and what is recorded after each
-    step."""
+    scheduler's :meth:`~Scheduler.feeds`) or prefilled by the admission alone first (then
+    it has :meth:`setup`, run before each attempt, untimed, and :meth:`prefill`: a token
+    per sequence whose last token was fed, None for the others), and what is recorded
+    after each step."""
 
     feeds_beside: bool
 
@@ -267,7 +267,7 @@ class EngineLoop:
         t, emitted = self.clock.mark(), {}
         if feeds:
             fed, tokens = [], []
-            for (group, counts), part_logits in zip(feeds, logits, strict=False):
+            for (group, counts), part_logits in zip(feeds, logits, strict=False):  # then running
                 fed += group.seqs
                 tokens += self.runner.fed(group.seqs, counts, part_logits)
             emitted = self._fed(fed, tokens, joining, seconds, t)
@@ -348,12 +348,6 @@ class Joining:
 
     def admit(self, sched: Scheduler) -> list[Sequence]:
         return sched.admit()
-
-    def setup(self, loop: EngineLoop) -> None:
-        pass  # each group's cache was allocated at admission
-
-    def prefill(self, loop: EngineLoop) -> None:
-        return None  # fed beside the running batch (EngineLoop._batch_step)
 
     def after_step(self, loop: EngineLoop) -> None:
         sched = loop.sched
