@@ -33,13 +33,13 @@ def leaves(cache: KVCache) -> list[KVCache]:
     return list(getattr(cache, "caches", [cache]))
 
 
-def header(cache: KVCache, name: str) -> dict[str, Any]:
+def header(cache: KVCache) -> dict[str, Any]:
     """What a saved file must match to be loaded into a cache like ``cache``: strategy,
     options, the model's fingerprint, dtype and shapes."""
     spec = cache.model_spec
     return {
         "format": FORMAT,
-        "strategy": name,
+        "strategy": cache.name,  # per-group caches bear the run's strategy name
         "options": dataclasses.asdict(cache.options),
         "model_id": spec.model_id,
         "dtype": str(spec.dtype),
@@ -55,10 +55,9 @@ def save_rows(cache: KVCache, rows: Sequence[int], path: str | Path) -> Path:
     before anything is written."""
     from safetensors.torch import save_file
 
-    name = cache.name  # a cache per group of layers bears the run's strategy's name
     if not cache.forks:
         raise ValueError(
-            f"cannot save rows of cache={name}: its rows are not row slices of its tensors "
+            f"cannot save rows of cache={cache.name}: its rows are not row slices of its tensors "
             "(they share a block pool, or are packed runs); allowed: full, sliding, "
             "gqa_shared, compressed, int8/int4/int2"
         )
@@ -79,7 +78,7 @@ def save_rows(cache: KVCache, rows: Sequence[int], path: str | Path) -> Path:
                 host.append([leaf_index, i, value])
             else:
                 tensors[f"state.{leaf_index}.{i}"] = value.detach().to("cpu").contiguous()
-    meta = header(cache, name) | {"row_tokens": cache.row_tokens, "host": host}
+    meta = header(cache) | {"row_tokens": cache.row_tokens, "host": host}
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
         save_file(tensors, str(partial), metadata={"kvlab": json.dumps(meta)})
@@ -106,7 +105,7 @@ def load_rows(path: str | Path, cache: KVCache) -> KVCache:
         raise ValueError(
             f"cache file path={str(path)!r} is not a kvlab cache file ({exc})"
         ) from None
-    want = json.loads(json.dumps(header(cache, cache.name)))  # as JSON gives it back
+    want = json.loads(json.dumps(header(cache)))  # as JSON gives it back
     for field, expected in want.items():
         if meta.get(field) != expected:
             raise ValueError(

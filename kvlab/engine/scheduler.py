@@ -106,7 +106,7 @@ class Scheduler:
         return self.cache.free_bytes(*spawned)
 
     def kv_bytes_in_use(self) -> int:
-        """Bytes of the budget held now (the running batch and the joining group)."""
+        """Bytes of the budget held now (the running batch and the joining groups)."""
         return self.cache.budget_bytes - self.free_bytes()
 
     # ---- decisions ---------------------------------------------------------------------
@@ -133,7 +133,7 @@ class Scheduler:
                     break
                 free -= need
                 group.append(self.waiting.popleft())
-                tokens -= min(group[-1].to_feed, self.chunk or group[-1].to_feed)
+                tokens -= self._chunk(group[-1])
             if not group:
                 break
             self._start_group(group)
@@ -149,11 +149,15 @@ class Scheduler:
         for group in self.groups:
             counts = []
             for seq in group.seqs:
-                counts.append(max(0, min(seq.to_feed, self.chunk or seq.to_feed, tokens)))
+                counts.append(max(0, min(self._chunk(seq), tokens)))
                 tokens -= counts[-1]
             if any(counts):
                 out.append((group, counts))
         return out
+
+    def _chunk(self, seq: Sequence) -> int:
+        """The prompt tokens ``seq`` is fed in a step the budget does not cut."""
+        return min(seq.to_feed, self.chunk or seq.to_feed)
 
     def _tokens_left(self, feeds: list[tuple[Group, list[int]]]) -> float:
         """Tokens of the step's budget left after the decode tokens and ``feeds``."""

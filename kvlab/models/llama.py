@@ -206,11 +206,18 @@ class CachedDecoder(nn.Module):
         :meth:`logits`, or a compiled version of it (the engine's compiled decode step).
         """
         batch, steps = ids.shape
-        rope = RotaryTables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
-        step = cache.plan(StepInfo(positions, num_new or [steps] * batch, rope, ids, context_end))
-        logits = (layers or self.logits)(ids, rope, cache, step, logit_index)
+        step = self.plan_step(cache, ids, positions, num_new or [steps] * batch, context_end)
+        logits = (layers or self.logits)(ids, step.info.rope, cache, step, logit_index)
         cache.end(step)
         return logits
+
+    def plan_step(
+        self, cache: KVCache, ids, positions, num_new: list[int], context_end=None
+    ) -> Step:
+        """``cache``'s plan of a step feeding ``ids`` at ``positions`` (RoPE's tables for
+        them built once, for every layer)."""
+        rope = RotaryTables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
+        return cache.plan(StepInfo(positions, num_new, rope, ids, context_end))
 
     def forward_parts(self, parts: list[StepPart]) -> list[torch.Tensor]:
         """One step over several caches' parts (:mod:`kvlab.models.packed`): each part's
@@ -222,12 +229,9 @@ class CachedDecoder(nn.Module):
             p = parts[0]
             return [self(p.ids, p.positions, p.cache, p.num_new, p.logit_index, None,
                          p.context_end)]  # fmt: skip
-        dtype = self.embed_tokens.weight.dtype
-        steps = []
-        for p in parts:
-            rope = RotaryTables(self.inv_freq, p.positions, dtype)
-            info = StepInfo(p.positions, p.num_new, rope, p.ids, p.context_end)
-            steps.append(p.cache.plan(info))
+        steps = [
+            self.plan_step(p.cache, p.ids, p.positions, p.num_new, p.context_end) for p in parts
+        ]
         logits = self.packed_logits(parts, steps)
         for p, step in zip(parts, steps, strict=True):
             p.cache.end(step)

@@ -72,8 +72,7 @@ class PackedPart:
     def tokens(self, out: torch.Tensor) -> torch.Tensor:
         """An attention output (B, heads, T, D) back to the part's real tokens (count,
         heads * D)."""
-        flat = out.transpose(1, 2).reshape(self.batch * self.steps, -1)
-        return flat if self.index is None else flat[self.index]
+        return self.take(out.transpose(1, 2)).flatten(1)
 
     def logit_positions(self, logit_index: torch.Tensor | None) -> torch.Tensor:
         """Positions in the packed step of the tokens ``logit_index`` picks (as
@@ -97,8 +96,10 @@ class PackedPart:
     def shaped(self, logits: torch.Tensor, logit_index: torch.Tensor | None) -> torch.Tensor:
         """The part's logits as the one-part forward returns them: (B, T, V) with zeros at
         padding for no ``logit_index``, else as they were picked."""
-        if logit_index is not None or self.index is None:
-            return logits if logit_index is not None else logits.view(self.batch, self.steps, -1)
+        if logit_index is not None:
+            return logits
+        if self.index is None:
+            return logits.view(self.batch, self.steps, -1)
         full = logits.new_zeros(self.batch * self.steps, logits.shape[-1])
         full[self.index] = logits
         return full.view(self.batch, self.steps, -1)

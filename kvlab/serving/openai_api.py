@@ -103,7 +103,7 @@ def check_fields(body: dict[str, Any], allowed: set[str], server: Server) -> Non
         value = body.get(name)
         if value is not None and value != neutral and value not in ({}, []):  # {}: no bias
             raise BadRequest(
-                f"{name}={body[name]!r} is not supported; allowed: {neutral!r} (or omit it)", name
+                f"{name}={value!r} is not supported; allowed: {neutral!r} (or omit it)", name
             )
     model = body.get("model")
     if model is not None and model != server.model_name:
