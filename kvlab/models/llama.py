@@ -206,18 +206,18 @@ class CachedDecoder(nn.Module):
         :meth:`logits`, or a compiled version of it (the engine's compiled decode step).
         """
         batch, steps = ids.shape
-        step = self.plan_step(cache, ids, positions, num_new or [steps] * batch, context_end)
-        logits = (layers or self.logits)(ids, step.info.rope, cache, step, logit_index)
+        rope, step = self.plan_step(cache, ids, positions, num_new or [steps] * batch, context_end)
+        logits = (layers or self.logits)(ids, rope, cache, step, logit_index)
         cache.end(step)
         return logits
 
     def plan_step(
         self, cache: KVCache, ids, positions, num_new: list[int], context_end=None
-    ) -> Step:
-        """``cache``'s plan of a step feeding ``ids`` at ``positions`` (RoPE's tables for
-        them built once, for every layer)."""
+    ) -> tuple[RotaryTables, Step]:
+        """RoPE's tables for a step feeding ``ids`` at ``positions`` (built once, for every
+        layer) and ``cache``'s plan of it (whatever step object the cache returns)."""
         rope = RotaryTables(self.inv_freq, positions, self.embed_tokens.weight.dtype)
-        return cache.plan(StepInfo(positions, num_new, rope, ids, context_end))
+        return rope, cache.plan(StepInfo(positions, num_new, rope, ids, context_end))
 
     def forward_parts(self, parts: list[StepPart]) -> list[torch.Tensor]:
         """One step over several caches' parts (:mod:`kvlab.models.packed`): each part's
@@ -229,20 +229,23 @@ class CachedDecoder(nn.Module):
             p = parts[0]
             return [self(p.ids, p.positions, p.cache, p.num_new, p.logit_index, None,
                          p.context_end)]  # fmt: skip
-        steps = [
+        planned = [
             self.plan_step(p.cache, p.ids, p.positions, p.num_new, p.context_end) for p in parts
         ]
-        logits = self.packed_logits(parts, steps)
-        for p, step in zip(parts, steps, strict=True):
+        logits = self.packed_logits(parts, planned)
+        for p, (_, step) in zip(parts, planned, strict=True):
             p.cache.end(step)
         return logits
 
-    def packed_logits(self, parts: list[StepPart], steps: list[Step]) -> list[torch.Tensor]:
-        """The layers of a step of several planned parts; by default each part's layers in
-        turn (:meth:`logits`), a model that packs them overrides it."""
+    def packed_logits(
+        self, parts: list[StepPart], planned: list[tuple[RotaryTables, Step]]
+    ) -> list[torch.Tensor]:
+        """The layers of a step of several parts, each planned with its RoPE tables; by
+        default each part's layers in turn (:meth:`logits`), a model that packs them
+        overrides it."""
         return [
-            self.logits(p.ids, step.info.rope, p.cache, step, p.logit_index)
-            for p, step in zip(parts, steps, strict=True)
+            self.logits(p.ids, rope, p.cache, step, p.logit_index)
+            for p, (rope, step) in zip(parts, planned, strict=True)
         ]
 
 
@@ -305,11 +308,14 @@ class Decoder(CachedDecoder):
                 x = layer(x, rope, cache, step)
         return self.lm_head(self.norm(logit_rows(x, logit_index))).float()
 
-    def packed_logits(self, parts: list[StepPart], steps: list[Step]) -> list[torch.Tensor]:
+    def packed_logits(
+        self, parts: list[StepPart], planned: list[tuple[RotaryTables, Step]]
+    ) -> list[torch.Tensor]:
         """The step's real tokens of every part in one (1, N) sequence through the dense
-        layers, each part's attention through its own cache; each part's logits."""
+        layers (RoPE's tables for them built once), each part's attention through its own
+        cache; each part's logits."""
         packed, offset = [], 0
-        for p, step in zip(parts, steps, strict=True):
+        for p, (_, step) in zip(parts, planned, strict=True):
             packed.append(PackedPart.of(p, step, offset))
             offset += packed[-1].count
         ids = torch.cat([pp.take(p.ids) for pp, p in zip(packed, parts, strict=True)])

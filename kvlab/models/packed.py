@@ -35,7 +35,7 @@ class PackedPart:
     """Where a part's tokens are in the packed step: ``count`` tokens from ``offset``, the
     real ones of its (``batch``, ``steps``) layout (``index``: their flat positions in it;
     None where every position is real), attended through ``cache`` with its planned
-    ``step``."""
+    ``step`` (whatever step object the cache planned), on ``device``."""
 
     cache: KVCache
     step: Step
@@ -44,15 +44,17 @@ class PackedPart:
     offset: int
     count: int
     index: torch.Tensor | None
+    device: torch.device
 
     @classmethod
     def of(cls, part: StepPart, step: Step, offset: int) -> PackedPart:
         batch, steps = part.ids.shape
+        device = part.ids.device
         if all(n == steps for n in part.num_new):
-            return cls(part.cache, step, batch, steps, offset, batch * steps, None)
+            return cls(part.cache, step, batch, steps, offset, batch * steps, None, device)
         real = torch.arange(steps) < torch.tensor(part.num_new)[:, None]  # (B, T) on the host
-        index = real.flatten().nonzero()[:, 0].to(part.ids.device)
-        return cls(part.cache, step, batch, steps, offset, index.numel(), index)
+        index = real.flatten().nonzero()[:, 0].to(device)
+        return cls(part.cache, step, batch, steps, offset, index.numel(), index, device)
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """The part's real entries of x (B, T, ...), flattened: (count, ...)."""
@@ -78,7 +80,7 @@ class PackedPart:
         """Positions in the packed step of the tokens ``logit_index`` picks (as
         :func:`~kvlab.models.llama.logit_rows` reads it); a row with no real token there
         points at the part's first token (its logits are not read)."""
-        device = self.step.start.device
+        device = self.device
         flat_size = self.batch * self.steps
         if logit_index is None:
             flat = torch.arange(flat_size, device=device)
