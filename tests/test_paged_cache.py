@@ -4,6 +4,7 @@ outputs equal to running each sequence alone on a ``full`` cache."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvlab.cache import NoRoom, build_cache
 from kvlab.engine import Engine, GenerationConfig
@@ -129,3 +130,26 @@ def test_recomputation_after_preemption_is_prefill_time_not_decode(tiny_llama):
     # prompt in the first round, one for the recomputed sequence
     assert sum(stats.step_rows) == sum(len(t) for t in run.tokens) - len(prompts) - 1
     assert stats.kv_peak.tokens >= len(PREFIX) + len(PREFIX)  # both prompts were held at once
+
+
+@pytest.mark.parametrize("name", ["paged", "tiered"])
+def test_blocks_of_a_step_planned_but_never_run_are_not_shared(name, tiny_llama):
+    """A packed step plans every part before any layer runs; when a part does not fit, the
+    latest request is preempted and its planned blocks are freed unwritten. Their prefix
+    keys go with them: a later prompt recomputes those tokens instead of sharing garbage."""
+    cache = build_cache(name, tiny_llama.cache_spec(), dict(block_size=4))
+    cache.serve(2**22, 32)
+    ids = torch.tensor([PREFIX + [21, 22]])
+    group = cache.spawn()
+    group.allocate(1, 32)
+    tiny_llama.plan_step(group, ids, torch.arange(12)[None], [12])  # planned, never run
+    group.free([0])
+    again = cache.spawn()
+    again.allocate(1, 32)
+    assert again.reuse_prefix(0, ids[0].tolist()) == 0
+    with torch.inference_mode():  # run once: its blocks are shared from then on
+        tiny_llama(ids, torch.arange(12)[None], again)
+    again.free([0])
+    third = cache.spawn()
+    third.allocate(1, 32)
+    assert third.reuse_prefix(0, ids[0].tolist()) == 8

@@ -49,7 +49,7 @@ class PagedStore(Store):
     the device. ``block_extras``: (shape, dtype) of per-block metadata of each layer, its
     first axis outermost in memory (the pool's head-major storage)."""
 
-    kind = "paged"
+    kind = "paged"  # what policies compose with (the tiered store is one too)
     pooled = True
     copies_rows = False  # rows share the pool's blocks
 
@@ -117,7 +117,21 @@ class PagedStore(Store):
 
     def release(self, rows: Sequence[int], lengths: Sequence[int] = ()) -> None:
         for row in rows:
+            if lengths:
+                self._forget_unwritten(self.tables[row], lengths[row])
             self.pool.drop_tail(self.tables[row], 0)
+
+    def _forget_unwritten(self, table: list[int], stored: int) -> None:
+        """Forget the prefix keys of a row's blocks past its ``stored`` tokens: they were
+        indexed when a step was planned (a packed step plans every part before any layer
+        runs) and that step never ran (another part did not fit, this request was
+        preempted), so their content is not what the key says and no later prompt may
+        share them."""
+        size = self.options.block_size
+        for index in range(stored // size, len(table)):
+            key = self.pool.key_of[table[index]]
+            if key is not None and index * size + len(key[1]) > stored:
+                self.pool.forget(table[index])
 
     def truncate(self, lengths, kept) -> None:
         """Blocks past each kept length go back to the pool; a partly kept block that is
