@@ -92,6 +92,33 @@ class LengthConfig:
 
 
 @dataclass
+class ConversationConfig:
+    """Multi-turn conversations (SCBench's shared context, arXiv 2412.10319): ``turns``
+    questions over one document of ``document_len`` tokens of WikiText-2, each question
+    ``question_len`` tokens and its answer ``answer_len`` generated tokens; a turn's prompt
+    is the whole conversation so far (document, earlier questions and answers, its
+    question) and it arrives ``think_s`` after the previous answer ended. ``turns=0``: no
+    conversations (the serving trace)."""
+
+    turns: int = 0
+    document_len: int = 2048
+    question_len: int = 32
+    answer_len: int = 32
+    think_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("turns", "document_len", "question_len", "answer_len"):
+            low = 0 if name == "turns" else 1
+            value = getattr(self, name)
+            _require(value >= low, f"workload.serving.conversation.{name}", value, f">= {low}")
+        _require(self.think_s >= 0, "workload.serving.conversation.think_s", self.think_s, ">= 0")
+
+    def longest(self) -> int:
+        """Tokens of a conversation's last turn, its answer included."""
+        return self.document_len + self.turns * (self.question_len + self.answer_len)
+
+
+@dataclass
 class ServingConfig:
     """``workload.kind=serving``: ``num_requests`` requests arriving at ``rate`` per second
     (Poisson; 0: all at t=0), each ``shared_prefix`` tokens of system prompt and a prompt
@@ -118,6 +145,7 @@ class ServingConfig:
     max_running: int = 0
     max_joining: int = 1
     max_batched_tokens: int = 2048
+    conversation: ConversationConfig = field(default_factory=ConversationConfig)
 
     def __post_init__(self) -> None:
         _require(self.num_requests >= 1, "workload.serving.num_requests", self.num_requests, ">= 1")
@@ -167,6 +195,8 @@ class ServingConfig:
 
     def longest_request(self) -> int:
         """Tokens of the longest request the trace can hold (prefix + prompt + output)."""
+        if self.conversation.turns:
+            return self.conversation.longest()
         lengths = [self.distribution(n).largest for n in ("prompt_len", "output_len")]
         return self.shared_prefix + sum(lengths)
 

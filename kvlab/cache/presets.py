@@ -26,12 +26,19 @@ from kvlab.cache.stores.contiguous import ContiguousStore
 from kvlab.cache.stores.paged import PagedOptions, PagedStore
 from kvlab.cache.stores.ragged import RaggedStore
 from kvlab.cache.stores.ring import RingStore
+from kvlab.cache.stores.tiered import TieredOptions, TieredStore
 
 FullCache = preset("full", KeepAll, ContiguousStore, tests=TestSettings(
     rollback_lossy=dict(kv_bits=4, kv_group_size=8),
 ))  # fmt: skip
 PagedCache = preset("paged", KeepAll, PagedStore, (PagedOptions,), tests=TestSettings(
     exact=dict(block_size=3), lossy=dict(block_size=4),
+    runtime=dict(block_size=4, kv_bits=4, kv_group_size=8), memory=dict(block_size=4),
+    rollback_lossy=dict(block_size=4, kv_bits=8, kv_group_size=16),
+))  # fmt: skip
+_TIERED = (TieredOptions, PagedOptions)
+TieredCache = preset("tiered", KeepAll, TieredStore, _TIERED, tests=TestSettings(
+    exact=dict(block_size=3), lossy=dict(block_size=4, slow_kv_bits=4, slow_kv_group_size=8),
     runtime=dict(block_size=4, kv_bits=4, kv_group_size=8), memory=dict(block_size=4),
     rollback_lossy=dict(block_size=4, kv_bits=8, kv_group_size=16),
 ))  # fmt: skip

@@ -49,6 +49,8 @@ def measure_serving(
 ) -> dict[str, Any]:
     cache = new_cache()  # the measured run's
     check_serves(cache)
+    if cfg.conversation.turns:
+        return measure_conversations(model, tokenizer, new_cache, cfg, sampling, eos_ids, warmup)
     requests = build_trace(tokenizer, cfg, sampling.seed)
     device = model.embed_tokens.weight.device
     if warmup:  # the first forwards load kernels; a request's worth, never measured
@@ -62,6 +64,28 @@ def measure_serving(
     if out_dir is not None:
         write_timeline(result, out_dir)
     return metrics
+
+
+def measure_conversations(model, tokenizer, new_cache, cfg, sampling, eos_ids, warmup):
+    """``workload.serving.conversation``: multi-turn conversations under the budget
+    (:mod:`kvlab.serving.conversations`), after a warm-up of one short conversation on a
+    cache of its own."""
+    import dataclasses
+
+    from kvlab.serving.conversations import build_conversations, serve_conversations
+
+    conversations = build_conversations(tokenizer, wikitext2_test_text(), cfg)
+    device = model.embed_tokens.weight.device
+    if warmup:
+        first = conversations[0]
+        short = dataclasses.replace(first, document=first.document[:64], start_s=0.0)
+        talk = dataclasses.replace(cfg.conversation, turns=1, answer_len=2)
+        small = dataclasses.replace(cfg, conversation=talk)
+        serve_conversations(model, new_cache(), [short], small, WallClock(device), eos_ids,
+                            sampling)  # fmt: skip
+    result = serve_conversations(model, new_cache(), conversations, cfg, WallClock(device),
+                                 eos_ids, sampling)  # fmt: skip
+    return result.metrics() | {"kv_budget_bytes": cfg.budget_bytes}
 
 
 def write_timeline(result: ServeResult, out_dir: Path) -> None:

@@ -1,9 +1,15 @@
 """The block manager behind ``paged``: fixed-size blocks with reference counts, a free list,
 and an index of blocks by the hash of their token chain so that sequences with a common
 prefix share blocks (vLLM, Kwon et al., arXiv 2309.06180; nano-vllm's BlockManager).
-Every operation costs O(1) per block it touches, never O(pool)."""
+Every operation costs O(1) per block it touches, never O(pool).
+
+A tier beyond the pool (:mod:`kvlab.cache.stores.tiered`) hooks in at two points: a cached
+block about to be reused for new content is handed to ``spill`` first, and a prefix key the
+index does not hold is asked of ``fetch``, which may bring the block back."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvlab.cache.base import NoRoom
 
@@ -19,6 +25,9 @@ class BlockPool:
         self.key_of: list[tuple | None] = [None] * num_blocks
         self.by_key: dict[tuple, int] = {}
         self.used = 0  # blocks with refs > 0
+        self.spill: Callable[[int, tuple], None] | None = None  # (block, its key)
+        self.fetch: Callable[[tuple], int | None] | None = None  # key -> a taken block
+        self.hits = 0  # lookups the pool answered from its own blocks
 
     def ensure_free(self, needed: int) -> None:
         """Raise :class:`NoRoom` unless ``needed`` blocks can be taken (checked before a
@@ -35,16 +44,20 @@ class BlockPool:
         self.ensure_free(1)
         block = next(iter(self.free))
         del self.free[block]
+        if self.spill is not None and self.key_of[block] is not None:
+            self.spill(block, self.key_of[block])
         self.forget(block)
         self.refs[block], self.fill[block] = 1, 0
         self.used += 1
         return block
 
     def lookup(self, key: tuple) -> int | None:
-        """Share the block holding exactly the token chain ``key``, if one is indexed."""
+        """Share the block holding exactly the token chain ``key``, if one is indexed (or a
+        tier beyond the pool brings it back)."""
         block = self.by_key.get(key)
         if block is None:
-            return None
+            return None if self.fetch is None or not self.free else self.fetch(key)
+        self.hits += 1
         if self.refs[block] == 0:
             del self.free[block]  # a cached block back from the free list
             self.used += 1
