@@ -91,6 +91,9 @@ class LengthConfig:
     sigma: float = 1.0
 
 
+PREEMPTIONS = ("swap", "recompute")
+
+
 @dataclass
 class ConversationConfig:
     """Multi-turn conversations (SCBench's shared context, arXiv 2412.10319): ``turns``
@@ -126,7 +129,9 @@ class ServingConfig:
     hold ``kv_budget_bytes`` (or ``kv_budget_gib``); a joining request feeds ``chunk``
     prompt tokens per step at most, and a step feeds ``max_batched_tokens`` tokens in all,
     the running batch's decode tokens first (vLLM's ``max_num_batched_tokens``; 0: no step
-    budget); ``max_running`` caps the batch (0: the budget does); a group of up to
+    budget); a preempted request's blocks are kept for its return (``preemption=swap``: in
+    the pool while it does not need their room, then in a tiered store's slow tier) or
+    forgotten (``recompute``); ``max_running`` caps the batch (0: the budget does); a group of up to
     ``max_joining`` requests is admitted together (1: each request alone, no padding between
     prompts of different lengths in its attention; 0: as many as the budgets allow)."""
 
@@ -145,6 +150,7 @@ class ServingConfig:
     max_running: int = 0
     max_joining: int = 1
     max_batched_tokens: int = 2048
+    preemption: str = "swap"
     conversation: ConversationConfig = field(default_factory=ConversationConfig)
 
     def __post_init__(self) -> None:
@@ -162,6 +168,8 @@ class ServingConfig:
             self.max_batched_tokens,
             ">= 0 (0: no step budget)",
         )
+        _require(self.preemption in PREEMPTIONS, "workload.serving.preemption", self.preemption,
+                 ", ".join(PREEMPTIONS))  # fmt: skip
         budgets = (self.kv_budget_bytes > 0) + (self.kv_budget_gib > 0)
         _require(
             budgets == 1 and self.kv_budget_bytes >= 0 and self.kv_budget_gib >= 0,

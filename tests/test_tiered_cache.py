@@ -252,3 +252,31 @@ def test_conversations_turn_by_turn_under_a_budget(tiny_llama):
         reused[name] = metrics["turn2/reused_tokens"] + metrics["turn3/reused_tokens"]
     assert result.tiers["slow_hit_blocks"] > 0
     assert reused["tiered"] > reused["paged"]
+
+
+@pytest.mark.parametrize("name", ["paged", "tiered"])
+def test_preemption_swaps_or_recomputes_as_asked(name, tiny_llama):
+    """Two requests outgrow a pool of 5 blocks and the later one is preempted: with
+    ``preemption=swap`` its full blocks come back at its next admission (a tiered store
+    from its slow tier after the first request took their room), with ``recompute`` it
+    starts over; both generate what they generate alone."""
+    requests = [Request(i, 0.0, tuple(tokens(7, 60 + i, tiny_llama.config.vocab_size)), 8)
+                for i in range(2)]  # fmt: skip
+    alone = Engine(tiny_llama, build_cache("full", tiny_llama.cache_spec()))
+    found = {}
+    for preemption in ("swap", "recompute"):
+        cfg = ServingConfig(kv_budget_bytes=pool_bytes(tiny_llama, 5), preemption=preemption)
+        cache = build_cache(name, tiny_llama.cache_spec(), dict(block_size=4))
+        result = serve(tiny_llama, cache, requests, cfg, FakeClock())
+        assert result.preemptions == 1
+        found[preemption] = result.seqs[1].cached
+        for seq, request in zip(result.seqs, requests, strict=True):
+            want = alone.generate([list(request.prompt)], GenerationConfig(8, stop_on_eos=False))
+            assert seq.output == want.tokens[0]
+    assert found["recompute"] == 0
+    assert found["swap"] == (8 if name == "tiered" else 0)  # prompt + 2 tokens: 2 full blocks
+
+
+def test_an_unknown_preemption_is_refused():
+    with pytest.raises(ValueError, match="workload.serving.preemption.*swap, recompute"):
+        ServingConfig(kv_budget_gib=1, preemption="evict")

@@ -358,6 +358,11 @@ class KVCache(ABC):
         By default nothing is reused."""
         return 0
 
+    def forget_prefix(self, rows: Sequence[int]) -> None:
+        """Let nothing ``rows`` alone hold be reused by a later prompt (a request preempted
+        to be recomputed); what other rows share stays. By default nothing is reused."""
+        return None
+
     # ---- one forward step, called by the model -------------------------------------------
     def plan(self, info: StepInfo) -> Step:
         """The step object for ``info``, built once before the layers run (host decisions

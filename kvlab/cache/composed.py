@@ -172,6 +172,10 @@ class ComposedCache(KVCache):
         self.lengths[row] = self.store.reuse_prefix(row, ids)
         return self.lengths[row]
 
+    def forget_prefix(self, rows: Sequence[int]) -> None:
+        if self.store.pooled:
+            self.store.forget_prefix(rows)
+
     # ---- one step --------------------------------------------------------------------------
     def plan(self, info):
         return self.policy.plan(info, self.lengths, self.store, self.static)

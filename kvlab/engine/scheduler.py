@@ -62,8 +62,10 @@ class Scheduler:
         max_joining: int = 1,
         chunk: int = 0,
         max_batched_tokens: int = 0,
+        preemption: str = "swap",
     ):
         self.cache, self.eos_ids, self.max_running = cache, eos_ids, max_running
+        self.preemption = preemption
         self.max_joining, self.chunk = max_joining, chunk
         self.max_batched_tokens = max_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -76,9 +78,8 @@ class Scheduler:
     @classmethod
     def serving(cls, cache: KVCache, eos_ids: frozenset[int], cfg: Any) -> Scheduler:
         """A scheduler with ``cfg``'s caps and budgets (a :class:`~kvlab.config.ServingConfig`)."""
-        return cls(
-            cache, eos_ids, cfg.max_running, cfg.max_joining, cfg.chunk, cfg.max_batched_tokens
-        )
+        return cls(cache, eos_ids, cfg.max_running, cfg.max_joining, cfg.chunk,
+                   cfg.max_batched_tokens, cfg.preemption)  # fmt: skip
 
     @property
     def joining(self) -> list[Sequence]:
@@ -254,8 +255,10 @@ class Scheduler:
 
     def preempt(self) -> Sequence:
         """Evict the most recently admitted request (the last group's last, else the running
-        batch's last) to recompute it later; it goes first in line. With one request left
-        there is nothing to gain: a :class:`RuntimeError`."""
+        batch's last); it goes first in line. ``preemption`` ``swap``: its blocks stay cached
+        (a tiered store's slow tier takes them when the pool needs their room) and come back
+        at its next admission; ``recompute``: they are forgotten and it is computed again.
+        With one request left there is nothing to gain: a :class:`RuntimeError`."""
         if len(self.running) + len(self.joining) < 2:
             raise RuntimeError("a step does not fit the KV budget with one request left")
         seqs, cache = (
@@ -263,6 +266,8 @@ class Scheduler:
             if self.groups
             else (self.running, self.cache)
         )
+        if self.preemption == "recompute":
+            cache.forget_prefix([len(seqs) - 1])
         cache.free([len(seqs) - 1])
         seq = seqs.pop()
         seq.computed, seq.cached, seq.status = 0, 0, Status.WAITING

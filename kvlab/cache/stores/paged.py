@@ -121,6 +121,14 @@ class PagedStore(Store):
                 self._forget_unwritten(self.tables[row], lengths[row])
             self.pool.drop_tail(self.tables[row], 0)
 
+    def forget_prefix(self, rows: Sequence[int]) -> None:
+        """The prefix keys of the blocks only ``rows`` hold (a block shared with another
+        row keeps its key)."""
+        for row in rows:
+            for block in self.tables[row]:
+                if self.pool.refs[block] == 1:
+                    self.pool.forget(block)
+
     def _forget_unwritten(self, table: list[int], stored: int) -> None:
         """Forget the prefix keys of a row's blocks past its ``stored`` tokens: they were
         indexed when a step was planned (a packed step plans every part before any layer

@@ -20,7 +20,7 @@ import torch
 
 from kvlab.cache.tiers.replacement import make_replacement
 
-ALIGN = 64  # a piece starts on a cache line, so it reads back as a view of any dtype
+ALIGN = 16  # a piece starts where any dtype can view it (and no piece pads more than 15 bytes)
 MEDIA = ("ram", "file")
 
 
