@@ -280,3 +280,29 @@ def test_preemption_swaps_or_recomputes_as_asked(name, tiny_llama):
 def test_an_unknown_preemption_is_refused():
     with pytest.raises(ValueError, match="workload.serving.preemption.*swap, recompute"):
         ServingConfig(kv_budget_gib=1, preemption="evict")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        dict(slow_kv_bits=8, slow_kv_group_size=8),
+        dict(slow_kv_bits=4, slow_kv_group_size=16),
+        dict(kv_bits=8, kv_group_size=8, slow_kv_bits=2, slow_kv_group_size=8),
+    ],  # fmt: skip
+    ids=str,
+)
+def test_the_memory_model_predicts_each_tiers_block_bytes(options, tiny_checkpoints):
+    """The memory model's bytes of a block in the pool and in the slow tier, from the
+    codecs' parts, against the tensors a tiered cache holds (within 5%)."""
+    from kvlab import load_model
+    from kvlab.analysis.memory import Architecture, load_config, tier_block_bytes
+
+    path = tiny_checkpoints["llama"]
+    model, _ = load_model(str(path))
+    arch = Architecture.from_config(load_config(str(path / "config.json")))
+    cache = build_cache("tiered", model.cache_spec(), options)
+    cache.serve(2**22, 32)
+    predicted = tier_block_bytes(arch, options, model.cache_spec().dtype)
+    assert predicted["fast"] == pytest.approx(cache.store._pool_block_bytes(), rel=0.05)
+    assert predicted["slow"] == pytest.approx(cache.store.tier.record_bytes, rel=0.05)

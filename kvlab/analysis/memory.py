@@ -252,6 +252,22 @@ def kv_bytes(
     return _compressed_kv_bytes(arch, context, size)
 
 
+def tier_block_bytes(
+    arch: Architecture, options: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, int]:  # fmt: skip
+    """Bytes of one block of ``cache=tiered`` with ``options`` in each tier: ``fast`` in the
+    pool's codec, ``slow`` in the slow tier's (its own ``slow_kv_bits``, else the pool's),
+    from the codecs' parts alone: layers x K and V x KV heads x block x a token's bytes."""
+    checked = registered()["tiered"].Options(**(options or {}))
+    fast = checked.codec(arch.head_dim)
+    slow_options = checked.slow_codec_options()
+    slow = fast if slow_options is None else slow_options.codec(arch.head_dim)
+    per = 2 * arch.layers * arch.kv_heads * checked.block_size
+    return {tier: per * codec.bytes_per_token(arch.head_dim, dtype)
+            for tier, codec in (("fast", fast), ("slow", slow))}  # fmt: skip
+
+
 def _compressed_kv_bytes(arch: Architecture, context: int, size: int) -> dict[str, int]:
     """DeepSeek-V4: per layer a sliding window of recent entries; CSA (ratio 4) one entry and
     one indexer key per 4 tokens; HCA one entry per 128 (pending tokens sit in the window)."""

@@ -84,13 +84,13 @@ class TieredStore(PagedStore):
         return record_layout(self._piece_shapes())[1]
 
     def _piece_shapes(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
-        """(shape, dtype) of each piece of a block in the slow tier, layer by layer, keys
-        then values, part by part of the slow tier's codec."""
+        """(shape, dtype) of each piece of a block in the slow tier: one per part of the
+        slow tier's codec, every layer's keys then values stacked (2 x layers, KV heads,
+        block, width), so a block changes codec in one call, not one per layer."""
         codec = self.slow_codec or self.codec
         s, size = self.spec, self.options.block_size
-        parts = codec.parts(s.head_dim, s.dtype)
-        one = [((s.num_kv_heads, size, width), dtype) for width, dtype in parts]
-        return one * (2 * s.num_layers)
+        stack = (2 * s.num_layers, s.num_kv_heads, size)
+        return [((*stack, width), dtype) for width, dtype in codec.parts(s.head_dim, s.dtype)]
 
     def make_pool(self, blocks: int) -> None:
         super().make_pool(blocks)
@@ -104,22 +104,21 @@ class TieredStore(PagedStore):
         new.tier = self.tier
         return new
 
-    def _layers(self):
-        for layer in range(self.spec.num_layers):
-            yield self.keys[layer]
-            yield self.values[layer]
+    def _layers(self) -> list[list[torch.Tensor]]:
+        """The pool's parts of every layer's keys, then values, in the tier's stacking order."""
+        return [parts for layer in range(self.spec.num_layers)
+                for parts in (self.keys[layer], self.values[layer])]  # fmt: skip
 
     def _spill(self, block: int, key: tuple) -> None:
         """The pool is about to reuse cached ``block``: keep its content in the slow tier."""
 
         def pieces() -> list[torch.Tensor]:
-            out = []
-            for parts in self._layers():
-                held = [part[block] for part in parts]  # (H, size, E_i) each
-                if self.slow_codec is not None:
-                    held = self.slow_codec.encode(self.codec.decode(held, self.spec.dtype))
-                out += [p.to("cpu") for p in held]
-            return out
+            layers = self._layers()
+            held = [torch.stack([parts[i][block] for parts in layers])
+                    for i in range(len(layers[0]))]  # fmt: skip
+            if self.slow_codec is not None:
+                held = self.slow_codec.encode(self.codec.decode(held, self.spec.dtype))
+            return [p.to("cpu") for p in held]
 
         self.tier.put(key, pieces)
 
@@ -129,17 +128,14 @@ class TieredStore(PagedStore):
         pieces = self.tier.get(key)
         if pieces is None:
             return None
-        per = len(pieces) // (2 * self.spec.num_layers)
-        groups = [pieces[i : i + per] for i in range(0, len(pieces), per)]
         if self.slow_codec is not None:
-            groups = [self.codec.encode(self.slow_codec.decode(g, self.spec.dtype))
-                      for g in groups]  # fmt: skip
+            pieces = self.codec.encode(self.slow_codec.decode(pieces, self.spec.dtype))
         else:
-            groups = [[p.clone() for p in g] for g in groups]  # the record may be reused
+            pieces = [p.clone() for p in pieces]  # the record may be reused by the take below
         block = self.pool.take()  # may spill another block into the tier
-        for parts, held in zip(self._layers(), groups, strict=True):
-            for part, piece in zip(parts, held, strict=True):
-                part[block] = piece.to(part.device)
+        for i, parts in enumerate(self._layers()):
+            for part, stacked in zip(parts, pieces, strict=True):
+                part[block] = stacked[i].to(part.device)
         self.pool.fill[block] = len(key[1])
         self.pool.index(block, key)
         return block
