@@ -59,7 +59,7 @@ def conversations_table(model, tokenizer, args, folder: str) -> list[dict]:
     longest = -(-talk.longest() // 16) + 1  # blocks of a conversation's last turn
     blocks = max(longest, round(args.fraction * args.conversations * longest))
     budget = (blocks + 1) * block_bytes(model)
-    cfg = ServingConfig(num_requests=args.conversations, kv_budget_bytes=budget,
+    cfg = ServingConfig(num_requests=args.conversations, rate=args.rate, kv_budget_bytes=budget,
                         chunk=args.chunk, conversation=talk)  # fmt: skip
     conversations = build_conversations(tokenizer, wikitext2_test_text(), cfg)
     device = model.embed_tokens.weight.device
@@ -141,6 +141,9 @@ def main() -> None:
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--answer-len", type=int, default=32)
     p.add_argument("--think-s", type=float, default=1.0)
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="conversations started per second (0: all at once)")  # fmt: skip
+    p.add_argument("--parts", default="conversations,preemption")
     p.add_argument("--fraction", type=float, default=0.25,
                    help="of the live conversations' blocks the budget holds")  # fmt: skip
     p.add_argument("--chunk", type=int, default=512)
@@ -150,15 +153,22 @@ def main() -> None:
     p.add_argument("--preempt-fit", type=int, default=4,
                    help="requests at full length the preemption budget holds")  # fmt: skip
     p.add_argument("--out", default="experiments/tiered_kv")
+    p.add_argument("--table", help="print the tables of a results.json and stop")
     args = p.parse_args()
+    if args.table:
+        print_tables(json.loads(Path(args.table).read_text()))
+        return
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvlab-tiers-") as folder:
+        parts = args.parts.split(",")
         print("conversations:", flush=True)
         turns = conversations_table(model, tokenizer, args, folder)
-        print("preemption:", flush=True)
-        preempt = preemption_table(model, tokenizer, args, folder)
+        preempt = []
+        if "preemption" in parts:
+            print("preemption:", flush=True)
+            preempt = preemption_table(model, tokenizer, args, folder)
         memory = memory_check(model, args.model, folder)
     results = {"args": vars(args), "conversations": turns, "preemption": preempt,
                "memory_model": memory}  # fmt: skip
@@ -169,33 +179,34 @@ def main() -> None:
 
 def print_tables(results: dict) -> None:
     turns = results["conversations"]
-    base = turns[0]["later_ttft_p50_ms"]
-    print(
-        "\n| store | turn-1 TTFT p50 | turns 2+ TTFT p50 | vs recompute | turns 2+ tokens "
-        "reused | pool hits | slow-tier hits | written MiB | read MiB | wall s |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base = turns[0]["later_ttft_mean_ms"]
+    count = len(turns[0]["per_turn_ttft_p50_ms"])
+    heads = " | ".join(f"turn {t + 1} TTFT p50" for t in range(count))
+    print(f"\n| store | {heads} | turns 2+ TTFT mean | vs recompute | turns 2+ tokens reused "
+          "| slow-tier hits | written MiB | read MiB | wall s |")  # fmt: skip
+    print("|---|" + "---:|" * (count + 7))
     for r in turns:
+        per_turn = " | ".join(f"{v / 1e3:.2f} s" for v in r["per_turn_ttft_p50_ms"])
         reused = f"{r['later_reused_tokens']} / {r['later_prompt_tokens']}"
-        print(f"| {r['store']} | {r['turn1_ttft_p50_ms']:.0f} | {r['later_ttft_p50_ms']:.0f} | "
-              f"{base / r['later_ttft_p50_ms']:.1f}x | {reused} | {r.get('fast_hit_blocks', 0)} | "
-              f"{r.get('slow_hit_blocks', '-')} | {r.get('slow_written_bytes', 0) / MIB:.0f} | "
+        mean = r["later_ttft_mean_ms"]
+        print(f"| {r['store']} | {per_turn} | {mean / 1e3:.2f} s | {base / mean:.1f}x | {reused} "
+              f"| {r.get('slow_hit_blocks', '-')} | {r.get('slow_written_bytes', 0) / MIB:.0f} | "
               f"{r.get('slow_read_bytes', 0) / MIB:.0f} | {r['wall_s']:.1f} |")  # fmt: skip
-    print(
-        "\n| preemption | out tok/s | duration s | preemptions | prompt tokens fed "
-        "| slow-tier hits | read MiB |"
-    )
+    print("\n| store | fast block bytes: model / tensors | slow block bytes: model / tensors |")
+    print("|---|---:|---:|")
+    for r in results["memory_model"]:
+        p, m = r["predicted"], r["measured"]
+        print(f"| {r['store']} | {p['fast']} / {m['fast']} | {p['slow']} / {m['slow']} |")
+    if not results["preemption"]:
+        return
+    print("\n| preemption | out tok/s | duration s | preemptions | prompt tokens fed "
+          "| slow-tier hits | read MiB |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in results["preemption"]:
         read = r.get("slow_read_bytes", 0) / MIB
         print(f"| {r['preemption']} | {r['output_throughput']:.1f} | {r['duration_s']:.1f} | "
               f"{r['preemptions']} | {r['prompt_tokens_fed']} (of {r['prompt_tokens']}) | "
               f"{r.get('slow_hit_blocks', 0)} | {read:.0f} |")  # fmt: skip
-    print("\n| store | fast block bytes: model / tensors | slow block bytes: model / tensors |")
-    print("|---|---:|---:|")
-    for r in results["memory_model"]:
-        p, m = r["predicted"], r["measured"]
-        print(f"| {r['store']} | {p['fast']} / {m['fast']} | {p['slow']} / {m['slow']} |")
 
 
 def plot(turns: list[dict], path: Path) -> None:
