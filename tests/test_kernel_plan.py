@@ -31,17 +31,18 @@ def no_timing(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("cap", "decode", "fp32_wide"),
-    [(AVX512, "kvlab", "onednn"), (AVX2_NO_COMPILER, "plain", "onednn"),
-     (NO_ONEDNN, "kvlab", "plain")],
+    ("cap", "decode", "fp32_wide", "bf16_wide"),
+    [(AVX512, "kvlab", "onednn", "packed"), (AVX2_NO_COMPILER, "plain", "onednn", "plain"),
+     (NO_ONEDNN, "kvlab", "plain", "plain")],
 )  # fmt: skip
-def test_defaults_follow_what_the_cpu_can_do(no_timing, cap, decode, fp32_wide):
+def test_defaults_follow_what_the_cpu_can_do(no_timing, cap, decode, fp32_wide, bf16_wide):
     plan = make_plan(cap=cap)
     for name in ("float32", "bfloat16", "int8", "int4"):
         kernels = plan.weights(name)
         assert (kernels.one_row, kernels.few_rows, kernels.order) == (decode, decode, "rows")
     assert plan.weights(torch.float32).wide == fp32_wide
-    assert plan.weights(torch.bfloat16).wide == plan.weights(torch.int8).wide == "plain"
+    assert plan.weights(torch.bfloat16).wide == bf16_wide
+    assert plan.weights(torch.int8).wide == "plain"
     assert plan.capability == cap and plan.timings == {}
 
 

@@ -17,6 +17,7 @@ from kvlab.kernels.plan import (
     capability,
     default_plan,
     make_plan,
+    onednn_bf16_reorder_works,
     onednn_linear_works,
     wide_candidates,
 )
@@ -42,8 +43,11 @@ def test_every_wide_kernel_gives_the_linear_outputs(dtype, bias):
     linear = nn.Linear(96, 200, bias=bias).to(dtype)
     inputs = [torch.randn(40, 96), torch.randn(2, 33, 96), torch.randn(3, 40, 192)[..., ::2]]
     for kernel in applicable_wide_kernels(dtype):
+        packed = None
+        if kernel == "packed":  # the weight in oneDNN's blocked layout, as a layer holds it
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
         for x in (x.to(dtype) for x in inputs):
-            out = kernels_linear.wide_linear(x, linear.weight, linear.bias, kernel)
+            out = kernels_linear.wide_linear(x, linear.weight, linear.bias, kernel, packed)
             expected = F.linear(x, linear.weight, linear.bias)
             torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
@@ -54,11 +58,13 @@ def test_onednn_applies_to_fp32_on_every_cpu_kind():
     assert applicable_wide_kernels(torch.float32) == ["plain", "onednn"]
 
 
-def test_the_default_wide_kernel_is_onednn_for_fp32_where_it_runs_and_plain_else():
+def test_the_default_wide_kernel_is_onednn_for_fp32_packed_for_bf16_where_they_run():
     plan = default_plan()
     fp32 = "onednn" if onednn_linear_works(torch.float32) else "plain"
+    bf16 = "packed" if onednn_bf16_reorder_works() else "plain"
     assert plan.weights(torch.float32).wide == fp32
-    assert plan.weights(torch.bfloat16).wide == plan.weights(torch.int8).wide == "plain"
+    assert plan.weights(torch.bfloat16).wide == bf16
+    assert plan.weights(torch.int8).wide == "plain"
     assert make_plan(KernelSettings(wide_linear="plain")).weights(torch.float32).wide == "plain"
     with pytest.raises(ValueError, match=r"engine.wide_linear='mkl'.*auto, plain, onednn"):
         KernelSettings(wide_linear="mkl")
@@ -75,9 +81,9 @@ def test_a_wide_step_runs_the_chosen_kernel_with_the_plain_logits(tiny_checkpoin
     calls = []
     inner = kernels_linear.wide_linear
 
-    def counted(x, weight, bias, kernel):
+    def counted(x, weight, bias, kernel, packed=None):
         calls.append((x.numel() // x.shape[-1], kernel))
-        return inner(x, weight, bias, kernel)
+        return inner(x, weight, bias, kernel, packed)
 
     monkeypatch.setattr(kernels_linear, "wide_linear", counted)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -87,6 +93,30 @@ def test_a_wide_step_runs_the_chosen_kernel_with_the_plain_logits(tiny_checkpoin
     layers = model.config.num_layers
     assert calls == [(80, "onednn")] * (4 * layers + 1)  # qkv, o, gate_up, down; the head
     torch.testing.assert_close(*outs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_bf16_reorder_works(), reason="oneDNN does not reorder bf16 here")
+def test_a_bf16_model_multiplies_many_rows_by_its_prepacked_weights(tiny_checkpoints):
+    """Where oneDNN reorders bf16, a bf16 model's layers keep a prepacked copy of each
+    weight for steps of many rows (the plain weight stays for the decode kernels, ties stay
+    tied), ``weight_bytes`` counts the copies, and a 40-token step's logits are the plain
+    layers' up to bf16 rounding."""
+    from kvlab.engine.metrics import weight_bytes
+    from kvlab.kernels.linear import DecodeLinear
+
+    checkpoint = str(tiny_checkpoints["smollm"])
+    model, _ = load_model(checkpoint, torch.bfloat16)
+    plain, _ = load_model(checkpoint, torch.bfloat16, cpu_prepack=False)
+    layers = [m for m in model.modules() if isinstance(m, DecodeLinear)]
+    assert layers and all(m.packed_weight is not None for m in layers)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    copies = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in layers)
+    assert weight_bytes(model) == weight_bytes(plain) + copies
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(40).expand_as(ids)
+    with torch.inference_mode():
+        outs = [m(ids, positions, build_cache("nocache", m.cache_spec())) for m in (model, plain)]
+    torch.testing.assert_close(*outs, **TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

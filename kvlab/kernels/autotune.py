@@ -131,7 +131,10 @@ def time_wide(name: str, kernels: list[str]) -> dict[str, float]:
         dtype = getattr(torch, name)
         weights = [torch.full(shape, 0.01, dtype=dtype) for shape in WIDE_SHAPES]
         x = _rows(dtype, WIDE_ROWS, WIDE_SHAPES)
-        run = lambda x, w, kernel: wide_linear(x, w, None, kernel)  # noqa: E731
+        packs = {}
+        if "packed" in kernels:  # each weight in oneDNN's layout once, as a layer holds it
+            packs = {id(w): torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in weights}
+        run = lambda x, w, kernel: wide_linear(x, w, None, kernel, packs.get(id(w)))  # noqa: E731
     passes = {k: lambda k=k: [run(x[w.shape[1]], w, k) for w in weights] for k in kernels}
     return time_passes(passes, reps=7)
 

@@ -16,8 +16,11 @@ Defaults, by capability, never by vendor:
   (:mod:`kvlab.models.fused_layer`), and a decode step is memory-bound, which they read at
   the streaming roof (``experiments/engine_vs_llamacpp``); else ``plain``;
 - many rows: oneDNN's fp32 matmul on the plain weight where oneDNN runs fp32 (it multiplied
-  the default model's prefill about twice as fast as MKL's sgemm, fp32-accurate); bf16 and
-  int8 weights keep ``plain`` (``F.linear``; PyTorch's int8 kernel);
+  the default model's prefill about twice as fast as MKL's sgemm, fp32-accurate); for bf16
+  weights, oneDNN's matmul over a copy of the weight prepacked in its blocked layout where
+  oneDNN reorders bf16 (``packed``: the step is compute-bound and the plain weight is
+  reordered on every product; the plain weight stays for the decode kernels, and
+  ``weight_bytes`` counts both); int8 weights keep ``plain`` (PyTorch's int8 kernel);
 - one row walks the weight rows one after another (``rows``: one memory stream a thread,
   which the hardware prefetchers follow alone).
 """
@@ -39,7 +42,7 @@ from kvlab.kernels.linear import GEMV_ORDERS, MAX_ROWS, DecodeLinear, PrepackedL
 WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
 AUTO = "auto"
 LINEAR_KERNELS = ("plain", "onednn", "kvlab")  # decode widths
-WIDE_KERNELS = ("plain", "onednn")  # many rows
+WIDE_KERNELS = ("plain", "onednn", "packed")  # many rows
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class KernelSettings:
     run's own process (recorded, never persisted)."""
 
     linear: str = AUTO  # decode widths: auto | plain | onednn | kvlab
-    wide_linear: str = AUTO  # many rows: auto | plain | onednn
+    wide_linear: str = AUTO  # many rows: auto | plain | onednn | packed
     gemv_order: str = AUTO  # auto | rows | tiles
     autotune: bool = False
 
@@ -174,16 +177,21 @@ def decode_candidates(name: str, cap: dict[str, Any]) -> list[str]:
 def wide_candidates(name: str, cap: dict[str, Any]) -> list[str]:
     """The kernels that can run weights ``name`` over many rows: ``plain`` always; oneDNN's
     matmul for fp32 and bf16 weights where it runs them, and for int8 weights (widened to
-    fp32) where it runs fp32. Int4 weights dequantize into one product (no choice)."""
+    fp32) where it runs fp32; for bf16 weights, over a prepacked copy where oneDNN reorders
+    bf16. Int4 weights dequantize into one product (no choice)."""
     runs = {"float32": "float32", "bfloat16": "bfloat16", "int8": "float32"}.get(name)
-    return ["plain", "onednn"] if runs and cap[f"onednn_matmul_{runs}"] else ["plain"]
+    kernels = ["plain", "onednn"] if runs and cap[f"onednn_matmul_{runs}"] else ["plain"]
+    if name == "bfloat16" and cap["onednn_bf16_reorder"]:
+        kernels.append("packed")
+    return kernels
 
 
 def default_kernels(name: str, cap: dict[str, Any]) -> LinearKernels:
     """The defaults of the module docstring for weights ``name``."""
     decode = "kvlab" if "kvlab" in decode_candidates(name, cap) else "plain"
-    wide = "onednn" if name == "float32" and "onednn" in wide_candidates(name, cap) else "plain"
-    return LinearKernels(decode, decode, wide, "rows")
+    many = wide_candidates(name, cap)
+    wide = {"float32": "onednn", "bfloat16": "packed"}.get(name, "plain")
+    return LinearKernels(decode, decode, wide if wide in many else "plain", "rows")
 
 
 def asked(value: str, candidates: list[str], default: str) -> str:

@@ -6,7 +6,8 @@ speed is the bandwidth the kernel reads weights at, where MKL's sgemv and oneDNN
 kernel stay well below a streaming read (experiments/engine_vs_llamacpp/).
 :class:`DecodeLinear` keeps the layer's own weight (ties stay tied, no copy) and uses
 the kernel for up to ``MAX_ROWS`` rows, and for prefill the kernel the plan names for
-many rows (:func:`wide_linear`: ``F.linear`` or oneDNN's matmul, :mod:`kvlab.kernels.plan`);
+many rows (:func:`wide_linear`: ``F.linear``, oneDNN's matmul, or oneDNN's matmul over a
+prepacked copy of a bf16 weight, :mod:`kvlab.kernels.plan`);
 :class:`PrepackedLinear` holds a bf16 weight in oneDNN's blocked layout.
 A torch custom op, so a compiled decode step calls it without a graph break.
 """
@@ -29,8 +30,9 @@ class DecodeLinear(nn.Module):
     """``nn.Linear`` whose few-row products (decode) run kvlab's CPU matrix-vector kernel;
     same parameters, same outputs up to fp32 rounding. ``kernel_rows``: the row counts
     (first, last) the kernel takes (None: none); the others go to ``wide``, the kernel
-    the plan names for many rows (``plain`` is ``F.linear``); ``order``: how one row walks
-    the weight (``rows`` or ``tiles``, :mod:`kvlab.kernels.plan`)."""
+    the plan names for many rows (``plain`` is ``F.linear``; ``packed`` keeps a copy of the
+    weight in oneDNN's blocked layout beside the plain one the kernel reads); ``order``: how
+    one row walks the weight (``rows`` or ``tiles``, :mod:`kvlab.kernels.plan`)."""
 
     def __init__(
         self,
@@ -44,12 +46,16 @@ class DecodeLinear(nn.Module):
         self.weight, self.bias = linear.weight, linear.bias
         self.kernel_rows, self.wide = kernel_rows, wide
         self.in_order = in_order(order)
+        packed = None
+        if wide == "packed":
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.register_buffer("packed_weight", packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         first, last = self.kernel_rows or (1, 0)
         if not first <= rows <= last or x.device.type != "cpu":
-            return wide_linear(x, self.weight, self.bias, self.wide)
+            return wide_linear(x, self.weight, self.bias, self.wide, self.packed_weight)
         flat = x.reshape(rows, self.in_features)
         if torch.compiler.is_compiling():
             out = torch.ops.kvlab.small_linear(flat, self.weight, self.bias, self.in_order)
@@ -94,15 +100,24 @@ def _(x, packed, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def wide_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: str):
+def wide_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    kernel: str,
+    packed: torch.Tensor | None = None,
+):
     """``F.linear(x, weight, bias)`` through ``kernel``, the plan's for many rows
-    (:mod:`kvlab.kernels.plan`): ``plain`` is ``F.linear``, ``onednn``
-    oneDNN's matmul on the plain weight. A compiled graph keeps ``F.linear``, which
-    inductor lowers itself."""
-    if kernel != "onednn" or x.device.type != "cpu" or torch.compiler.is_compiling():
+    (:mod:`kvlab.kernels.plan`): ``plain`` is ``F.linear``, ``onednn`` oneDNN's matmul on
+    the plain weight, ``packed`` oneDNN's matmul on ``packed``, the weight in its blocked
+    layout (``mkldnn._reorder_linear_weight``; oneDNN reorders a plain weight on every call,
+    which costs most where the product is smallest). A compiled graph keeps ``F.linear``,
+    which inductor lowers itself."""
+    if kernel == "plain" or x.device.type != "cpu" or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     x = x if x.is_contiguous() else x.contiguous()
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    held = packed if kernel == "packed" and packed is not None else weight
+    return torch.ops.mkldnn._linear_pointwise(x, held, bias, "none", [], "")
 
 
 def int8_wide_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, kernel: str):
