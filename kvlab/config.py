@@ -131,9 +131,10 @@ class ServingConfig:
     the running batch's decode tokens first (vLLM's ``max_num_batched_tokens``; 0: no step
     budget); a preempted request's blocks are kept for its return (``preemption=swap``: in
     the pool while it does not need their room, then in a tiered store's slow tier) or
-    forgotten (``recompute``); ``max_running`` caps the batch (0: the budget does); a group of up to
-    ``max_joining`` requests is admitted together (1: each request alone, no padding between
-    prompts of different lengths in its attention; 0: as many as the budgets allow)."""
+    forgotten (``recompute``); ``max_running`` caps the batch (0: the budget does); a group
+    of up to ``max_joining`` requests is admitted together (1: each request alone, no
+    padding between prompts of different lengths in its attention; 0: as many as the
+    budgets allow)."""
 
     num_requests: int = 32
     rate: float = 0.0

@@ -26,7 +26,8 @@ class ARC(Replacement):
 
     def _replace(self, in_b2: bool) -> Hashable:
         """Drop the least recent of T1 or T2 (the paper's REPLACE), remembering it as a ghost."""
-        if self.t1 and (len(self.t1) > self.p or (in_b2 and len(self.t1) == int(self.p))):
+        from_t1 = len(self.t1) > self.p or (in_b2 and len(self.t1) == int(self.p))
+        if self.t1 and (from_t1 or not self.t2):
             key = self.t1.popitem(last=False)[0]
             self.b1[key] = None
         else:
@@ -53,7 +54,8 @@ class ARC(Replacement):
         if len(self.t1) + len(self.b1) >= c:
             if len(self.t1) < c:
                 self.b1.popitem(last=False)
-                dropped.append(self._replace(False))
+                if len(self.t1) + len(self.t2) >= c:
+                    dropped.append(self._replace(False))
             else:
                 dropped.append(self.t1.popitem(last=False)[0])
         elif len(self.t1) + len(self.t2) + len(self.b1) + len(self.b2) >= c:
