@@ -23,7 +23,12 @@ from kvlab.config import (
 )
 from kvlab.engine import Engine, GenerationConfig, SamplingConfig
 from kvlab.engine.compile_choice import compile_choice
-from kvlab.engine.metrics import PeakMemory, generation_metrics, weight_bytes
+from kvlab.engine.metrics import (
+    PeakMemory,
+    generation_metrics,
+    prepacked_copy_bytes,
+    weight_bytes,
+)
 from kvlab.eval import run_evals
 from kvlab.kernels.attention import use_backend
 from kvlab.kernels.huge_pages import put_on_huge_pages
@@ -195,6 +200,7 @@ def _model_facts(model: Decoder) -> dict[str, Any]:
     return {
         "model/backend": model.backend,
         "weight_bytes": weight_bytes(model),
+        "weight_prepacked_copy_bytes": prepacked_copy_bytes(model),
         "weight_huge_page_bytes": model.huge_page_bytes,
         "device": str(weight.device),
         "dtype": str(weight.dtype).removeprefix("torch."),

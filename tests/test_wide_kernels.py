@@ -99,9 +99,10 @@ def test_a_wide_step_runs_the_chosen_kernel_with_the_plain_logits(tiny_checkpoin
 def test_a_bf16_model_multiplies_many_rows_by_its_prepacked_weights(tiny_checkpoints):
     """Where oneDNN reorders bf16, a bf16 model's layers keep a prepacked copy of each
     weight for steps of many rows (the plain weight stays for the decode kernels, ties stay
-    tied), ``weight_bytes`` counts the copies, and a 40-token step's logits are the plain
-    layers' up to bf16 rounding."""
-    from kvlab.engine.metrics import weight_bytes
+    tied), ``weight_bytes`` counts the copies (and ``prepacked_copy_bytes`` names them, as
+    the decode roof leaves them out: a step reads one copy), and a 40-token step's logits
+    are the plain layers' up to bf16 rounding."""
+    from kvlab.engine.metrics import prepacked_copy_bytes, weight_bytes
     from kvlab.kernels.linear import DecodeLinear
 
     checkpoint = str(tiny_checkpoints["smollm"])
@@ -112,6 +113,7 @@ def test_a_bf16_model_multiplies_many_rows_by_its_prepacked_weights(tiny_checkpo
     assert model.lm_head.weight is model.embed_tokens.weight
     copies = sum(m.packed_weight.numel() * m.packed_weight.element_size() for m in layers)
     assert weight_bytes(model) == weight_bytes(plain) + copies
+    assert prepacked_copy_bytes(model) == copies and prepacked_copy_bytes(plain) == 0
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(40).expand_as(ids)
     with torch.inference_mode():

@@ -190,15 +190,16 @@ class DecodeRoof:
 
 def decode_roof(model: torch.nn.Module, refresh: bool = False) -> DecodeRoof:
     """Bytes a decode step reads from the model's own tensors: all it holds, except that
-    only one row of the embedding table is read (unless a plain tied head reads it all).
+    only one row of the embedding table is read (unless a plain tied head reads it all) and
+    the linears' prepacked copies for many rows are not read (the plain weights are).
     ``refresh``: measure the bandwidth now rather than take the cached one (benchmarks do:
     a shared machine's read bandwidth moves within minutes, and a cached reading from hours
     before would put decode nearer or farther from its roof than it is)."""
-    from kvlab.engine.metrics import weight_bytes
+    from kvlab.engine.metrics import prepacked_copy_bytes, weight_bytes
 
     embedding = model.embed_tokens.weight
     head_reads_embedding = getattr(model.lm_head, "weight", None) is embedding
-    held = weight_bytes(model)
+    held = weight_bytes(model) - prepacked_copy_bytes(model)
     row = embedding[0].numel() * embedding.element_size()
     read = (
         held if head_reads_embedding else held - embedding.numel() * embedding.element_size() + row

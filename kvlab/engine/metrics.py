@@ -77,6 +77,16 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def prepacked_copy_bytes(model: nn.Module) -> int:
+    """Bytes of the prepacked copies the model's linears hold beside their plain weights for
+    steps of many rows (:class:`~kvlab.kernels.linear.DecodeLinear`'s ``packed``): counted
+    in :func:`weight_bytes`, but a step reads one copy of each weight, never both."""
+    from kvlab.kernels.linear import DecodeLinear
+
+    copies = [m.packed_weight for m in model.modules() if isinstance(m, DecodeLinear)]
+    return sum(c.numel() * c.element_size() for c in copies if c is not None)
+
+
 class PeakMemory:
     """Peak memory over a ``with`` block: CUDA allocator peak on GPU; on CPU the resident-set
     high-water mark, reset on entry through /proc/self/clear_refs where Linux allows."""
