@@ -49,7 +49,7 @@ class DecodeLinear(nn.Module):
         packed = None
         if wide == "packed":
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
-        self.register_buffer("packed_weight", packed)
+        self.register_buffer("packed_weight", packed, persistent=False)  # derived, not state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
