@@ -12,6 +12,7 @@ batch (:class:`Joining`)."""
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -122,8 +123,13 @@ class EngineLoop:
         self.room = sched.cache.capacity
 
     def add(self, seqs: Iterable[Sequence]) -> None:
-        """Requests to serve, in order of arrival."""
-        self.arrivals.extend(seqs)
+        """Requests to serve, kept in order of arrival (one added later may arrive before
+        those waiting: a conversation's next turn)."""
+        for seq in seqs:
+            if self.arrivals and seq.request.arrival_s < self.arrivals[-1].request.arrival_s:
+                bisect.insort(self.arrivals, seq, key=lambda s: s.request.arrival_s)
+            else:
+                self.arrivals.append(seq)
 
     @property
     def finished(self) -> bool:

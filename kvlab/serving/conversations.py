@@ -9,21 +9,16 @@ recomputed; per tier: blocks found, bytes written and read back."""
 
 from __future__ import annotations
 
-import bisect
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvlab.cache.base import KVCache
 from kvlab.config import ConversationConfig, ServingConfig
-from kvlab.engine.generate import Engine
-from kvlab.engine.loop import EngineLoop, Joining
-from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingConfig
-from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Request, Sequence, Status
 from kvlab.serving.metrics import serving_metrics
-from kvlab.serving.server import check_serves
+from kvlab.serving.server import check_serves, serving_loop
 
 
 @dataclass
@@ -110,10 +105,7 @@ def serve_conversations(
     capacity = max(len(c.document) for c in conversations) + talk.turns * (
         talk.question_len + talk.answer_len
     )
-    cache.serve(cfg.budget_bytes, capacity)
-    sched = Scheduler.serving(cache, eos_ids, cfg)
-    runner = ModelRunner(model, sampling or SamplingConfig())
-    loop = EngineLoop(Engine(model, cache), Joining(), sched, runner, clock)
+    loop = serving_loop(model, cache, cfg, capacity, clock, eos_ids, sampling)
     result, open_turns = ConversationsResult(), []
 
     def ask(conversation: int, turn: int, history: list[int], at: float) -> None:
@@ -123,8 +115,7 @@ def serve_conversations(
         seq = Sequence(request)
         result.turns.append(Turn(conversation, turn, seq))
         open_turns.append(result.turns[-1])
-        arrivals = [s.request.arrival_s for s in loop.arrivals]
-        loop.arrivals.insert(bisect.bisect_right(arrivals, at), seq)
+        loop.add([seq])
 
     for i, c in enumerate(conversations):
         if talk.turns:
@@ -136,7 +127,7 @@ def serve_conversations(
             if turn.turn + 1 < talk.turns:
                 history = list(turn.seq.request.prompt) + turn.seq.output
                 ask(turn.conversation, turn.turn + 1, history, clock.now() + talk.think_s)
-    result.preemptions = sched.preemptions
+    result.preemptions = loop.sched.preemptions
     result.tiers = tier_traffic(cache)
     return result
 
@@ -148,10 +139,5 @@ def tier_traffic(cache: KVCache) -> dict[str, int]:
     pool = getattr(store, "pool", None)
     if pool is None:
         return {}
-    out = {"fast_hit_blocks": pool.hits}
-    tier = getattr(store, "tier", None)
-    if tier is not None:
-        t = tier.traffic
-        out |= {"slow_hit_blocks": t.hits, "slow_written_bytes": t.written_bytes,
-                "slow_read_bytes": t.read_bytes, "slow_held_bytes": tier.held_bytes}  # fmt: skip
-    return out
+    lines = getattr(store, "tier_lines", None)
+    return {"fast_hit_blocks": pool.hits} | (lines() if lines is not None else {})

@@ -24,13 +24,10 @@ import torch
 from kvlab.cache.base import KVCache
 from kvlab.config import ServingConfig
 from kvlab.engine.clock import WallClock
-from kvlab.engine.generate import Engine, speculation_draft
-from kvlab.engine.loop import EngineLoop, Joining
-from kvlab.engine.runner import ModelRunner
 from kvlab.engine.sampling import SamplingConfig
-from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Request, Sequence, Status
 from kvlab.serving.prometheus import ServerMetrics
+from kvlab.serving.server import serving_loop
 from kvlab.speculative.config import SpecConfig
 
 
@@ -103,18 +100,11 @@ class OnlineEngine:
 
     def _build(self) -> None:
         """A fresh cache, scheduler and loop (at start, and after a step failed)."""
-        cache = self.new_cache()
-        cache.serve(self.serving.budget_bytes, self.capacity)
-        s = self.serving
-        self.sched = Scheduler.serving(cache, self.eos_ids, s)
-        engine = Engine(self.model, cache)
-        draft = speculation_draft(engine, self.spec, self.capacity) if self.spec.enabled else None
-        self.runner = ModelRunner(self.model, SamplingConfig(), self._note_logits)
-        device = self.model.embed_tokens.weight.device
-        self.clock = WallClock(device)
-        self.loop = EngineLoop(
-            engine, Joining(), self.sched, self.runner, self.clock, self.spec, draft
-        )
+        self.clock = WallClock(self.model.embed_tokens.weight.device)
+        self.loop = serving_loop(self.model, self.new_cache(), self.serving, self.capacity,
+                                 self.clock, self.eos_ids, SamplingConfig(), self.spec,
+                                 self._note_logits)  # fmt: skip
+        self.sched, self.runner = self.loop.sched, self.loop.runner
 
     # ---- any thread ----------------------------------------------------------------------
     def request_bytes(self, tokens: int) -> int:

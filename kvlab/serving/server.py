@@ -114,6 +114,29 @@ def check_serves(strategy: type[KVCache] | KVCache) -> None:
         )
 
 
+def serving_loop(
+    model: Decoder,
+    cache: KVCache,
+    cfg: ServingConfig,
+    capacity: int,
+    clock: Any,
+    eos_ids: frozenset[int] = frozenset(),
+    sampling: SamplingConfig | None = None,
+    spec: SpecConfig | None = None,
+    on_logits: Any = None,
+) -> EngineLoop:
+    """The engine loop with serving's admission over ``cache`` (a fresh instance, made to
+    serve here: ``cfg``'s budget, rows of up to ``capacity`` tokens, its caps and chunk),
+    sampling with ``sampling`` (the runner's ``on_logits`` hook shown the logits first),
+    ``spec``'s speculation drafting for the running batch."""
+    cache.serve(cfg.budget_bytes, capacity)
+    sched = Scheduler.serving(cache, eos_ids, cfg)
+    engine, spec = Engine(model, cache), spec or SpecConfig()
+    draft = speculation_draft(engine, spec, capacity) if spec.enabled else None
+    runner = ModelRunner(model, sampling or SamplingConfig(), on_logits)
+    return EngineLoop(engine, Joining(), sched, runner, clock, spec, draft)
+
+
 def serve(
     model: Decoder,
     cache: KVCache,
@@ -133,14 +156,10 @@ def serve(
     hold some request alone fails before any step."""
     seqs = [Sequence(r) for r in requests]
     capacity = max(len(r.prompt) + r.max_new_tokens for r in requests)
-    cache.serve(cfg.budget_bytes, capacity)
-    sched = Scheduler.serving(cache, eos_ids, cfg)
+    loop = serving_loop(model, cache, cfg, capacity, clock, eos_ids, sampling, spec)
+    sched, joining = loop.sched, loop.admission
     for seq in seqs:
         sched.check_fits(seq)
-    engine, joining, spec = Engine(model, cache), Joining(), spec or SpecConfig()
-    draft = speculation_draft(engine, spec, capacity) if spec.enabled else None
-    runner = ModelRunner(model, sampling or SamplingConfig())
-    loop = EngineLoop(engine, joining, sched, runner, clock, spec, draft)
     loop.add(seqs)
     while not loop.finished:
         loop.step()

@@ -47,10 +47,10 @@ def measure_serving(
     out_dir: Path | None,
     spec: SpecConfig | None = None,
 ) -> dict[str, Any]:
-    cache = new_cache()  # the measured run's
-    check_serves(cache)
     if cfg.conversation.turns:
         return measure_conversations(model, tokenizer, new_cache, cfg, sampling, eos_ids, warmup)
+    cache = new_cache()  # the measured run's
+    check_serves(cache)
     requests = build_trace(tokenizer, cfg, sampling.seed)
     device = model.embed_tokens.weight.device
     if warmup:  # the first forwards load kernels; a request's worth, never measured
