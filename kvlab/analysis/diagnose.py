@@ -22,12 +22,18 @@ def diagnose(overrides: list[str]) -> str:
     arch = Architecture.from_config(read_hf_config(cfg.model.source))
     w = cfg.workload
     per_token = metrics["kv_bytes_per_token"]
-    read = metrics["weight_bytes"] - metrics.get("weight_prepacked_copy_bytes", 0)  # one copy
+    read = weights_read(metrics)
     prefill, decode = phase_costs(arch, w.prompt_len, w.new_tokens, w.batch_size, read, per_token)
     peaks = cached_peaks(device=metrics["device"])  # the GPU's roofs for a CUDA run
     rows = roofline_rows(peaks, metrics["dtype"], prefill, decode,
                          metrics["ttft_ms"] / 1e3, metrics["itl_ms_p50"] / 1e3)  # fmt: skip
     return explain(cfg, metrics, rows, decode)
+
+
+def weights_read(metrics: dict[str, Any]) -> int:
+    """Weight bytes a step reads: one copy of each weight (a linear's prepacked copy for
+    many rows is held beside the plain weight, never read with it)."""
+    return metrics["weight_bytes"] - metrics.get("weight_prepacked_copy_bytes", 0)
 
 
 def explain(cfg: Any, metrics: dict[str, Any], rows: list[dict[str, Any]], decode: Any) -> str:
@@ -36,8 +42,7 @@ def explain(cfg: Any, metrics: dict[str, Any], rows: list[dict[str, Any]], decod
     decode_s = metrics["itl_ms_p50"] / 1e3 * max(w.new_tokens - 1, 0)
     share = prefill_s / (prefill_s + decode_s)
     slow = "at the start (prefill, TTFT)" if share > 0.5 else "while streaming (decode, ITL)"
-    read = metrics["weight_bytes"] - metrics.get("weight_prepacked_copy_bytes", 0)
-    kv_share = 1 - read / decode.bytes
+    kv_share = 1 - weights_read(metrics) / decode.bytes
     ridge = rows[1]["ridge_flop_per_byte"]
     sharing = max(1, int(ridge / rows[1]["flop_per_byte"]))
     lines = [

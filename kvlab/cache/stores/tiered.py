@@ -23,8 +23,8 @@ import torch
 from kvlab.cache.codecs import CodecOptions
 from kvlab.cache.stores.paged import PagedStore
 from kvlab.cache.tiers import SlowTier
-from kvlab.cache.tiers.replacement import replacements
-from kvlab.cache.tiers.slow import MEDIA, check_tier, record_layout
+from kvlab.cache.tiers.replacement import check_replacement
+from kvlab.cache.tiers.slow import check_medium, check_tier, record_layout
 
 
 @dataclass
@@ -43,14 +43,10 @@ class TieredOptions:
     slow_kv_group_size: int = 32
 
     def __post_init__(self) -> None:
-        if self.slow_tier not in MEDIA:
-            raise ValueError(f"cache.options.slow_tier={self.slow_tier!r} is unknown; "
-                             f"allowed: {', '.join(MEDIA)}")  # fmt: skip
+        check_medium(self.slow_tier)
         if self.slow_gib <= 0:
             raise ValueError(f"cache.options.slow_gib={self.slow_gib} is invalid; allowed: > 0")
-        if self.slow_eviction not in replacements():
-            raise ValueError(f"cache.options.slow_eviction={self.slow_eviction!r} is unknown; "
-                             f"allowed: {', '.join(sorted(replacements()))}")  # fmt: skip
+        check_replacement(self.slow_eviction)
         if self.slow_kv_bits != -1:
             try:
                 self.slow_codec_options()
@@ -140,12 +136,13 @@ class TieredStore(PagedStore):
         self.pool.index(block, key)
         return block
 
-    def details(self) -> dict[str, int]:
-        out = super().details()
+    def tier_lines(self) -> dict[str, int]:
+        """The slow tier's blocks and bytes held and what moved to and from it (empty before
+        the pool is made)."""
         if self.tier is None:
-            return out
+            return {}
         t = self.tier.traffic
-        return out | {
+        return {
             "slow_blocks_total": self.tier.capacity,
             "slow_blocks_held": len(self.tier),
             "slow_held_bytes": self.tier.held_bytes,
@@ -153,3 +150,6 @@ class TieredStore(PagedStore):
             "slow_read_bytes": t.read_bytes,
             "slow_hit_blocks": t.hits,
         }
+
+    def details(self) -> dict[str, int]:
+        return super().details() | self.tier_lines()

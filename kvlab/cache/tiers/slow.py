@@ -134,13 +134,17 @@ def record_layout(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> tupl
     return offsets, end
 
 
+def check_medium(medium: str) -> None:
+    if medium not in MEDIA:
+        raise ValueError(f"cache.options.slow_tier={medium!r} is unknown; allowed: "
+                         f"{', '.join(MEDIA)}")  # fmt: skip
+
+
 def check_tier(medium: str, path: str, gib: float, record_bytes: int) -> int:
     """The blocks a tier of ``gib`` GiB holds, or the reason it cannot be made: an
     unknown medium, a budget below one block, a file tier's folder that is missing or not
     writable."""
-    if medium not in MEDIA:
-        raise ValueError(f"cache.options.slow_tier={medium!r} is unknown; allowed: "
-                         f"{', '.join(MEDIA)}")  # fmt: skip
+    check_medium(medium)
     blocks = int(gib * 2**30) // record_bytes
     if blocks < 1:
         raise ValueError(

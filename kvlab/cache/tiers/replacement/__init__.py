@@ -48,12 +48,17 @@ def replacements() -> dict[str, type[Replacement]]:
     return dict(_POLICIES)
 
 
-def make_replacement(name: str, capacity: int) -> Replacement:
+def check_replacement(name: str) -> None:
+    """Refuse a policy name no file registered, naming those that are."""
     if name not in _POLICIES:
         raise ValueError(
             f"cache.options.slow_eviction={name!r} is unknown; allowed: "
             f"{', '.join(sorted(_POLICIES))}"
         )
+
+
+def make_replacement(name: str, capacity: int) -> Replacement:
+    check_replacement(name)
     return _POLICIES[name](capacity)
 
 
