@@ -47,10 +47,12 @@ def measure_serving(
     out_dir: Path | None,
     spec: SpecConfig | None = None,
 ) -> dict[str, Any]:
-    if cfg.conversation.turns:
-        return measure_conversations(model, tokenizer, new_cache, cfg, sampling, eos_ids, warmup)
     cache = new_cache()  # the measured run's
     check_serves(cache)
+    if cfg.conversation.turns:
+        return measure_conversations(
+            model, tokenizer, new_cache, cache, cfg, sampling, eos_ids, warmup
+        )
     requests = build_trace(tokenizer, cfg, sampling.seed)
     device = model.embed_tokens.weight.device
     if warmup:  # the first forwards load kernels; a request's worth, never measured
@@ -66,10 +68,10 @@ def measure_serving(
     return metrics
 
 
-def measure_conversations(model, tokenizer, new_cache, cfg, sampling, eos_ids, warmup):
-    """``workload.serving.conversation``: multi-turn conversations under the budget
-    (:mod:`kvlab.serving.conversations`), after a warm-up of one short conversation on a
-    cache of its own."""
+def measure_conversations(model, tokenizer, new_cache, cache, cfg, sampling, eos_ids, warmup):
+    """``workload.serving.conversation``: multi-turn conversations under the budget on
+    ``cache`` (:mod:`kvlab.serving.conversations`), after a warm-up of one short
+    conversation on a cache of its own."""
     import dataclasses
 
     from kvlab.serving.conversations import build_conversations, serve_conversations
@@ -83,7 +85,7 @@ def measure_conversations(model, tokenizer, new_cache, cfg, sampling, eos_ids, w
         small = dataclasses.replace(cfg, conversation=talk)
         serve_conversations(model, new_cache(), [short], small, WallClock(device), eos_ids,
                             sampling)  # fmt: skip
-    result = serve_conversations(model, new_cache(), conversations, cfg, WallClock(device),
+    result = serve_conversations(model, cache, conversations, cfg, WallClock(device),
                                  eos_ids, sampling)  # fmt: skip
     return result.metrics() | {"kv_budget_bytes": cfg.budget_bytes}
 
