@@ -101,13 +101,16 @@ def test_a_run_model_moves_its_weights_only_when_asked(tiny_checkpoints):
 
 
 @needs_thp
-def test_zeros_are_zero_views_of_one_mapping_each_on_a_cache_line():
+def test_zeros_are_zero_views_of_one_mapping_each_on_a_cache_line_faulted_in():
+    """Faulted in when made: a step that first writes a fresh huge page would pay its
+    fault (milliseconds where a hypervisor hands pages back lazily)."""
     layout = [((3, 5, 7), torch.float32), ((9,), torch.bfloat16), ((1024, 1024), torch.int32)]
     parts = huge_pages.zeros(layout, "cpu")
     assert [(tuple(p.shape), p.dtype) for p in parts] == layout
     assert all(p.is_contiguous() and not p.any() for p in parts)
     assert len({p.untyped_storage().data_ptr() for p in parts}) == 1
     assert all(p.data_ptr() % huge_pages.ALIGN == 0 for p in parts)
+    assert huge_pages.resident_bytes(parts[0]) >= sum(p.nbytes for p in parts)  # faulted in
     small = huge_pages.zeros([((4,), torch.float32)], "cpu")[0]  # under a page: torch's own
     assert small.untyped_storage().nbytes() == 16 and not small.any()
 

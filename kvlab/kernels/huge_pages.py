@@ -92,13 +92,18 @@ def zeros(
     layout: Sequence[tuple[tuple[int, ...], torch.dtype]], device: torch.device | str
 ) -> list[torch.Tensor]:
     """Zero tensors of ``layout``'s (shape, dtype)s; on the CPU, where huge pages are
-    supported and they fill at least one, views into one mapping from :func:`empty` (its
-    pages are the OS's zeros: nothing is written), each on a cache line."""
+    supported and they fill at least one, views into one mapping from :func:`empty`, each
+    on a cache line. The mapping is written (zeros) here, so its pages are faulted in
+    before any step runs: under a hypervisor that takes free guest memory back (free page
+    reporting hands it 2 MiB blocks, exactly what a huge page needs), the first touch of a
+    huge page costs milliseconds, which a serving pool or a run's cache would otherwise pay
+    inside the steps that first write it — steps a persistent cache never pays for."""
     device = torch.device(device)
     sizes = [_lines(math.prod(shape) * t.itemsize) for shape, t in layout]
     if device.type != "cpu" or sum(sizes) < MIN_BYTES or not supported():
         return [torch.zeros(shape, dtype=t, device=device) for shape, t in layout]
     arena, at, out = empty(sum(sizes)), 0, []
+    arena.zero_()  # the first touch, on torch's threads
     for (shape, t), size in zip(layout, sizes, strict=True):
         out.append(arena[at : at + math.prod(shape) * t.itemsize].view(t).view(shape))
         at += size
@@ -108,6 +113,17 @@ def zeros(
 def huge_bytes(t: torch.Tensor) -> int:
     """Bytes of the mapping that holds ``t`` that the OS backs with huge pages (0 where it
     cannot tell)."""
+    return _mapping_bytes(t, "AnonHugePages:")
+
+
+def resident_bytes(t: torch.Tensor) -> int:
+    """Bytes of the mapping that holds ``t`` in memory now (0 where it cannot tell)."""
+    return _mapping_bytes(t, "Rss:")
+
+
+def _mapping_bytes(t: torch.Tensor, field: str) -> int:
+    """``field`` (kB) of the ``/proc/self/smaps`` entry of the mapping that holds ``t``, in
+    bytes."""
     address = t.data_ptr()
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
@@ -119,7 +135,7 @@ def huge_bytes(t: torch.Tensor) -> int:
         if "-" in head and ":" not in head:
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and line.startswith("AnonHugePages:"):
+        elif inside and line.startswith(field):
             return int(line.split()[1]) * 1024
     return 0
 
