@@ -8,6 +8,7 @@ module."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -260,3 +261,84 @@ def test_the_cli_composes_a_server_from_run_overrides():
         build_server(["workload=default", "cache=paged"], max_model_len=256)
     with pytest.raises(ValueError, match="cache='evict' does not implement joining"):
         build_server(["cache=evict"], max_model_len=256)
+
+
+def test_the_loop_runs_on_the_thread_that_calls_run():
+    """``kvlab serve`` runs the engine's loop on its main thread (torch's OpenMP team
+    lives there): :meth:`OnlineEngine.run` loops on the caller's thread, requests submitted
+    from another thread get the offline engine's greedy tokens, and ``stop`` from that
+    thread ends the loop, a request still running ending with an error event."""
+    server = build_server(["cache=paged", "workload.serving.kv_budget_gib=0.05"], 256, NAME)
+    engine, model = server.engine, server.engine.model
+    prompt = server.tokenizer("The capital of France is")["input_ids"]
+    done, events = threading.Event(), {"short": [], "long": []}
+
+    def collect(name):
+        def on_event(event):
+            events[name].append(event)
+            if name == "short" and event.finish:
+                done.set()
+
+        return on_event
+
+    def client() -> None:
+        engine.submit(prompt, 6, collect("short"))
+        done.wait(60)
+        engine.submit(prompt, 200, collect("long"))
+        while not events["long"]:
+            time.sleep(0.01)
+        engine.stop(wait=False)
+
+    helper = threading.Thread(target=client)
+    helper.start()
+    engine.run()
+    helper.join()
+    assert engine.thread is threading.current_thread() and not engine.alive
+    short = [t for e in events["short"] for t in e.tokens]
+    assert short == offline_greedy(model, prompt, 6) and events["short"][-1].finish == "length"
+    assert events["long"][-1].finish == "error" and "shutting down" in events["long"][-1].error
+
+
+def test_the_kvlab_serve_command_serves_and_stops_on_sigterm(tmp_path):
+    """The command itself: healthy once loaded, a completion, then SIGTERM ends a stream
+    still running with an error event and the process with status 0; a second server on
+    the taken port exits 1 saying so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "kvlab.cli", "serve", "--port", str(port),
+               "--max-model-len", "256", "--served-model-name", NAME, "cache=paged",
+               "workload.serving.kv_budget_gib=0.05"]  # fmt: skip
+    log = (tmp_path / "serve.log").open("w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None and time.monotonic() < deadline, "did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            time.sleep(0.2)
+        body = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert reply["usage"]["completion_tokens"] == 5
+        taken = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert taken.returncode == 1 and f"did not start on 127.0.0.1:{port}" in taken.stderr
+        lines = []
+        body = {**body, "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            for line in filter(None, stream.iter_lines()):
+                lines.append(line)
+                if len(lines) == 2:  # a token in: the request runs
+                    os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+        assert any("shutting down" in line for line in lines) and lines[-1] == "data: [DONE]"
+    finally:
+        if process.poll() is None:
+            process.kill()

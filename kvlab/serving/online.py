@@ -1,7 +1,13 @@
-"""The engine's one loop serving requests as they come (``kvlab serve``): the loop runs on a
-thread of its own — the continuous batching of :mod:`kvlab.serving.server` with the
-requests arriving from clients instead of a trace — and talks to the callers through a
-queue in and a callback out. Between steps it lets in new requests, drops the ones whose
+"""The engine's one loop serving requests as they come (``kvlab serve``): the continuous
+batching of :mod:`kvlab.serving.server` with the requests arriving from clients instead of
+a trace, talking to the callers through a queue in and a callback out. ``kvlab serve``
+runs the loop on the main thread (:meth:`OnlineEngine.run`), where the model was loaded,
+and the HTTP server beside it; :meth:`OnlineEngine.start` runs it on a thread of its own
+(tests, a server embedded in another program). Why the main thread: libgomp keeps one
+OpenMP team per thread that has run a parallel region, and while the threads of all teams
+outnumber the cores, each team's workers spin only briefly at a barrier before sleeping —
+so a loop on a second thread, beside the main thread's idle team, leaves the cores idle
+between its many small parallel regions. Between steps it lets in new requests, drops the ones whose
 client went away (their rows freed at once, :meth:`Scheduler.cancel`) and answers prompt
 scoring (``echo`` with ``logprobs``); after each step each request's callback gets the
 tokens it emitted (with their log-probabilities where asked) and, when it ends, why.
@@ -73,9 +79,9 @@ class OnlineEngine:
     """``model`` served with ``new_cache``'s strategy under ``serving``'s budget, chunk and
     caps, rows of up to ``capacity`` tokens; requests end at their own EOS ids, else at
     ``eos_ids``; ``spec``: prompt-lookup speculation of the running batch; ``metrics``:
-    the server's Prometheus families, kept on the engine's thread. :meth:`start`
-    runs the loop on its thread; :meth:`submit`, :meth:`cancel`, :meth:`score` and
-    :meth:`stop` may be called from any thread."""
+    the server's Prometheus families, kept on the engine's thread. :meth:`run` runs the
+    loop on the calling thread, :meth:`start` on a thread of its own; :meth:`submit`,
+    :meth:`cancel`, :meth:`score` and :meth:`stop` may be called from any thread."""
 
     def __init__(
         self,
@@ -93,7 +99,8 @@ class OnlineEngine:
         self.inbox: queue.Queue = queue.Queue()
         self.handles: dict[int, Handle] = {}
         self.counter = itertools.count()
-        self.thread: threading.Thread | None = None
+        self.thread: threading.Thread | None = None  # the loop's, once running
+        self.looping = False
         self.steps = 0
         self._build()
         self.idle_free_bytes = self.sched.free_bytes()  # what one request may take at most
@@ -137,13 +144,32 @@ class OnlineEngine:
         self.inbox.put(("score", (prompt, top, on_done)))
 
     def start(self) -> None:
-        self.thread = threading.Thread(target=self._run, name="kvlab-engine", daemon=True)
+        """Run the loop on a thread of its own."""
+        self.thread = threading.Thread(target=self.run, name="kvlab-engine", daemon=True)
+        self.looping = True  # from now on, not from when the thread first runs
         self.thread.start()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """End the loop (requests still running end with an error event); ``wait``: until
+        it has ended (never on the loop's own thread)."""
         self.inbox.put(("stop", None))
-        if self.thread is not None:
+        if wait and self.thread not in (None, threading.current_thread()):
             self.thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the loop is running (it may be idle, waiting for requests)."""
+        return self.looping
+
+    def run(self) -> None:
+        """Run the loop on the calling thread until :meth:`stop`; an exception out of it
+        (``KeyboardInterrupt``) ends every request still running with an error event."""
+        self.thread, self.looping = threading.current_thread(), True
+        try:
+            self._run()
+        finally:
+            self.looping = False
+            self._fail_all("the server is shutting down")
 
     def kv_bytes_in_use(self) -> int:
         """Bytes of the budget requests hold now (0 when none runs; a budget that is not
@@ -180,7 +206,6 @@ class OnlineEngine:
                 return True
             block = False
             if kind == "stop":
-                self._fail_all("the server is shutting down")
                 return False
             if kind == "add":
                 item.seq.request = dataclasses.replace(item.seq.request, arrival_s=self.clock.now())

@@ -404,15 +404,19 @@ async def until_done_or_gone(request: Request, work: asyncio.Task) -> bool:
 
 
 # ---- the app -------------------------------------------------------------------------------
-def create_app(server: Server) -> FastAPI:
-    """The FastAPI app serving ``server`` (its engine started and stopped with the app)."""
+def create_app(server: Server, run_engine: bool = True) -> FastAPI:
+    """The FastAPI app serving ``server``; ``run_engine``: the app starts the engine's loop
+    on a thread of its own and stops it with the app (``kvlab serve`` runs the loop on the
+    main thread itself)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        server.engine.start()
+        if run_engine:
+            server.engine.start()
         yield
-        await asyncio.to_thread(server.engine.stop)
+        if run_engine:
+            await asyncio.to_thread(server.engine.stop)
 
     app = FastAPI(title="kvlab", lifespan=lifespan)
 
@@ -426,8 +430,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        alive = server.engine.thread is not None and server.engine.thread.is_alive()
-        return Response(status_code=200 if alive else 503)
+        return Response(status_code=200 if server.engine.alive else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

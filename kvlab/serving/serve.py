@@ -75,7 +75,12 @@ def build_server(overrides: list[str], max_model_len: int = 0, served_name: str 
 
 def serve_main(args: list[str]) -> None:
     """``kvlab serve [--host H] [--port P] [--max-model-len N] [--served-model-name NAME]
-    [overrides]``: serve until interrupted."""
+    [overrides]``: serve until interrupted (SIGINT or SIGTERM). The engine's loop runs on
+    this, the main thread, and the HTTP server on a thread beside it (why:
+    :mod:`kvlab.serving.online`)."""
+    import signal
+    import threading
+
     import uvicorn
 
     from kvlab.serving.openai_api import create_app
@@ -85,9 +90,32 @@ def serve_main(args: list[str]) -> None:
         server = build_server(overrides, flags.max_model_len, flags.served_model_name)
     except ValueError as exc:
         raise SystemExit(f"kvlab serve: {exc}") from None
+    config = uvicorn.Config(create_app(server, run_engine=False), host=flags.host,
+                            port=flags.port, log_level="warning")  # fmt: skip
+    http = uvicorn.Server(config)
+
+    def serve_http() -> None:
+        try:
+            http.run()
+        finally:  # the loop ends with the HTTP server (a port already taken, say)
+            server.engine.stop(wait=False)  # the main thread, which waits for this one
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
     print(
         f"kvlab serve: {server.model_name} on http://{flags.host}:{flags.port}/v1 "
         f"(cache={server.engine.sched.cache.name}, max_model_len={server.max_model_len})",
         flush=True,
     )
-    uvicorn.run(create_app(server), host=flags.host, port=flags.port, log_level="warning")
+    thread = threading.Thread(target=serve_http, name="kvlab-http", daemon=True)
+    thread.start()
+    try:
+        server.engine.run()  # every request still running ends with an error event
+    except KeyboardInterrupt:
+        pass
+    http.should_exit = True
+    thread.join(timeout=30)
+    if not http.started:
+        raise SystemExit(f"kvlab serve: the HTTP server did not start on {flags.host}:{flags.port}")
