@@ -60,7 +60,7 @@ def test_the_default_plan_is_this_machines_and_records_whole(no_timing):
     plan = default_plan()
     assert plan == make_plan() and plan.capability == capability()
     record = plan.record()
-    assert set(record) == {"linear", "capability", "settings", "timings"}
+    assert set(record) == {"linear", "capability", "settings", "timings", "prefill_attention"}
     assert record["linear"]["float32"] == {
         "one_row": plan.weights(torch.float32).one_row,
         "few_rows": plan.weights(torch.float32).few_rows,

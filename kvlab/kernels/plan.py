@@ -22,7 +22,10 @@ Defaults, by capability, never by vendor:
   reordered on every product; the plain weight stays for the decode kernels, and
   ``weight_bytes`` counts both); int8 weights keep ``plain`` (PyTorch's int8 kernel);
 - one row walks the weight rows one after another (``rows``: one memory stream a thread,
-  which the hardware prefetchers follow alone).
+  which the hardware prefetchers follow alone);
+- a bf16 prefill's attention (a step's chunks over their rows' contexts): kvlab's C kernel
+  (:mod:`kvlab.kernels.attention.prefill`) where the CPU multiplies bf16 pairs (AVX512-BF16),
+  else torch's SDPA (its CPU flash attention).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from torch import nn
 
 from kvlab.kernels import autotune
+from kvlab.kernels.attention.prefill import available as prefill_kernel_available
 from kvlab.kernels.build import library
 from kvlab.kernels.linear import GEMV_ORDERS, MAX_ROWS, DecodeLinear, PrepackedLinear
 
@@ -43,6 +47,7 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
 AUTO = "auto"
 LINEAR_KERNELS = ("plain", "onednn", "kvlab")  # decode widths
 WIDE_KERNELS = ("plain", "onednn", "packed")  # many rows
+PREFILL_ATTENTION = ("sdpa", "kvlab")  # a bf16 prefill's attention
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,7 @@ class KernelPlan:
     capability: dict[str, Any]
     settings: KernelSettings = field(default_factory=KernelSettings)
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    prefill_attention: str = "sdpa"  # a bf16 prefill's attention: sdpa | kvlab
 
     def weights(self, dtype: torch.dtype | str) -> LinearKernels:
         """The kernels of weights ``dtype`` (a torch dtype, or ``"int4"``)."""
@@ -115,6 +121,7 @@ class KernelPlan:
             "capability": dict(self.capability),
             "settings": dataclasses.asdict(self.settings),
             "timings": {name: dict(t) for name, t in self.timings.items()},
+            "prefill_attention": self.prefill_attention,
         }
 
 
@@ -159,6 +166,7 @@ def capability() -> dict[str, Any]:
         "onednn_bf16_reorder": onednn_bf16_reorder_works(),
         "onednn_matmul_float32": onednn_linear_works(torch.float32),
         "onednn_matmul_bfloat16": onednn_linear_works(torch.bfloat16),
+        "c_prefill_attention_bf16": prefill_kernel_available(),
     }
 
 
@@ -215,7 +223,8 @@ def make_plan(
         wide = asked(settings.wide_linear, wide_candidates(name, cap), default.wide)
         order = default.order if settings.gemv_order == AUTO else settings.gemv_order
         linear[name] = LinearKernels(decode, decode, wide, order)
-    plan = KernelPlan(linear, dict(cap), settings)
+    attention = "kvlab" if cap.get("c_prefill_attention_bf16") else "sdpa"
+    plan = KernelPlan(linear, dict(cap), settings, prefill_attention=attention)
     return autotuned(plan) if settings.autotune else plan
 
 

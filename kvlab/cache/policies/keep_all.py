@@ -2,8 +2,10 @@
 construction. A decode step reads every stored token in place, planned as data (its
 ``reads``: tokens [0, end) of each row, which the fused decode layer runs in C), and so does
 a short step where the store allows it (a query row per token: a verification over KIVI
-codes reads them where they lie); other multi-token steps run SDPA over the stored
-prefix, causal on a first prefill, else under the mask of :mod:`kvlab.cache.masks`. Over
+codes reads them where they lie); other multi-token steps attend over the stored prefix,
+causal on a first prefill, else under the mask of :mod:`kvlab.cache.masks` — through the
+kernel plan's prefill attention where the keys sit at their positions (kvlab's C kernel
+for bf16 where the CPU has it), else SDPA. Over
 the contiguous store this is ``full`` (gpt-fast's static cache), over the paged store
 ``paged`` (vLLM's PagedAttention); in token codes the step's own tokens are read back as
 stored.
@@ -21,6 +23,8 @@ from kvlab.cache.masks import slot_positions, visible
 from kvlab.cache.policies.base import Policy, check_room
 from kvlab.cache.rows import decode_output, grouped
 from kvlab.kernels import decode_attention
+from kvlab.kernels.attention import prefill
+from kvlab.kernels.attention.sinks import current_sinks
 
 
 @dataclass
@@ -35,6 +39,7 @@ class KeepAllStep(Step):
     in_place: bool = True
     read: int = 0
     mask: torch.Tensor | None = None
+    positional: bool = True  # key column j holds position j (no store's own layout)
 
 
 class KeepAll(Policy):
@@ -56,7 +61,7 @@ class KeepAll(Policy):
             step.read = longest + steps
             held = store.held(where, step.read)
             if held is not None:
-                step.mask = visible(slots, held)
+                step.mask, step.positional = visible(slots, held), False
             elif longest:
                 step.mask = visible(slots, torch.arange(step.read, device=start.device))
         return step
@@ -70,4 +75,18 @@ class KeepAll(Policy):
                 segments = [s.per_token(step.start, step.info.steps) for s in segments]
             return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
         keys, values = store.context(step.where, layer, k, v, step.read)
+        if step.positional and runs_prefill_kernel(q, keys, values):
+            return prefill.prefill_attention(q, keys, values, step.start, q.shape[-1] ** -0.5)
         return sdpa(q, keys, values, mask=step.mask, causal=step.mask is None)
+
+
+def runs_prefill_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether a multi-token step's attention goes through kvlab's C prefill kernel: the
+    kernel plan names it, the tensors fit it, no attention sinks join the softmax."""
+    from kvlab.kernels.plan import default_plan  # a cycle at import: plan, quant, caches
+
+    return (
+        default_plan().prefill_attention == "kvlab"
+        and current_sinks() is None
+        and prefill.fits(q, keys, values)
+    )

@@ -74,4 +74,26 @@ static inline vec vload(const void *p, const int bf16, int64_t k) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* exp(x) for x <= 0 (Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial
+ * in r, times 2^k by scalef, which underflows to 0 as glibc's does): at most 1.24 ulp over
+ * [-104, 0] against a double exp. It replaces libmvec's 16-lane expf, whose range checks
+ * this domain never needs (harness int4_attention.c compares them). */
+static inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f)); /* exp(-104) is 0 in fp32 */
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
 #endif
