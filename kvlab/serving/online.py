@@ -7,10 +7,12 @@ and the HTTP server beside it; :meth:`OnlineEngine.start` runs it on a thread of
 OpenMP team per thread that has run a parallel region, and while the threads of all teams
 outnumber the cores, each team's workers spin only briefly at a barrier before sleeping —
 so a loop on a second thread, beside the main thread's idle team, leaves the cores idle
-between its many small parallel regions. Between steps it lets in new requests, drops the ones whose
-client went away (their rows freed at once, :meth:`Scheduler.cancel`) and answers prompt
-scoring (``echo`` with ``logprobs``); after each step each request's callback gets the
-tokens it emitted (with their log-probabilities where asked) and, when it ends, why.
+between its many small parallel regions.
+
+Between steps the loop lets in new requests, drops the ones whose client went away (their
+rows freed at once, :meth:`Scheduler.cancel`) and answers prompt scoring (``echo`` with
+``logprobs``); after each step each request's callback gets the tokens it emitted (with
+their log-probabilities where asked) and, when it ends, why.
 
 The callbacks run on the engine's thread: they must hand the event over (an asyncio
 server posts it to its loop) and return."""
@@ -100,7 +102,7 @@ class OnlineEngine:
         self.handles: dict[int, Handle] = {}
         self.counter = itertools.count()
         self.thread: threading.Thread | None = None  # the loop's, once running
-        self.looping = False
+        self._looping = False
         self.steps = 0
         self._build()
         self.idle_free_bytes = self.sched.free_bytes()  # what one request may take at most
@@ -146,7 +148,7 @@ class OnlineEngine:
     def start(self) -> None:
         """Run the loop on a thread of its own."""
         self.thread = threading.Thread(target=self.run, name="kvlab-engine", daemon=True)
-        self.looping = True  # from now on, not from when the thread first runs
+        self._looping = True  # from now on, not from when the thread first runs
         self.thread.start()
 
     def stop(self, wait: bool = True) -> None:
@@ -159,16 +161,16 @@ class OnlineEngine:
     @property
     def alive(self) -> bool:
         """Whether the loop is running (it may be idle, waiting for requests)."""
-        return self.looping
+        return self._looping
 
     def run(self) -> None:
         """Run the loop on the calling thread until :meth:`stop`; an exception out of it
         (``KeyboardInterrupt``) ends every request still running with an error event."""
-        self.thread, self.looping = threading.current_thread(), True
+        self.thread, self._looping = threading.current_thread(), True
         try:
             self._run()
         finally:
-            self.looping = False
+            self._looping = False
             self._fail_all("the server is shutting down")
 
     def kv_bytes_in_use(self) -> int:
