@@ -47,7 +47,6 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "int8", "int4")
 AUTO = "auto"
 LINEAR_KERNELS = ("plain", "onednn", "kvlab")  # decode widths
 WIDE_KERNELS = ("plain", "onednn", "packed")  # many rows
-PREFILL_ATTENTION = ("sdpa", "kvlab")  # a bf16 prefill's attention
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,10 @@ construction. A decode step reads every stored token in place, planned as data (
 a short step where the store allows it (a query row per token: a verification over KIVI
 codes reads them where they lie); other multi-token steps attend over the stored prefix,
 causal on a first prefill, else under the mask of :mod:`kvlab.cache.masks` — through the
-kernel plan's prefill attention where the keys sit at their positions (kvlab's C kernel
-for bf16 where the CPU has it), else SDPA. Over
-the contiguous store this is ``full`` (gpt-fast's static cache), over the paged store
-``paged`` (vLLM's PagedAttention); in token codes the step's own tokens are read back as
-stored.
+kernel plan's prefill attention where key column j holds position j (kvlab's C kernel for
+bf16 where the CPU has it), else SDPA. Over the contiguous store this is ``full``
+(gpt-fast's static cache), over the paged store ``paged`` (vLLM's PagedAttention); in token
+codes the step's own tokens are read back as stored.
 """
 
 from __future__ import annotations

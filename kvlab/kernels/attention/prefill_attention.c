@@ -193,10 +193,10 @@ void kvlab_prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_
 #pragma omp parallel
   {
     uint32_t *work = aligned_alloc(64, ((sizeof(uint32_t) * words + 63) / 64) * 64);
-    /* the latest query blocks read the most keys: they go first */
+    /* the latest query blocks read the most keys: every row's and head's go first */
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; item++) {
-      const int64_t qb = blocks - 1 - item % blocks, rest = item / blocks;
+      const int64_t qb = blocks - 1 - item / (B * H_kv), rest = item % (B * H_kv);
       const int64_t hk = rest % H_kv, b = rest / H_kv, t0 = qb * QB;
       const int nq = T - t0 < QB ? (int)(T - t0) : QB;
       attend_block(q, k, v, out, T, L, H, D, G, q_strides, k_strides, v_strides, offsets[b],
