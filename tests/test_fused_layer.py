@@ -20,6 +20,7 @@ from kvlab.cache import build_cache, registered
 from kvlab.engine import Engine, GenerationConfig
 from kvlab.kernels import build, kernel_available
 from kvlab.kernels.attention import backend_c, cached
+from kvlab.kernels.layer import activation as act
 from kvlab.kernels.linear import DecodeLinear
 from kvlab.models import fused_layer, llama
 from kvlab.quant import quantize_
@@ -126,9 +127,9 @@ def test_the_silu_table_gives_torchs_silu_in_the_shapes_the_one_call_layer_serve
     value, laid out as the gate halves of gate/up rows (B, 1, 2 * inner) of the shapes it
     takes (inner a multiple of ONE_CALL_SPAN, B up to ``one_call_rows``), gets the bits
     torch's ``F.silu`` gives there."""
-    table, values = fused_layer.silu_table(), fused_layer.every_bf16()
-    for inner in (fused_layer.ONE_CALL_SPAN, 1536, 8192):
-        rows = (fused_layer.TORCH_SERIAL_ELEMENTS - 1) // inner
+    table, values = act.silu_table(), act.every_bf16()
+    for inner in (act.ONE_CALL_SPAN, 1536, 8192):
+        rows = (act.TORCH_SERIAL_ELEMENTS - 1) // inner
         for start in range(0, 65536, rows * inner):
             part = values[start : start + rows * inner]
             part = torch.cat([part, values[: (-part.numel()) % inner]]).view(-1, 1, inner)
@@ -141,6 +142,33 @@ def test_the_silu_table_gives_torchs_silu_in_the_shapes_the_one_call_layer_serve
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fused_swiglu_is_torchs_silu_times_up_bit_for_bit(dtype):
+    """A layer run op by op takes its SwiGLU activation from ``fused_swiglu``: every bf16
+    value as a gate, and rows below and past the count the C shares among its threads (a
+    decode batch, a prefill chunk), give torch's ``F.silu(gate) * up`` bit for bit; rows
+    torch would not run through whole vectors (inner 96), and a tensor autograd tracks,
+    take torch's ops (gradients flow)."""
+    if dtype == torch.float32 and act.fp32_activation() is None:
+        pytest.skip("no vector exp of torch's at a width this build has")
+    generator = torch.Generator().manual_seed(0)
+    every = act.every_bf16().view(-1, 128).to(dtype)
+    shapes = [(every.shape[0], 1, 128), (3, 1, 1536), (64, 1, 1536), (1, 700, 1536), (1, 9, 96)]
+    for rows, steps, inner in shapes:
+        gate_up = torch.randn(rows, steps, 2 * inner, generator=generator).to(dtype) * 4
+        if inner == 128:
+            gate_up[:, 0, :inner] = every
+        gate, up = gate_up.split(inner, dim=-1)
+        want, got = F.silu(gate) * up, act.fused_swiglu(gate_up, inner)
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.equal(got.view(bits), want.view(bits)), (rows, steps, inner)
+    tracked = torch.randn(2, 2 * 128, dtype=dtype, requires_grad=True)
+    act.fused_swiglu(tracked, 128).sum().backward()
+    assert tracked.grad is not None and tracked.grad.abs().sum() > 0
+
+
+@needs_kernel
 def test_the_fp32_activation_in_c_is_torchs_bit_for_bit_or_not_taken():
     """An fp32 layer's one C call computes its SwiGLU activation with the vector exp torch's
     own silu calls (``fp32_activation``): where the probe took it, it gives torch's bits
@@ -149,11 +177,11 @@ def test_the_fp32_activation_in_c_is_torchs_bit_for_bit_or_not_taken():
     by the probe. Without one (a torch dispatching to no vector width the build has, or no
     such export) the layers keep the activation in torch between two calls; the probe
     itself never refuses torch's own exp."""
-    activation = fused_layer.fp32_activation()
+    activation = act.fp32_activation()
     if activation is None:
-        assert fused_layer.torch_vector_exp() is None
+        assert act.torch_vector_exp() is None
         pytest.skip("no vector exp of torch's at a width this build has")
-    width, swiglu = activation.width, fused_layer.kernel(
+    width, swiglu = activation.width, act.kernel(
         "kvlab_swiglu", *[ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64],
         ctypes.c_void_p, ctypes.c_void_p,
     )  # fmt: skip
@@ -168,7 +196,7 @@ def test_the_fp32_activation_in_c_is_torchs_bit_for_bit_or_not_taken():
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (rows, inner)
     glibc = {16: "_ZGVeN16v_expf", 8: "_ZGVdN8v_expf"}[width]
     near = ctypes.cast(getattr(ctypes.CDLL("libmvec.so.1"), glibc), ctypes.c_void_p).value
-    assert not fused_layer._swiglu_matches_torch(fused_layer.Activation(exp=near, width=width),
+    assert not act._swiglu_matches_torch(act.Activation(exp=near, width=width),
                                                  width)  # fmt: skip
 
 
@@ -189,7 +217,7 @@ def test_a_decode_step_runs_its_layers_in_one_c_call(
     bounds and selection in C, over 2 to 5 blocks of 2 tokens, 2 chosen): the op-by-op
     logits bit for bit, no layer called on its own; an fp32 model without the activation in
     C (two calls a layer) runs them one by one, with the same logits."""
-    if dtype == torch.float32 and fused_layer.fp32_activation() is None:
+    if dtype == torch.float32 and act.fp32_activation() is None:
         pytest.skip("no vector exp of torch's at a width this build has")
     model = with_decode_linears(tiny_checkpoints["llama"], dtype)
     steps, one_by_one = [], []

@@ -26,17 +26,21 @@ op-by-op path.
 from __future__ import annotations
 
 import ctypes
-import functools
 import operator
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvlab.kernels.attention import c_kernel_allowed
 from kvlab.kernels.attention.backend_c import index_applies
 from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
+from kvlab.kernels.layer.activation import (
+    ONE_CALL_SPAN,
+    TORCH_SERIAL_ELEMENTS,
+    bf16_activation,
+    fp32_activation,
+    fused_swiglu,
+)
 from kvlab.kernels.linear import MAX_ROWS, DecodeLinear, in_order, is_bf16
 from kvlab.quant.rtn import Int4Linear, Int8Linear
 
@@ -76,105 +80,6 @@ class _LayerPlan(ctypes.Structure):  # decode_layer.c's LayerPlan
         ("down_proj", ctypes.c_void_p), ("inner", ctypes.c_int64),
         ("qk_norms", ctypes.c_void_p * 2), ("qk_eps", ctypes.c_float),
     ]  # fmt: skip
-
-
-# torch runs an elementwise op of fewer elements than its grain size (at::internal::GRAIN_SIZE)
-# in one serial loop, and a contiguous run whose length is a multiple of its vector width
-# (x2, unrolled) all through the vectorized body: a bf16 silu of such a shape gives, element
-# by element, what the same silu gave over runs of ONE_CALL_SPAN (silu_table)
-TORCH_SERIAL_ELEMENTS = 32768
-ONE_CALL_SPAN = 128  # bf16 values: twice an unrolled 512-bit vector's
-
-
-def every_bf16() -> torch.Tensor:
-    """Every bf16 value, bit pattern i at i (65536 values)."""
-    bits = torch.arange(65536, dtype=torch.int32)
-    return torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
-
-
-@functools.cache
-def silu_table() -> torch.Tensor:
-    """torch's own ``F.silu`` of :func:`every_bf16` value, taken in runs of
-    :data:`ONE_CALL_SPAN` values or more, each run serial and whole vectors:
-    ``kvlab_layer_decode`` looks the activation up in it, so its SwiGLU gives torch's bits."""
-    with torch.no_grad():
-        return torch.cat([F.silu(run) for run in every_bf16().split(8 * ONE_CALL_SPAN)])
-
-
-class Activation(ctypes.Structure):  # decode_layer.c's Activation
-    _fields_ = [("table", ctypes.c_void_p), ("exp", ctypes.c_void_p), ("width", ctypes.c_int64)]
-
-
-# the vector exp torch's fp32 silu calls (Vectorized<float>::exp) at each CPU capability it
-# dispatches to, and its width in floats; libtorch_cpu exports Sleef's functions
-TORCH_VECTOR_EXP = {"AVX512": ("Sleef_expf16_u10", 16), "AVX2": ("Sleef_expf8_u10", 8)}
-WIDTH_BITS = {16: 2, 8: 1}  # kvlab_activation_widths' bits
-
-
-@functools.cache
-def bf16_activation() -> Activation:
-    """The bf16 SwiGLU activation: looked up in :func:`silu_table`."""
-    return Activation(table=silu_table().data_ptr())
-
-
-@functools.cache
-def fp32_activation() -> Activation | None:
-    """The fp32 SwiGLU activation in C (``swiglu_f32``) with the vector exp torch's own
-    silu calls on this CPU (:func:`torch_vector_exp`), where it gives torch's
-    ``F.silu(gate) * up`` bit for bit over a probe of every magnitude; else None (the
-    activation stays in torch between two calls)."""
-    found = torch_vector_exp()
-    if found is None:
-        return None
-    activation = Activation(exp=found[0], width=found[1])
-    return activation if _swiglu_matches_torch(activation, found[1]) else None
-
-
-def torch_vector_exp() -> tuple[int, int] | None:
-    """(address, width in floats) of the vector exp torch's fp32 silu calls at the CPU
-    capability it dispatches to, where the kernel build has vectors of that width and
-    libtorch exports it; else None."""
-    exp_name, width = TORCH_VECTOR_EXP.get(torch.backends.cpu.get_cpu_capability(), (None, 0))
-    lib = library()
-    if exp_name is None or lib is None:
-        return None
-    widths = lib.kvlab_activation_widths
-    widths.restype = ctypes.c_int
-    if not widths() & WIDTH_BITS[width]:
-        return None
-    exp = _torch_symbol(exp_name)
-    return None if exp is None else (exp, width)
-
-
-def _torch_symbol(name: str) -> int | None:
-    """The address of ``name`` in the libtorch_cpu this process loaded, or None."""
-    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    try:
-        return ctypes.cast(getattr(ctypes.CDLL(str(path)), name), ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
-
-
-def _swiglu_matches_torch(activation: Activation, width: int) -> bool:
-    """Whether ``kvlab_swiglu`` gives what the per-layer path's torch ops give (a silu in
-    place on the gate's view, then a mul), bit for bit, over rows of gate and up values of
-    every magnitude from 1e-30 to 1e4, both signs, zeros and the exp's cut-offs."""
-    generator = torch.Generator().manual_seed(0)
-    rows, inner = 3, 64 * width
-    magnitudes = torch.logspace(-30, 4, rows * inner)
-    signs = torch.randint(0, 2, (rows * inner,), generator=generator) * 2 - 1
-    gate = (magnitudes[torch.randperm(rows * inner, generator=generator)] * signs).view(rows, inner)
-    gate[0, :8] = torch.tensor([0.0, -0.0, 88.7, -88.7, 103.9, -103.9, 104.1, -104.1])
-    gate_up = torch.cat([gate, torch.randn(rows, inner, generator=generator) * 4], 1)
-    want = torch.empty(rows, inner)
-    with torch.no_grad():
-        reference = gate_up.clone()
-        silu = F.silu(reference[:, :inner], inplace=True)
-        torch.mul(silu, reference[:, inner:], out=want)
-    got = torch.empty(rows, inner)
-    swiglu = kernel("kvlab_swiglu", POINTER, INT, INT64, INT64, POINTER, POINTER)
-    swiglu(gate_up.data_ptr(), 0, rows, inner, ctypes.addressof(activation), got.data_ptr())
-    return torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def _linear(layer: nn.Module, dtype: torch.dtype) -> _Linear:
@@ -356,8 +261,7 @@ class FusedDecode:
             self.norms[1].data_ptr(), self.eps[1], self.addresses[2], mid.data_ptr(),
             gate_up.data_ptr(), scratch.data_ptr(),
         )  # fmt: skip
-        gate, up = gate_up.split_with_sizes([self.inner, self.inner], 1)
-        activation = F.silu(gate) * up  # (B, inner)
+        activation = fused_swiglu(gate_up, self.inner)  # (B, inner)
         y = torch.empty(batch, 1, hidden, dtype=dtype)
         self.out(activation.data_ptr(), mid.data_ptr(), bf16, batch, self.addresses[3],
                  scratch.data_ptr(), y.data_ptr())  # fmt: skip
@@ -382,9 +286,9 @@ class FusedDecode:
             x.data_ptr(), self.bf16, batch, self.plan_address, rope.cos.data_ptr(),
             rope.sin.data_ptr(), attention, blocks.data_ptr(), slots.data_ptr(), *step.decode_in,
         )  # fmt: skip
-        torch.mul(F.silu(step.gate, inplace=True), step.up, out=step.activation)
+        activation = fused_swiglu(step.gate_up, self.inner)
         y = torch.empty(batch, 1, self.hidden, dtype=self.dtype)
-        self.out(step.activation_at, step.mid_at, self.bf16, batch, self.addresses[3],
+        self.out(activation.data_ptr(), step.mid_at, self.bf16, batch, self.addresses[3],
                  step.scratch_at, y.data_ptr())  # fmt: skip
         return y
 
@@ -482,17 +386,14 @@ def fused_step(model, plan_of=fused_plan) -> FusedStep | None:
 
 class _StepBuffers:
     """One layer's scratch for a decode step of ``batch`` rows: qkv, rotated heads,
-    attention output, mid, gate/up (its halves as views) and scratch in the order
-    ``kvlab_layer_decode_in`` takes them (their addresses: :attr:`decode_in`), and the
-    activation ``kvlab_layer_out`` reads. Normal tensors even when made in inference mode:
-    torch writes the activation in place, which an inference tensor refuses outside it."""
+    attention output, mid, gate/up and scratch in the order ``kvlab_layer_decode_in`` takes
+    them (their addresses: :attr:`decode_in`), and the activation ``kvlab_layer_out`` reads."""
 
     def __init__(self, batch, dtype, qkv, rotated, attention, hidden, inner):
         sizes = (qkv, rotated, attention, hidden, 2 * inner, 2 * hidden)
-        with torch.inference_mode(False):
-            self.tensors = [torch.empty(batch, n, dtype=dtype) for n in sizes]
-            self.gate, self.up = self.tensors[4].split_with_sizes([inner, inner], 1)
-            self.activation = torch.empty(batch, inner, dtype=dtype)
+        self.tensors = [torch.empty(batch, n, dtype=dtype) for n in sizes]
+        self.gate_up = self.tensors[4]
+        self.activation = torch.empty(batch, inner, dtype=dtype)
         self.decode_in = tuple(t.data_ptr() for t in self.tensors)
         self.activation_at = self.activation.data_ptr()
         self.mid_at, self.scratch_at = self.decode_in[3], self.decode_in[5]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlab.cache.base import CacheSpec, KVCache, Step, StepInfo
+from kvlab.kernels.layer.activation import fused_swiglu
 from kvlab.kernels.layer.norm import fused_rms_norm
 from kvlab.models.config import DecoderConfig
 from kvlab.models.fused_layer import FusedDecode, FusedStep, fused_plan, fused_step, weights_changed
@@ -95,8 +96,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inner, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inner, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused_swiglu(self.gate_up_proj(x), self.inner))
 
 
 class DecoderLayer(nn.Module):

@@ -600,16 +600,56 @@ void kvlab_layer_decode_in(const void *x, int bf16, int64_t M, const LayerPlan *
                      p->gate_up_proj, mid, gate_up, scratch);
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 /* activation (M, inner) = silu(gate) * up of bf16 gate_up (M, 2 inner), gate first: silu
  * looked up in `silu`, torch's own silu of every bf16 value (its 65536 bit patterns in
- * order; kvlab.models.fused_layer.silu_table), and each product rounded to bf16 as torch's
- * bf16 mul rounds it (the product of two bf16 values is exact in fp32). */
+ * order, then two bytes of padding: a vector gather reads 32 bits at each value;
+ * kvlab.kernels.layer.activation), and each product rounded to bf16 as torch's bf16 mul
+ * rounds it (the product of two bf16 values is exact in fp32); vector and scalar lanes
+ * give the same bits. */
 static void swiglu_bf16(const uint16_t *gate_up, const uint16_t *silu, int64_t M,
                         int64_t inner, uint16_t *activation) {
   for (int64_t m = 0; m < M; m++) {
     const uint16_t *gate = gate_up + m * 2 * inner, *up = gate + inner;
-    for (int64_t i = 0; i < inner; i++)
-      activation[m * inner + i] = to_bf16(bf16_value(silu[gate[i]]) * bf16_value(up[i]));
+    uint16_t *out = activation + m * inner;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512i low = _mm512_set1_epi32(0xFFFF), half = _mm512_set1_epi32(0x7FFF);
+    const __m512i one = _mm512_set1_epi32(1);
+    for (; i + 16 <= inner; i += 16) {
+      const __m512i at = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i)));
+      const __m512i s = _mm512_and_si512(_mm512_i32gather_epi32(at, (const void *)silu, 2), low);
+      const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i)));
+      const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(s, 16)),
+                                           _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+      __m512i bits = _mm512_castps_si512(product); /* to_bf16, lane by lane */
+      bits = _mm512_add_epi32(bits, _mm512_add_epi32(
+                                        half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
+      _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+    }
+#elif defined(__AVX2__)
+    const __m256i low = _mm256_set1_epi32(0xFFFF), half = _mm256_set1_epi32(0x7FFF);
+    const __m256i one = _mm256_set1_epi32(1);
+    for (; i + 8 <= inner; i += 8) {
+      const __m256i at = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(gate + i)));
+      const __m256i s = _mm256_and_si256(_mm256_i32gather_epi32((const int *)silu, at, 2), low);
+      const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(up + i)));
+      const __m256 product = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(s, 16)),
+                                           _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+      __m256i bits = _mm256_castps_si256(product);
+      bits = _mm256_add_epi32(bits, _mm256_add_epi32(
+                                        half, _mm256_and_si256(_mm256_srli_epi32(bits, 16), one)));
+      bits = _mm256_srli_epi32(bits, 16); /* 16-bit lanes: pack without saturating */
+      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits),
+                                              _mm256_extracti128_si256(bits, 1));
+      _mm_storeu_si128((__m128i *)(out + i), packed);
+    }
+#endif
+    for (; i < inner; i++)
+      out[i] = to_bf16(bf16_value(silu[gate[i]]) * bf16_value(up[i]));
   }
 }
 
@@ -622,10 +662,6 @@ typedef struct {
   const void *exp;
   int64_t width;
 } Activation;
-
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
 
 /* activation (M, inner) = silu(gate) * up of fp32 gate_up (M, 2 inner), gate first, each
  * operation rounded as torch's silu and mul round it: the negation a sign flip, the sum,
@@ -679,14 +715,28 @@ int kvlab_activation_widths(void) {
   return widths;
 }
 
+/* Elements from which kvlab_swiglu shares its rows among the OpenMP team: torch's grain
+ * size (at::internal::GRAIN_SIZE), below which its own elementwise ops run serial. A fused
+ * decode step's activation stays under it (fused_layer's one_call_rows), so a call made
+ * inside a layer's step never opens a team of its own. */
+#define SWIGLU_PARALLEL_ELEMENTS 32768
+
 /* activation (M, inner) = silu(gate) * up, one row of gate_up (M, 2 inner) a row, in the
- * model's dtype (bf16 = 1: bf16), computed as `a` says. */
+ * model's dtype (bf16 = 1: bf16), computed as `a` says; rows shared among the threads
+ * where there are many (a prefill chunk's, a batch's), each row's values the same either
+ * way. */
 void kvlab_swiglu(const void *gate_up, int bf16, int64_t M, int64_t inner, const Activation *a,
                   void *activation) {
-  if (bf16)
-    swiglu_bf16(gate_up, a->table, M, inner, activation);
-  else
-    swiglu_f32(gate_up, a, M, inner, activation);
+  const int64_t item = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (M * inner >= SWIGLU_PARALLEL_ELEMENTS)
+  for (int64_t m = 0; m < M; m++) {
+    const char *row = (const char *)gate_up + m * 2 * inner * item;
+    char *out = (char *)activation + m * inner * item;
+    if (bf16)
+      swiglu_bf16((const uint16_t *)row, a->table, 1, inner, (uint16_t *)out);
+    else
+      swiglu_f32((const float *)row, a, 1, inner, (float *)out);
+  }
 }
 
 /* A layer's whole decode step in one call where the cache holds its keys and values in
