@@ -3,7 +3,8 @@ construction. A decode step reads every stored token in place, planned as data (
 ``reads``: tokens [0, end) of each row, which the fused decode layer runs in C), and so does
 a short step where the store allows it (a query row per token: a verification over KIVI
 codes reads them where they lie); other multi-token steps attend over the stored prefix,
-causal on a first prefill, else under the mask of :mod:`kvlab.cache.masks` — through the
+causal on a first prefill (over its own keys and values where the store holds them
+exactly: nothing to read back), else under the mask of :mod:`kvlab.cache.masks` — through the
 kernel plan's prefill attention where key column j holds position j (kvlab's C kernel for
 bf16 where the CPU has it), else SDPA. Over the contiguous store this is ``full``
 (gpt-fast's static cache), over the paged store ``paged`` (vLLM's PagedAttention); in token
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 
 from kvlab.cache.base import DecodeReads, Step, row_bounds, sdpa
+from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.masks import slot_positions, visible
 from kvlab.cache.policies.base import Policy, check_room
 from kvlab.cache.rows import decode_output, grouped
@@ -73,10 +75,19 @@ class KeepAll(Policy):
             if not step.decode:
                 segments = [s.per_token(step.start, step.info.steps) for s in segments]
             return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
-        keys, values = store.context(step.where, layer, k, v, step.read)
+        if step.read == step.info.steps and step.positional and exact(store):
+            store.write(step.where, layer, k, v)  # every row's first tokens: they are its
+            keys, values = k, v  # whole context, exactly as a read would give them back
+        else:
+            keys, values = store.context(step.where, layer, k, v, step.read)
         if step.positional and runs_prefill_kernel(q, keys, values):
             return prefill.prefill_attention(q, keys, values, step.start, q.shape[-1] ** -0.5)
         return sdpa(q, keys, values, mask=step.mask, causal=step.mask is None)
+
+
+def exact(store) -> bool:
+    """Whether ``store`` holds keys and values as they are (no codec between)."""
+    return all(type(codec) is Exact for codec in store.codec.halves())
 
 
 def runs_prefill_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
