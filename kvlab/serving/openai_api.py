@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -283,6 +285,41 @@ class Detokenizer:
         return delta
 
 
+class Mailbox:
+    """Events the engine's thread hands to one event loop: whatever arrived since the loop
+    last took them is delivered in one turn of the loop (a step's events for every running
+    request), not a wake-up each, so the engine's thread writes the loop's wake-up pipe
+    once a step and the loop's thread, which shares the cores with the engine's, turns
+    once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.pending, self.lock = loop, [], threading.Lock()
+
+    def post(self, events: asyncio.Queue, event: Event) -> None:  # on the engine's thread
+        with self.lock:
+            self.pending.append((events, event))
+            wake = len(self.pending) == 1
+        if wake:
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for events, event in pending:
+            events.put_nowait(event)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per event loop
+
+
+def mailbox() -> Mailbox:
+    """The running event loop's :class:`Mailbox`."""
+    loop = asyncio.get_running_loop()
+    if loop not in _MAILBOXES:
+        _MAILBOXES[loop] = Mailbox(loop)
+    return _MAILBOXES[loop]
+
+
 @dataclass
 class Choice:
     """One prompt's run: its events as they come, its text, finish and token counts."""
@@ -304,11 +341,11 @@ class Choice:
         return self.text.tokens if self.text is not None else []
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
+        box, events = mailbox(), self.events
         self.text = Detokenizer(self.server.tokenizer, self.params.stop)
 
         def post(event: Event) -> None:  # on the engine's thread
-            loop.call_soon_threadsafe(self.events.put_nowait, event)
+            box.post(events, event)
 
         p = self.params
         self.handle = self.server.engine.submit(
@@ -550,34 +587,46 @@ def sse(request: Request, choices: list[Choice], head: dict[str, Any], chunk) ->
     """A Server-Sent Events stream of ``chunk(head, choice, delta, logprobs, first)``
     bodies, then usage (when asked) and ``[DONE]``; a disconnect cancels the requests."""
 
-    async def events() -> AsyncIterator[str]:
-        for c in choices:
-            c.start()
+    async def bodies(c: Choice) -> AsyncIterator[dict[str, Any]]:
+        first = True
         try:
-            merged: asyncio.Queue = asyncio.Queue()
+            async for delta, logprobs in c.deltas():
+                yield chunk(head, c, delta, logprobs, first)
+                first = False
+        except Exception as exc:  # an engine error ends the stream with it
+            yield {"error": {"message": str(exc), "code": 500}}
 
-            async def pump(c: Choice) -> None:
-                try:
-                    first = True
-                    async for delta, logprobs in c.deltas():
-                        await merged.put(chunk(head, c, delta, logprobs, first))
-                        first = False
-                except Exception as exc:  # an engine error ends the stream with it
-                    await merged.put({"error": {"message": str(exc), "code": 500}})
-                await merged.put(None)
+    async def merged() -> AsyncIterator[dict[str, Any]]:
+        """Every choice's bodies as they come (n > 1)."""
+        queue: asyncio.Queue = asyncio.Queue()
 
-            tasks = [asyncio.ensure_future(pump(c)) for c in choices]
-            open_choices = len(choices)
+        async def pump(c: Choice) -> None:
+            async for body in bodies(c):
+                await queue.put(body)
+            await queue.put(None)
+
+        tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+        open_choices = len(choices)
+        try:
             while open_choices:
-                body = await merged.get()
+                body = await queue.get()
                 if body is None:
                     open_choices -= 1
                     continue
+                yield body
+        finally:  # a client gone mid-stream leaves no pump waiting on its events
+            for task in tasks:
+                task.cancel()
+
+    async def events() -> AsyncIterator[str]:
+        for c in choices:
+            c.start()
+        try:  # one choice (the common case) streams straight from its events
+            async for body in bodies(choices[0]) if len(choices) == 1 else merged():
                 yield f"data: {json.dumps(body)}\n\n"
             if choices[0].params.include_usage:
                 yield f"data: {json.dumps(head | {'choices': [], 'usage': usage(choices)})}\n\n"
             yield "data: [DONE]\n\n"
-            await asyncio.gather(*tasks)
         finally:  # a client gone mid-stream: its requests leave the engine at once
             for c in choices:
                 c.cancel()
