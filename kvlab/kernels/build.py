@@ -120,10 +120,11 @@ POINTER, INT, INT64, FLOAT = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctyp
 
 
 @functools.cache
-def kernel(name: str, *argtypes) -> ctypes._CFuncPtr:
-    """The library's function ``name`` with its argument types declared once: a call then
-    passes Python ints and floats straight through, without building a ctypes object per
-    argument (a decode step makes hundreds of kernel calls)."""
+def kernel(name: str, *argtypes, restype=None) -> ctypes._CFuncPtr:
+    """The library's function ``name`` with its argument types (and its result's, None for
+    void) declared once: a call then passes Python ints and floats straight through,
+    without building a ctypes object per argument (a decode step makes hundreds of kernel
+    calls)."""
     function = getattr(library(), name)
-    function.argtypes, function.restype = list(argtypes), None
+    function.argtypes, function.restype = list(argtypes), restype
     return function

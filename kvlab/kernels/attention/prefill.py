@@ -16,12 +16,9 @@ from kvlab.kernels.build import FLOAT, INT64, POINTER, kernel, library
 @functools.cache
 def available() -> bool:
     """Whether kvlab's C prefill attention runs on this machine (its build has it)."""
-    lib = library()
-    if lib is None:
+    if library() is None:
         return False
-    probe = lib.kvlab_prefill_attention_available
-    probe.argtypes, probe.restype = [], ctypes.c_int
-    return bool(probe())
+    return bool(kernel("kvlab_prefill_attention_available", restype=ctypes.c_int)())
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -47,11 +44,9 @@ def prefill_attention(
     batch, heads, steps, dim = q.shape
     out = torch.empty(batch, steps, heads, dim, dtype=q.dtype)
     offsets = offsets.to(torch.int64).contiguous()
-    strides = [torch.tensor([t.stride(0), t.stride(1), t.stride(2)]) for t in (q, k, v)]
-    kernel("kvlab_prefill_attention", POINTER, POINTER, POINTER, POINTER, INT64, INT64, INT64,
-           INT64, INT64, INT64, POINTER, POINTER, POINTER, POINTER, FLOAT)(
+    strides = [stride for t in (q, k, v) for stride in t.stride()[:3]]
+    kernel("kvlab_prefill_attention", *[POINTER] * 4, *[INT64] * 15, POINTER, FLOAT)(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), batch, steps, k.shape[2],
-        heads, k.shape[1], dim, strides[0].data_ptr(), strides[1].data_ptr(),
-        strides[2].data_ptr(), offsets.data_ptr(), scale,
+        heads, k.shape[1], dim, *strides, offsets.data_ptr(), scale,
     )  # fmt: skip
     return out.transpose(1, 2)

@@ -179,13 +179,16 @@ static void attend_block(const uint16_t *q, const uint16_t *k, const uint16_t *v
 
 /* The attention of every row's chunk (see the top of this file), where this build has the
  * kernel (kvlab_prefill_attention_available), D is a multiple of 64 up to 512 and H a
- * multiple of H_kv: the caller checks. */
+ * multiple of H_kv: the caller checks. q_b, q_h, q_t: q's strides (elements) over rows,
+ * heads and tokens; the same for k and v. */
 void kvlab_prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v,
                             uint16_t *out, int64_t B, int64_t T, int64_t L, int64_t H,
-                            int64_t H_kv, int64_t D, const int64_t *q_strides,
-                            const int64_t *k_strides, const int64_t *v_strides,
-                            const int64_t *offsets, float scale) {
+                            int64_t H_kv, int64_t D, int64_t q_b, int64_t q_h, int64_t q_t,
+                            int64_t k_b, int64_t k_h, int64_t k_t, int64_t v_b, int64_t v_h,
+                            int64_t v_t, const int64_t *offsets, float scale) {
 #if defined(KVLAB_BF16_DOT)
+  const int64_t q_strides[3] = {q_b, q_h, q_t}, k_strides[3] = {k_b, k_h, k_t};
+  const int64_t v_strides[3] = {v_b, v_h, v_t};
   const int G = (int)(H / H_kv);
   const int64_t blocks = (T + QB - 1) / QB, items = B * H_kv * blocks;
   const int64_t words = (int64_t)QB * G * (D / 2) + (D / 2) * KB + (KB / 2) * D +
@@ -206,6 +209,7 @@ void kvlab_prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_
   }
 #else
   (void)q, (void)k, (void)v, (void)out, (void)B, (void)T, (void)L, (void)H, (void)H_kv;
-  (void)D, (void)q_strides, (void)k_strides, (void)v_strides, (void)offsets, (void)scale;
+  (void)D, (void)q_b, (void)q_h, (void)q_t, (void)k_b, (void)k_h, (void)k_t, (void)v_b;
+  (void)v_h, (void)v_t, (void)offsets, (void)scale;
 #endif
 }

@@ -81,12 +81,9 @@ def torch_vector_exp() -> tuple[int, int] | None:
     capability it dispatches to, where the kernel build has vectors of that width and
     libtorch exports it; else None."""
     exp_name, width = TORCH_VECTOR_EXP.get(torch.backends.cpu.get_cpu_capability(), (None, 0))
-    lib = library()
-    if exp_name is None or lib is None:
+    if exp_name is None or library() is None:
         return None
-    widths = lib.kvlab_activation_widths
-    widths.restype = ctypes.c_int
-    if not widths() & WIDTH_BITS[width]:
+    if not kernel("kvlab_activation_widths", restype=ctypes.c_int)() & WIDTH_BITS[width]:
         return None
     exp = _torch_symbol(exp_name)
     return None if exp is None else (exp, width)
