@@ -14,10 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -285,41 +283,6 @@ class Detokenizer:
         return delta
 
 
-class Mailbox:
-    """Events the engine's thread hands to one event loop: whatever arrived since the loop
-    last took them is delivered in one turn of the loop (a step's events for every running
-    request), not a wake-up each, so the engine's thread writes the loop's wake-up pipe
-    once a step and the loop's thread, which shares the cores with the engine's, turns
-    once."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.pending, self.lock = loop, [], threading.Lock()
-
-    def post(self, events: asyncio.Queue, event: Event) -> None:  # on the engine's thread
-        with self.lock:
-            self.pending.append((events, event))
-            wake = len(self.pending) == 1
-        if wake:
-            self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:
-        with self.lock:
-            pending, self.pending = self.pending, []
-        for events, event in pending:
-            events.put_nowait(event)
-
-
-_MAILBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per event loop
-
-
-def mailbox() -> Mailbox:
-    """The running event loop's :class:`Mailbox`."""
-    loop = asyncio.get_running_loop()
-    if loop not in _MAILBOXES:
-        _MAILBOXES[loop] = Mailbox(loop)
-    return _MAILBOXES[loop]
-
-
 @dataclass
 class Choice:
     """One prompt's run: its events as they come, its text, finish and token counts."""
@@ -341,11 +304,11 @@ class Choice:
         return self.text.tokens if self.text is not None else []
 
     def start(self) -> None:
-        box, events = mailbox(), self.events
+        loop = asyncio.get_running_loop()
         self.text = Detokenizer(self.server.tokenizer, self.params.stop)
 
         def post(event: Event) -> None:  # on the engine's thread
-            box.post(events, event)
+            loop.call_soon_threadsafe(self.events.put_nowait, event)
 
         p = self.params
         self.handle = self.server.engine.submit(
