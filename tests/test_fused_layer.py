@@ -124,9 +124,9 @@ def test_an_fp32_models_layers_computing_in_bf16_take_the_fused_path(
 
 def test_the_silu_table_gives_torchs_silu_in_the_shapes_the_one_call_layer_serves():
     """A bf16 layer's one C call looks its SwiGLU activation up in ``silu_table``: every bf16
-    value, laid out as the gate halves of gate/up rows (B, 1, 2 * inner) of the shapes it
-    takes (inner a multiple of ONE_CALL_SPAN, B up to ``one_call_rows``), gets the bits
-    torch's ``F.silu`` gives there."""
+    value, laid out as the gate halves of gate/up rows (B, 1, 2 * inner) of the shapes torch
+    runs serial (inner a multiple of ONE_CALL_SPAN, B * inner under its grain size), gets
+    the bits torch's ``F.silu`` gives there (``fused_swiglu``'s test: at every size)."""
     table, values = act.silu_table(), act.every_bf16()
     for inner in (act.ONE_CALL_SPAN, 1536, 8192):
         rows = (act.TORCH_SERIAL_ELEMENTS - 1) // inner
@@ -291,6 +291,28 @@ def test_a_steps_cached_attentions_are_reused_only_while_they_hold(monkeypatch):
         [0, 1], parts, 2, *_step_inputs(2, width=2)))  # fmt: skip
     assert attentions.layers[1] is not kept
     assert attentions.layers[1].layouts[0][2] == parts[1][0].stride()
+
+
+@needs_kernel
+def test_a_wide_activation_runs_in_one_call_at_every_row_count(tmp_path, monkeypatch):
+    """A bf16 layer whose SwiGLU is wide (inner 1536: 32 rows are past the count torch and
+    the C run serial) still decodes 32 rows in one call: the op-by-op layer takes its
+    activation from the same C, so the logits are the op-by-op layer's bit for bit."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=1536,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=512)  # fmt: skip
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    model = with_decode_linears(tmp_path, torch.bfloat16)
+    prompts = [[(7 * row + i) % 256 for i in range(3 + row % 4)] for row in range(32)]
+    with torch.inference_mode():
+        fused = decode_logits(model, steps=3, prompts=prompts)
+        assert model.one_call_steps > 0
+        monkeypatch.setattr(llama, "fused_plan", lambda layer: None)
+        reference = decode_logits(model, steps=3, prompts=prompts)
+    assert all(torch.equal(a, b) for a, b in zip(fused, reference, strict=True))
 
 
 @needs_kernel

@@ -7,11 +7,12 @@ the op-by-op layer's forty-odd torch ops and wrapper calls a layer; the values a
 The cache hands each layer's write and attention over as data (``KVCache.decode_attentions``:
 the policy's planned reads over its store, and its stage where it computes between the
 projection and the attention), so every policy that plans its decode steps decodes here,
-the built-ins and a researcher's alike. The SwiGLU activation runs in C where torch's silu
-of the layer's shape runs serial and in whole vectors: bf16 looked up in torch's own silu
-of every bf16 value (:func:`silu_table`), fp32 through the vector exp torch's silu calls,
-taken from libtorch where a probe finds it gives torch's bits (:func:`fp32_activation`);
-else the activation runs in torch between two calls. A step whose layers all make one call
+the built-ins and a researcher's alike. The SwiGLU activation runs in C
+(:mod:`kvlab.kernels.layer.activation`) where torch's silu of the layer's shape runs whole
+vectors: bf16 looked up in torch's own silu of every bf16 value, fp32 through the vector
+exp torch's silu calls, taken from libtorch where a probe finds it gives torch's bits; the
+op-by-op layer takes the same C there; else the activation runs in torch between two
+calls. A step whose layers all make one call
 runs them all in one call (:class:`FusedStep`): the cache hands every layer's attention
 over first.
 
@@ -36,7 +37,6 @@ from kvlab.kernels.attention.backend_c import index_applies
 from kvlab.kernels.build import FLOAT, INT, INT64, POINTER, kernel, library
 from kvlab.kernels.layer.activation import (
     ONE_CALL_SPAN,
-    TORCH_SERIAL_ELEMENTS,
     bf16_activation,
     fp32_activation,
     fused_swiglu,
@@ -206,13 +206,14 @@ class FusedDecode:
                                self.qk_eps)  # fmt: skip
         self.plan_address = ctypes.addressof(self.plan)
         self.buffers: dict[int, _StepBuffers] = {}  # per batch size (_step_buffers)
-        # the activation in C too where torch's silu would run serial whole vectors: bf16
-        # from a table, fp32 through torch's own vector exp (where the probe found it)
+        # the activation in C too where torch's silu runs whole vectors (bf16 from a table,
+        # fp32 through torch's own vector exp where the probe found it): then the op-by-op
+        # layer takes the same C (fused_swiglu), so one call serves every row count
         self.one_call_rows = 0
         activation = bf16_activation() if self.bf16 else fp32_activation()
         span = ONE_CALL_SPAN if self.bf16 else 2 * (activation.width if activation else 0)
         if activation is not None and self.inner % span == 0:
-            self.one_call_rows = (TORCH_SERIAL_ELEMENTS - 1) // self.inner
+            self.one_call_rows = self.rows[1]
             self.activation_at = ctypes.addressof(activation)
             self.decode = kernel("kvlab_layer_decode", POINTER, INT, INT64, POINTER, POINTER,
                                  POINTER, POINTER, POINTER, POINTER, *[POINTER] * 9)  # fmt: skip

@@ -716,9 +716,8 @@ int kvlab_activation_widths(void) {
 }
 
 /* Elements from which kvlab_swiglu shares its rows among the OpenMP team: torch's grain
- * size (at::internal::GRAIN_SIZE), below which its own elementwise ops run serial. A fused
- * decode step's activation stays under it (fused_layer's one_call_rows), so a call made
- * inside a layer's step never opens a team of its own. */
+ * size (at::internal::GRAIN_SIZE), below which its own elementwise ops run serial (a few
+ * decode rows: waking the team would cost more than the work). */
 #define SWIGLU_PARALLEL_ELEMENTS 32768
 
 /* activation (M, inner) = silu(gate) * up, one row of gate_up (M, 2 inner) a row, in the
