@@ -50,6 +50,13 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kvlab-args", action="append",
                    help="kvlab serve's run overrides (repeat for several kvlab rows; default: "
                    f"{KVLAB_DEFAULT!r})")  # fmt: skip
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of every server in turn; the table gives each metric's median "
+        "over them and each kvlab row's throughput over vLLM's, round by round",
+    )
     p.add_argument("--port", type=int, default=8311)
     p.add_argument("--out", default=str(ROOT / "experiments/serving_vs_vllm/out"))
     args = p.parse_args()
@@ -185,21 +192,24 @@ def main() -> None:
     dataset = out_dir / "wikitext_longtail.jsonl"
     export_wikitext(dataset, args.num_prompts, args.max_model_len)
     rows = []
-    for engine, overrides in servers(args):
-        command, env = server_command(engine, overrides, args, ckpt)
-        tag = engine.replace(" ", "_").replace(".", "")
-        log = (out_dir / f"server_{tag}.log").open("w")
-        process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=log,
-                                   start_new_session=True)  # fmt: skip
-        try:
-            wait_ready(f"http://127.0.0.1:{args.port}", process)
-            for workload in args.workloads.split(","):
-                for rate in args.rates.split(","):
-                    out = out_dir / f"{tag}_{workload}_rate{rate}.json"
-                    result = run_client(args, ckpt, workload, rate, out, dataset)
-                    rows.append({"engine": engine, "workload": workload, "rate": rate} | result)
-        finally:
-            stop(process)
+    for round_ in range(args.repeats):  # engines alternate: a slow spell of the machine
+        for engine, overrides in servers(args):  # falls on every engine's rounds alike
+            command, env = server_command(engine, overrides, args, ckpt)
+            tag = engine.replace(" ", "_").replace(".", "")
+            log = (out_dir / f"server_{tag}.log").open("w")
+            process = subprocess.Popen(command, env=env, cwd=ROOT, stdout=log, stderr=log,
+                                       start_new_session=True)  # fmt: skip
+            try:
+                wait_ready(f"http://127.0.0.1:{args.port}", process)
+                for workload in args.workloads.split(","):
+                    for rate in args.rates.split(","):
+                        suffix = f"_round{round_}" if args.repeats > 1 else ""
+                        out = out_dir / f"{tag}_{workload}_rate{rate}{suffix}.json"
+                        result = run_client(args, ckpt, workload, rate, out, dataset)
+                        rows.append({"engine": engine, "workload": workload, "rate": rate,
+                                     "round": round_} | result)  # fmt: skip
+            finally:
+                stop(process)
     print_table(rows, args)
 
 
@@ -216,17 +226,38 @@ def stop(process: subprocess.Popen) -> None:
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
+    """One line per (workload, rate, engine): each metric's median over the rounds; with
+    several rounds, each kvlab row's output throughput over vLLM's, paired round by round
+    (median, lowest, highest)."""
+    from statistics import median
+
     from kvlab.tracking import cpu_model
 
     print(f"\n{cpu_model()}, {os.cpu_count()} CPUs, {args.dtype}, KV budget {args.kv_gib} GiB, "
-          f"{args.num_prompts} requests; kvlab: {' / '.join(args.kvlab_args)}")  # fmt: skip
+          f"{args.num_prompts} requests, {args.repeats} round(s); "
+          f"kvlab: {' / '.join(args.kvlab_args)}")  # fmt: skip
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["workload"], row["rate"], row["engine"]), []).append(row)
     header = ["workload", "rate", "engine", *(label for _, label in COLUMNS)]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
-    for row in sorted(rows, key=lambda r: (r["workload"], r["rate"], r["engine"])):
-        cells = [row["workload"], row["rate"], row["engine"]]
-        cells += [f"{row.get(key, float('nan')):.2f}" for key, _ in COLUMNS]
+    for key in sorted(groups):
+        cells = list(key)
+        cells += [f"{median(r.get(k, float('nan')) for r in groups[key]):.2f}" for k, _ in COLUMNS]
         print("| " + " | ".join(cells) + " |")
+    if args.repeats < 2:
+        return
+    for (workload, rate, engine), kvlab in sorted(groups.items()):
+        vllm = {r["round"]: r for r in groups.get((workload, rate, "vllm"), [])}
+        ratios = [r["output_throughput"] / vllm[r["round"]]["output_throughput"]
+                  for r in kvlab if r["round"] in vllm]  # fmt: skip
+        if engine.startswith("kvlab") and ratios:
+            print(
+                f"{workload} rate {rate}: {engine} / vLLM output tok/s, round by round: "
+                f"median {median(ratios):.3f} (lowest {min(ratios):.3f}, highest "
+                f"{max(ratios):.3f}, {len(ratios)} rounds)"
+            )
 
 
 if __name__ == "__main__":
