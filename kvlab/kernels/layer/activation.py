@@ -5,7 +5,7 @@ calls, taken from libtorch where a probe finds it gives torch's bits
 (:func:`fp32_activation`). The fused decode layer calls it inside its step; a layer run op
 by op calls :func:`fused_swiglu` in place of torch's silu and mul, one pass over the rows
 (shared among the threads where there are many) instead of two ops and a temporary: a
-prefill chunk's activation costs a third of torch's two ops."""
+2048-token prefill step's activations take ~60% of torch's time."""
 
 from __future__ import annotations
 
