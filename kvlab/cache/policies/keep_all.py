@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from kvlab.cache.base import DecodeReads, Step, row_bounds, sdpa
-from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.masks import slot_positions, visible
 from kvlab.cache.policies.base import Policy, check_room
 from kvlab.cache.rows import decode_output, grouped
@@ -75,7 +74,7 @@ class KeepAll(Policy):
             if not step.decode:
                 segments = [s.per_token(step.start, step.info.steps) for s in segments]
             return decode_output(decode_attention(segments, q.shape[-1] ** -0.5, q.dtype), q)
-        if step.read == step.info.steps and step.positional and exact(store):
+        if step.read == step.info.steps and step.positional and store.exact:
             store.write(step.where, layer, k, v)  # every row's first tokens: they are its
             keys, values = k, v  # whole context, exactly as a read would give them back
         else:
@@ -83,11 +82,6 @@ class KeepAll(Policy):
         if step.positional and runs_prefill_kernel(q, keys, values):
             return prefill.prefill_attention(q, keys, values, step.start, q.shape[-1] ** -0.5)
         return sdpa(q, keys, values, mask=step.mask, causal=step.mask is None)
-
-
-def exact(store) -> bool:
-    """Whether ``store`` holds keys and values as they are (no codec between)."""
-    return all(type(codec) is Exact for codec in store.codec.halves())
 
 
 def runs_prefill_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:

@@ -18,6 +18,7 @@ import torch
 
 from kvlab.cache.base import CacheSpec, RowState
 from kvlab.cache.codecs import Codec
+from kvlab.cache.codecs.exact import Exact
 from kvlab.kernels import Segment, huge_pages
 
 
@@ -41,6 +42,8 @@ class Store(ABC):
 
     def __init__(self, spec: CacheSpec, codec: Codec, options: Any, static: bool = False):
         self.spec, self.codec, self.options, self.static = spec, codec, options, static
+        # keys and values held as they are, no codec between (read back as written)
+        self.exact = all(type(half) is Exact for half in codec.halves())
 
     slots: int  # logical slots per row
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.cache.base import RowState, nbytes, rows_of
-from kvlab.cache.codecs.exact import Exact
 from kvlab.cache.rows import write_rows
 from kvlab.cache.stores.base import Store, allocate_layers, parts_bytes
 from kvlab.kernels import Segment
@@ -42,7 +41,6 @@ class ContiguousStore(Store):
         self.keys: list[list[torch.Tensor]] = []  # per layer: [data] or [codes, scale, zero]
         self.values: list[list[torch.Tensor]] = []
         self._attentions = LayerAttentions()  # the fused decode layer's (c_layers)
-        self._inexact = not (type(self.key_codec) is Exact and type(self.value_codec) is Exact)
 
     @staticmethod
     def layout(spec, codec, batch_size: int, slots: int) -> list[tuple[tuple, torch.dtype]]:
@@ -126,7 +124,7 @@ class ContiguousStore(Store):
         for all the layers (read once, see LayerAttentions)."""
         bounds = [(where.rows, lo, hi)]
         rows, slots = where.rows, where.slots
-        if not self._inexact:
+        if self.exact:
             parts = [self.exact_parts(layer) for layer in layers]
             return self._attentions.fused_exact(layers, parts, group, bounds, rows, slots, merge,
                                                 rotation)  # fmt: skip
@@ -140,7 +138,7 @@ class ContiguousStore(Store):
     def exact_parts(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``layer``'s keys and values (B, H_kv, slots, D) where both codecs are exact (one
         part each, in the model's dtype), else None."""
-        return None if self._inexact else (self.keys[layer][0], self.values[layer][0])
+        return (self.keys[layer][0], self.values[layer][0]) if self.exact else None
 
     def read(self, layer, slots):
         return self.decoded(self.keys[layer], self.key_codec, slots), self.decoded(
