@@ -209,11 +209,11 @@ class FusedDecode:
         # the activation in C too where torch's silu runs whole vectors (bf16 from a table,
         # fp32 through torch's own vector exp where the probe found it): then the op-by-op
         # layer takes the same C (fused_swiglu), so one call serves every row count
-        self.one_call_rows = 0
+        self.one_call = False
         activation = bf16_activation() if self.bf16 else fp32_activation()
         span = ONE_CALL_SPAN if self.bf16 else 2 * (activation.width if activation else 0)
         if activation is not None and self.inner % span == 0:
-            self.one_call_rows = self.rows[1]
+            self.one_call = True
             self.activation_at = ctypes.addressof(activation)
             self.decode = kernel("kvlab_layer_decode", POINTER, INT, INT64, POINTER, POINTER,
                                  POINTER, POINTER, POINTER, POINTER, *[POINTER] * 9)  # fmt: skip
@@ -270,12 +270,12 @@ class FusedDecode:
 
     def _with_cached_attention(self, x, rope, attention: int, blocks, slots: torch.Tensor):
         """The layer's output where the cache hands its writes and attention over as C
-        (``KVCache.decode_attentions``): one call in all for a layer of up to
-        ``one_call_rows`` rows, else one call up to the activation, the activation in torch
-        and one call more; no cache or attention Python in between."""
+        (``KVCache.decode_attentions``): one call in all where the activation runs in C
+        (``one_call``), else one call up to the activation, the activation in torch and one
+        call more; no cache or attention Python in between."""
         batch = x.shape[0]
         step = self._step_buffers(batch)
-        if batch <= self.one_call_rows:
+        if self.one_call:
             y = torch.empty(batch, 1, self.hidden, dtype=self.dtype)
             self.decode(
                 x.data_ptr(), self.bf16, batch, self.plan_address, rope.cos.data_ptr(),
@@ -324,14 +324,13 @@ class FusedStep:
         first = plans[0]
         shape = (first.dtype, first.heads, first.kv_heads, first.dim, first.hidden, first.inner)
         self.applies = all(
-            p.one_call_rows and (p.dtype, p.heads, p.kv_heads, p.dim, p.hidden, p.inner) == shape
+            p.one_call and (p.dtype, p.heads, p.kv_heads, p.dim, p.hidden, p.inner) == shape
             for p in plans
         )
         if not self.applies:
             return
         # the batch sizes every layer takes in one call (their kernels' rows may differ)
-        self.rows = (max(p.rows[0] for p in plans),
-                     min(min(p.rows[1], p.one_call_rows) for p in plans))  # fmt: skip
+        self.rows = (max(p.rows[0] for p in plans), min(p.rows[1] for p in plans))
         self.table = (ctypes.c_void_p * (4 * len(plans)))()
         self.plan_addresses = [p.plan_address for p in plans]
         self.layers = [p.layer for p in plans]

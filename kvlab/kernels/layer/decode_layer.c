@@ -604,57 +604,54 @@ void kvlab_layer_decode_in(const void *x, int bf16, int64_t M, const LayerPlan *
 #include <immintrin.h>
 #endif
 
-/* activation (M, inner) = silu(gate) * up of bf16 gate_up (M, 2 inner), gate first: silu
+/* out (inner,) = silu(gate) * up of one bf16 row gate_up (2 inner,), gate first: silu
  * looked up in `silu`, torch's own silu of every bf16 value (its 65536 bit patterns in
  * order, then two bytes of padding: a vector gather reads 32 bits at each value;
  * kvlab.kernels.layer.activation), and each product rounded to bf16 as torch's bf16 mul
  * rounds it (the product of two bf16 values is exact in fp32); vector and scalar lanes
  * give the same bits. */
-static void swiglu_bf16(const uint16_t *gate_up, const uint16_t *silu, int64_t M,
-                        int64_t inner, uint16_t *activation) {
-  for (int64_t m = 0; m < M; m++) {
-    const uint16_t *gate = gate_up + m * 2 * inner, *up = gate + inner;
-    uint16_t *out = activation + m * inner;
-    int64_t i = 0;
+static void swiglu_bf16(const uint16_t *gate_up, const uint16_t *silu, int64_t inner,
+                        uint16_t *out) {
+  const uint16_t *gate = gate_up, *up = gate + inner;
+  int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512i low = _mm512_set1_epi32(0xFFFF), half = _mm512_set1_epi32(0x7FFF);
-    const __m512i one = _mm512_set1_epi32(1);
-    for (; i + 16 <= inner; i += 16) {
-      const __m512i at = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i)));
-      const __m512i s = _mm512_and_si512(_mm512_i32gather_epi32(at, (const void *)silu, 2), low);
-      const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i)));
-      const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(s, 16)),
-                                           _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
-      __m512i bits = _mm512_castps_si512(product); /* to_bf16, lane by lane */
-      bits = _mm512_add_epi32(bits, _mm512_add_epi32(
-                                        half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
-      _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-    }
-#elif defined(__AVX2__)
-    const __m256i low = _mm256_set1_epi32(0xFFFF), half = _mm256_set1_epi32(0x7FFF);
-    const __m256i one = _mm256_set1_epi32(1);
-    for (; i + 8 <= inner; i += 8) {
-      const __m256i at = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(gate + i)));
-      const __m256i s = _mm256_and_si256(_mm256_i32gather_epi32((const int *)silu, at, 2), low);
-      const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(up + i)));
-      const __m256 product = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(s, 16)),
-                                           _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
-      __m256i bits = _mm256_castps_si256(product);
-      bits = _mm256_add_epi32(bits, _mm256_add_epi32(
-                                        half, _mm256_and_si256(_mm256_srli_epi32(bits, 16), one)));
-      bits = _mm256_srli_epi32(bits, 16); /* 16-bit lanes: pack without saturating */
-      const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits),
-                                              _mm256_extracti128_si256(bits, 1));
-      _mm_storeu_si128((__m128i *)(out + i), packed);
-    }
-#endif
-    for (; i < inner; i++)
-      out[i] = to_bf16(bf16_value(silu[gate[i]]) * bf16_value(up[i]));
+  const __m512i low = _mm512_set1_epi32(0xFFFF), half = _mm512_set1_epi32(0x7FFF);
+  const __m512i one = _mm512_set1_epi32(1);
+  for (; i + 16 <= inner; i += 16) {
+    const __m512i at = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(gate + i)));
+    const __m512i s = _mm512_and_si512(_mm512_i32gather_epi32(at, (const void *)silu, 2), low);
+    const __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(up + i)));
+    const __m512 product = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(s, 16)),
+                                         _mm512_castsi512_ps(_mm512_slli_epi32(u, 16)));
+    __m512i bits = _mm512_castps_si512(product); /* to_bf16, lane by lane */
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(
+                                      half, _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)));
+    _mm256_storeu_si256((__m256i *)(out + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
   }
+#elif defined(__AVX2__)
+  const __m256i low = _mm256_set1_epi32(0xFFFF), half = _mm256_set1_epi32(0x7FFF);
+  const __m256i one = _mm256_set1_epi32(1);
+  for (; i + 8 <= inner; i += 8) {
+    const __m256i at = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(gate + i)));
+    const __m256i s = _mm256_and_si256(_mm256_i32gather_epi32((const int *)silu, at, 2), low);
+    const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(up + i)));
+    const __m256 product = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(s, 16)),
+                                         _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+    __m256i bits = _mm256_castps_si256(product);
+    bits = _mm256_add_epi32(bits, _mm256_add_epi32(
+                                      half, _mm256_and_si256(_mm256_srli_epi32(bits, 16), one)));
+    bits = _mm256_srli_epi32(bits, 16); /* 16-bit lanes: pack without saturating */
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits),
+                                            _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128((__m128i *)(out + i), packed);
+  }
+#endif
+  for (; i < inner; i++)
+    out[i] = to_bf16(bf16_value(silu[gate[i]]) * bf16_value(up[i]));
 }
 
-/* How a layer's SwiGLU activation is computed in C (kvlab.models.fused_layer.Activation):
- * bf16, looked up in `table`; fp32, as torch's vectorized silu computes it,
+/* How a layer's SwiGLU activation is computed in C (kvlab.kernels.layer.activation's
+ * Activation): bf16, looked up in `table`; fp32, as torch's vectorized silu computes it,
  * g / (1 + exp(-g)) `width` floats at a time through `exp`, the vector exp torch's own
  * kernels call (Sleef's, taken from libtorch for the width torch runs at: 16 or 8). */
 typedef struct {
@@ -663,44 +660,40 @@ typedef struct {
   int64_t width;
 } Activation;
 
-/* activation (M, inner) = silu(gate) * up of fp32 gate_up (M, 2 inner), gate first, each
+/* out (inner,) = silu(gate) * up of one fp32 row gate_up (2 inner,), gate first, each
  * operation rounded as torch's silu and mul round it: the negation a sign flip, the sum,
  * quotient and product IEEE's. inner is a multiple of the width (no scalar tail: torch
  * would take std::exp there). A width this build has no vectors for is refused by
  * kvlab_activation_widths before a plan uses it. */
-static void swiglu_f32(const float *gate_up, const Activation *a, int64_t M, int64_t inner,
-                       float *activation) {
-  for (int64_t m = 0; m < M; m++) {
-    const float *gate = gate_up + m * 2 * inner, *up = gate + inner;
-    float *out = activation + m * inner;
+static void swiglu_f32(const float *gate_up, const Activation *a, int64_t inner, float *out) {
+  const float *gate = gate_up, *up = gate + inner;
 #if defined(__AVX512F__)
-    if (a->width == 16) {
-      __m512 (*vexp)(__m512) = (__m512(*)(__m512))a->exp;
-      const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
-      for (int64_t i = 0; i < inner; i += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + i);
-        const __m512 e = vexp(_mm512_castsi512_ps(
-            _mm512_xor_si512(_mm512_castps_si512(g), _mm512_castps_si512(sign))));
-        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
-      }
-      continue;
+  if (a->width == 16) {
+    __m512 (*vexp)(__m512) = (__m512(*)(__m512))a->exp;
+    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+    for (int64_t i = 0; i < inner; i += 16) {
+      const __m512 g = _mm512_loadu_ps(gate + i);
+      const __m512 e = vexp(_mm512_castsi512_ps(
+          _mm512_xor_si512(_mm512_castps_si512(g), _mm512_castps_si512(sign))));
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(silu, _mm512_loadu_ps(up + i)));
     }
+    return;
+  }
 #endif
 #if defined(__AVX2__)
-    if (a->width == 8) {
-      __m256 (*vexp)(__m256) = (__m256(*)(__m256))a->exp;
-      const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-      for (int64_t i = 0; i < inner; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, vexp(_mm256_xor_ps(g, sign))));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
-      }
-      continue;
+  if (a->width == 8) {
+    __m256 (*vexp)(__m256) = (__m256(*)(__m256))a->exp;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < inner; i += 8) {
+      const __m256 g = _mm256_loadu_ps(gate + i);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, vexp(_mm256_xor_ps(g, sign))));
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(up + i)));
     }
-#endif
-    (void)a, (void)gate, (void)up, (void)out;
+    return;
   }
+#endif
+  (void)a, (void)gate, (void)up, (void)out;
 }
 
 /* The vector widths (floats) swiglu_f32 runs in this build, as bits: 16 -> 2, 8 -> 1. */
@@ -732,9 +725,9 @@ void kvlab_swiglu(const void *gate_up, int bf16, int64_t M, int64_t inner, const
     const char *row = (const char *)gate_up + m * 2 * inner * item;
     char *out = (char *)activation + m * inner * item;
     if (bf16)
-      swiglu_bf16((const uint16_t *)row, a->table, 1, inner, (uint16_t *)out);
+      swiglu_bf16((const uint16_t *)row, a->table, inner, (uint16_t *)out);
     else
-      swiglu_f32((const float *)row, a, 1, inner, (float *)out);
+      swiglu_f32((const float *)row, a, inner, (float *)out);
   }
 }
 
